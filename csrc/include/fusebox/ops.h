@@ -1,0 +1,119 @@
+// The fusebox operators. Every function validates its views, then runs on the device the
+// views live on: CUDA views launch on `stream` (nothing is allocated, nothing synchronizes),
+// CPU views run the reference implementation (the stream is ignored).
+//
+// Numerics (all ops): inputs are widened to fp32, all arithmetic and reductions run in fp32,
+// each output is rounded once to its dtype. Intermediate tensors that the unfused model
+// would materialize (the residual sum) are rounded to their dtype before they are used, so
+// the fused op sees the same values the unfused chain would.
+//
+// Layout rules: every operand needs a unit stride in its last dimension; all other strides
+// are free (views into fused QKV projections, chunks of a modulation table, stride-0
+// broadcasts). Small operands (weight, bias, scale, shift, gate, cos, sin) may be fp32 or the
+// dtype of the main input; everything else shares the main input's dtype.
+#pragma once
+
+#include "fusebox/tensor.h"
+
+typedef struct CUstream_st* cudaStream_t;
+
+namespace fusebox {
+
+enum class NormType : int8_t {
+  kNone = 0,   // no normalization: only the (gated) residual sum is produced
+  kRMS = 1,    // x * rsqrt(mean(x^2) + eps)
+  kLayer = 2,  // (x - mean(x)) * rsqrt(var(x) + eps)
+};
+
+// One pass over rows of width D:
+//   h   = x + gate * branch            (when branch is given; gate defaults to 1)
+//   n   = norm(h) * (weight_offset + weight) + bias     (weight/bias optional, [D])
+//   out = n * (1 + scale) + shift       (scale/shift optional)
+// `residual_out` receives h (rounded to x's dtype) and is required when branch is given.
+// gate, scale and shift have x's shape, broadcast through stride-0 dimensions.
+// out may be x's dtype or fp32.
+struct NormArgs {
+  TensorView x;
+  TensorView branch;
+  TensorView gate;
+  TensorView weight;
+  TensorView bias;
+  TensorView scale;
+  TensorView shift;
+  TensorView out;
+  TensorView residual_out;
+  NormType norm = NormType::kRMS;
+  float eps = 1e-6f;
+  float weight_offset = 0.0f;
+};
+void norm(const NormArgs& args, cudaStream_t stream = nullptr);
+
+// Convenience forms of `norm` for C++ callers.
+void rms_norm(const TensorView& x, const TensorView& weight, const TensorView& out, float eps,
+              float weight_offset = 0.0f, cudaStream_t stream = nullptr);
+void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight,
+                        const TensorView& out, const TensorView& residual_out, float eps,
+                        float weight_offset = 0.0f, cudaStream_t stream = nullptr);
+void layer_norm(const TensorView& x, const TensorView& weight, const TensorView& bias,
+                const TensorView& out, float eps, cudaStream_t stream = nullptr);
+
+enum class RopeStyle : int8_t {
+  kHalfSplit = 0,    // pairs (i, i + R/2): Llama, Qwen, Mistral, Gemma ("rotate_half")
+  kInterleaved = 1,  // pairs (2i, 2i + 1): Flux, LTX-Video, Wan, HunyuanVideo
+};
+
+// Frequencies of a video grid computed in the kernel instead of read from a table.
+// Token s of a sequence maps to (f, h, w) = (s / (H*W), (s / W) % H, s % W) + offsets.
+// The rotary channels of a head are split in three sections of axes_dim[0..2] channels
+// (sum = rotary dims); in section a, pair j rotates by angle pos_a * theta^(-2j / axes_dim[a]).
+struct Rope3DGrid {
+  int64_t frames = 0, height = 0, width = 0;
+  int64_t axes_dim[3] = {0, 0, 0};
+  int64_t offsets[3] = {0, 0, 0};
+  float theta = 10000.0f;
+};
+
+// Rotary embedding of q and k in one launch, with an optional RMS normalization first.
+//   q: [B, S, Hq, D], k: [B, S, Hk, D] (any strides, unit last stride; k may be absent)
+//   cos, sin: [B, S, R] (stride-0 broadcast allowed), R = rotary dims (even, <= D);
+//             channels >= R pass through unrotated. Absent when `grid` is used.
+//   For LTX-style tables that differ per head, view q as one head of width Hq*D.
+// Norm (when norm != kNone, RMS only): per head over D channels, or across all heads of a
+// token (norm_across_heads); q_weight/k_weight are [D] or [H*D] respectively, optional.
+// The rotation uses each channel's own table entry: out[i] = x[i]*cos[i] - x[p]*sin[i] for the
+// first element of a pair and out[p] = x[p]*cos[p] + x[i]*sin[p] for the second, as the
+// reference implementations in transformers and diffusers compute it.
+struct RopeArgs {
+  TensorView q, k;
+  TensorView q_out, k_out;
+  TensorView cos, sin;
+  RopeStyle style = RopeStyle::kHalfSplit;
+  bool use_grid = false;
+  Rope3DGrid grid;
+  NormType norm = NormType::kNone;
+  bool norm_across_heads = false;
+  TensorView q_weight, k_weight;
+  float eps = 1e-6f;
+  float weight_offset = 0.0f;
+};
+void rope(const RopeArgs& args, cudaStream_t stream = nullptr);
+
+enum class Activation : int8_t { kSiLU = 0, kGeluTanh = 1, kGelu = 2 };
+
+// out = act(gate) * up. gate/up/out: [..., N].
+void gated_activation(const TensorView& gate, const TensorView& up, const TensorView& out,
+                      Activation act, cudaStream_t stream = nullptr);
+
+// out = act(x + bias). x/out: [..., N]; bias optional [N].
+void activation(const TensorView& x, const TensorView& bias, const TensorView& out, Activation act,
+                cudaStream_t stream = nullptr);
+
+// Properties of the current CUDA device that launch heuristics use.
+struct DeviceInfo {
+  int sm_count = 0;
+  int major = 0, minor = 0;
+  int max_threads_per_sm = 0;
+};
+const DeviceInfo& current_device_info();
+
+}  // namespace fusebox

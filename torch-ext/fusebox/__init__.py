@@ -1,0 +1,58 @@
+"""fusebox: fused CUDA kernels for the memory-bound layers of transformers and diffusers
+models, as PyTorch operators (eager and torch.compile)."""
+
+from . import _fake  # noqa: F401  (registers the fake implementations)
+from ._ops import LIBRARY_PATH, ops
+from .functional import (
+    activation,
+    adaln,
+    adaln_layernorm,
+    adaln_rmsnorm,
+    adaln_zero,
+    fused_add_rms_norm,
+    gated_activation,
+    gated_activation_packed,
+    gated_residual,
+    gated_residual_norm,
+    geglu,
+    gelu_tanh,
+    layer_norm,
+    qk_norm_rope,
+    rms_norm,
+    rmsnorm,
+    rmsnorm_residual,
+    rope,
+    rope_1d,
+    rope_3d,
+    silu_and_mul,
+    swiglu,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LIBRARY_PATH",
+    "activation",
+    "adaln",
+    "adaln_layernorm",
+    "adaln_rmsnorm",
+    "adaln_zero",
+    "fused_add_rms_norm",
+    "gated_activation",
+    "gated_activation_packed",
+    "gated_residual",
+    "gated_residual_norm",
+    "geglu",
+    "gelu_tanh",
+    "layer_norm",
+    "ops",
+    "qk_norm_rope",
+    "rms_norm",
+    "rmsnorm",
+    "rmsnorm_residual",
+    "rope",
+    "rope_1d",
+    "rope_3d",
+    "silu_and_mul",
+    "swiglu",
+]

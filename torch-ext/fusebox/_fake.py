@@ -1,0 +1,58 @@
+"""Shape-only (fake) implementations, so torch.compile and FakeTensor tracing can run the
+operators without data. Each mirrors the output allocation of the C++ implementation."""
+
+import torch
+from torch.library import register_fake
+
+
+def _like(x, dtype=None):
+    return x.new_empty(x.shape, dtype=dtype if dtype is not None else x.dtype)
+
+
+@register_fake("fusebox::rms_norm")
+def _rms_norm(x, weight, eps, weight_offset, out_dtype):
+    return _like(x, out_dtype)
+
+
+@register_fake("fusebox::layer_norm")
+def _layer_norm(x, weight, bias, eps, out_dtype):
+    return _like(x, out_dtype)
+
+
+@register_fake("fusebox::fused_add_rms_norm")
+def _fused_add_rms_norm(x, residual, weight, eps, weight_offset):
+    return _like(x), _like(x)
+
+
+@register_fake("fusebox::fused_norm")
+def _fused_norm(x, branch, gate, scale, shift, weight, bias, norm_type, eps, weight_offset,
+                out_dtype):
+    h = _like(x) if branch is not None else x.new_empty((0,))
+    return _like(x, out_dtype), h
+
+
+@register_fake("fusebox::gated_residual")
+def _gated_residual(x, branch, gate):
+    return _like(x)
+
+
+@register_fake("fusebox::rotary")
+def _rotary(q, k, cos, sin, grid, axes_dim, theta, offsets, norm, across_heads, q_weight,
+            k_weight, eps, weight_offset, interleaved, heads_first):
+    return _like(q), (_like(k) if k is not None else q.new_empty((0,)))
+
+
+@register_fake("fusebox::gated_act")
+def _gated_act(gate, up, act):
+    return _like(gate)
+
+
+@register_fake("fusebox::gated_act_packed")
+def _gated_act_packed(x, act, gate_first):
+    torch._check(x.shape[-1] % 2 == 0, lambda: "fusebox: x's last dimension must be even")
+    return x.new_empty((*x.shape[:-1], x.shape[-1] // 2))
+
+
+@register_fake("fusebox::act")
+def _act(x, bias, act):
+    return _like(x)

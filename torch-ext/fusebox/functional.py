@@ -1,0 +1,310 @@
+"""Public functional API of fusebox.
+
+Every function here calls one registered operator (``torch.ops.fusebox.*``), so it runs in
+eager mode, traces into ``torch.compile(fullgraph=True)`` graphs without breaks, and works
+on CPU (reference implementation) and CUDA tensors alike.
+
+Numerics: inputs are widened to fp32, everything is computed in fp32 and each output is
+rounded once. Small operands (weights, biases, scale/shift/gate, cos/sin tables) may be fp32
+or the input's dtype. Strided views (last dimension contiguous) are read in place, never
+copied.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from ._ops import ops
+
+Tensor = torch.Tensor
+
+_ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
+_NORMS = ("rms", "layer")
+
+
+def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"fusebox: {name} must be one of {list(choices)}; got {value!r}")
+
+
+# --------------------------------------------------------------------------- normalization
+
+
+def rms_norm(
+    x: Tensor,
+    weight: Optional[Tensor] = None,
+    eps: float = 1e-6,
+    weight_offset: float = 0.0,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tensor:
+    """``x * rsqrt(mean(x**2, -1) + eps) * (weight_offset + weight)``.
+
+    ``weight`` is optional ([D]); ``weight_offset=1`` gives Gemma's ``(1 + w)``.
+    ``out_dtype`` (default: x's dtype) may be ``torch.float32``, as diffusers' RMSNorm
+    returns when its weight is fp32.
+    """
+    return ops.rms_norm(x, weight, float(eps), float(weight_offset), out_dtype)
+
+
+def fused_add_rms_norm(
+    x: Tensor,
+    residual: Tensor,
+    weight: Optional[Tensor] = None,
+    eps: float = 1e-6,
+    weight_offset: float = 0.0,
+) -> Tuple[Tensor, Tensor]:
+    """``h = x + residual`` (rounded to x's dtype, as transformers does), then
+    ``rms_norm(h)``. Returns ``(normed, h)``."""
+    return ops.fused_add_rms_norm(x, residual, weight, float(eps), float(weight_offset))
+
+
+def layer_norm(
+    x: Tensor,
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    eps: float = 1e-5,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tensor:
+    """``(x - mean) * rsqrt(var + eps) * weight + bias`` with fp32 statistics and math.
+
+    This is also the semantics of diffusers' ``FP32LayerNorm`` (fp32 math, output in the
+    input dtype), whatever the dtype of the weight and bias."""
+    return ops.layer_norm(x, weight, bias, float(eps), out_dtype)
+
+
+def adaln(
+    x: Tensor,
+    scale: Tensor,
+    shift: Optional[Tensor] = None,
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    norm_type: str = "layer",
+    eps: float = 1e-6,
+    weight_offset: float = 0.0,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tensor:
+    """AdaLN modulation: ``norm(x) * (1 + scale) + shift``.
+
+    ``norm_type`` is ``"layer"`` or ``"rms"``. ``scale``/``shift`` broadcast against x:
+    ``[B, 1, D]`` per sample, ``[B, S, D]`` per token, or any strided view (a chunk of a
+    ``[B, 6, D]`` modulation table) without copies."""
+    _check_choice("norm_type", norm_type, _NORMS)
+    out, _ = ops.fused_norm(
+        x, None, None, scale, shift, weight, bias, norm_type, float(eps), float(weight_offset),
+        out_dtype,
+    )
+    return out
+
+
+def gated_residual(x: Tensor, branch: Tensor, gate: Optional[Tensor] = None) -> Tensor:
+    """``x + gate * branch`` (AdaLN-Zero's gated residual); ``gate`` broadcasts like
+    ``scale`` in :func:`adaln` and may be fp32 (Wan) or x's dtype."""
+    return ops.gated_residual(x, branch, gate)
+
+
+def gated_residual_norm(
+    x: Tensor,
+    branch: Tensor,
+    gate: Optional[Tensor] = None,
+    scale: Optional[Tensor] = None,
+    shift: Optional[Tensor] = None,
+    weight: Optional[Tensor] = None,
+    bias: Optional[Tensor] = None,
+    norm_type: str = "layer",
+    eps: float = 1e-6,
+    weight_offset: float = 0.0,
+    out_dtype: Optional[torch.dtype] = None,
+) -> Tuple[Tensor, Tensor]:
+    """The DiT block boundary in one pass: ``h = x + gate * branch`` then
+    ``out = norm(h) * (1 + scale) + shift``. Returns ``(out, h)``; ``h`` is the new
+    residual stream (x's dtype)."""
+    _check_choice("norm_type", norm_type, _NORMS)
+    return ops.fused_norm(
+        x, branch, gate, scale, shift, weight, bias, norm_type, float(eps),
+        float(weight_offset), out_dtype,
+    )
+
+
+# --------------------------------------------------------------------------- rotary
+
+
+def _rotary(
+    q, k, cos, sin, grid, axes_dim, theta, offsets, norm, across_heads, q_weight, k_weight,
+    eps, weight_offset, interleaved, heads_first,
+):
+    q_out, k_out = ops.rotary(
+        q, k, cos, sin, grid, axes_dim, float(theta), offsets, norm, bool(across_heads),
+        q_weight, k_weight, float(eps), float(weight_offset), bool(interleaved),
+        bool(heads_first),
+    )
+    return q_out, (k_out if k is not None else None)
+
+
+def rope(
+    q: Tensor,
+    k: Optional[Tensor],
+    cos: Tensor,
+    sin: Tensor,
+    interleaved: bool = False,
+    heads_first: bool = False,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """Rotary embedding of q and k in one launch.
+
+    Layouts: ``[B, S, H, D]`` (default), ``[B, H, S, D]`` with ``heads_first=True``, or a
+    flat ``[B, S, W]`` (one "head" of width W, as LTX-Video applies it). k may have a
+    different head count (GQA) or be None.
+
+    ``cos``/``sin``: ``[S, R]``, ``[B, S, R]``, or 4-D in q's layout with a size-1 head dim
+    (``[B, 1, S, R]`` as transformers unsqueezes them). ``R <= D``: channels past R pass
+    through (partial rotary).
+
+    ``interleaved=False`` rotates pairs ``(i, i + R/2)`` (transformers ``rotate_half``);
+    ``interleaved=True`` rotates ``(2i, 2i + 1)`` (diffusers ``apply_rotary_emb``).
+    """
+    return _rotary(q, k, cos, sin, None, None, 0.0, None, "none", False, None, None, 0.0, 0.0,
+                   interleaved, heads_first)
+
+
+def rope_3d(
+    q: Tensor,
+    k: Optional[Tensor],
+    num_frames: int,
+    height: int,
+    width: int,
+    axes_dim: Optional[Sequence[int]] = None,
+    theta: float = 10000.0,
+    offsets: Sequence[int] = (0, 0, 0),
+    interleaved: bool = True,
+    heads_first: bool = False,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """3-D video rotary embedding with the frequencies computed in the kernel (no table).
+
+    Tokens are ordered frame-major: token s sits at ``(s // (H*W), (s // W) % H, s % W)``
+    plus ``offsets``. Head channels split into ``axes_dim`` sections (default: Wan's split,
+    ``d - 2*2*(d//6)`` for time and ``2*(d//6)`` each for height and width); in section a,
+    pair j turns by ``pos_a * theta ** (-2j / axes_dim[a])``."""
+    d = q.shape[-1]
+    if axes_dim is None:
+        hw = 2 * (d // 6)
+        axes_dim = (d - 2 * hw, hw, hw)
+    return _rotary(q, k, None, None, [int(num_frames), int(height), int(width)],
+                   [int(a) for a in axes_dim], theta, [int(o) for o in offsets], "none", False,
+                   None, None, 0.0, 0.0, interleaved, heads_first)
+
+
+def qk_norm_rope(
+    q: Tensor,
+    k: Optional[Tensor],
+    q_weight: Optional[Tensor],
+    k_weight: Optional[Tensor],
+    cos: Tensor,
+    sin: Tensor,
+    eps: float = 1e-6,
+    across_heads: bool = False,
+    interleaved: bool = False,
+    heads_first: bool = False,
+    weight_offset: float = 0.0,
+) -> Tuple[Tensor, Optional[Tensor]]:
+    """RMSNorm of q and k followed by rotary embedding, both tensors in one launch.
+
+    ``across_heads=False``: one norm per head over D channels (Qwen3, Gemma3, Flux,
+    HunyuanVideo), weights ``[D]``. ``across_heads=True``: one norm over all heads of a token
+    (LTX-Video, Wan), weights ``[H * D]``. Other arguments as in :func:`rope`."""
+    return _rotary(q, k, cos, sin, None, None, 0.0, None, "rms", across_heads, q_weight,
+                   k_weight, eps, weight_offset, interleaved, heads_first)
+
+
+# --------------------------------------------------------------------------- activations
+
+
+def gated_activation(gate: Tensor, up: Tensor, activation: str = "silu") -> Tensor:
+    """``act(gate) * up`` for separate gate/up tensors (Llama's gate_proj/up_proj).
+    ``activation`` is ``"silu"``, ``"gelu_tanh"`` or ``"gelu"`` (erf)."""
+    _check_choice("activation", activation, _ACTIVATIONS)
+    return ops.gated_act(gate, up, activation)
+
+
+def gated_activation_packed(x: Tensor, activation: str = "silu", gate_first: bool = True) -> Tensor:
+    """``act(gate) * up`` with gate and up packed in the last dimension of one tensor
+    ``[..., 2N]``. ``gate_first=True`` is vLLM's layout (gate = first half);
+    diffusers' GEGLU/SwiGLU put the gate second (``gate_first=False``)."""
+    _check_choice("activation", activation, _ACTIVATIONS)
+    return ops.gated_act_packed(x, activation, bool(gate_first))
+
+
+def activation(x: Tensor, bias: Optional[Tensor] = None, activation: str = "gelu_tanh") -> Tensor:
+    """``act(x + bias)``; ``bias`` optional ``[N]``."""
+    _check_choice("activation", activation, _ACTIVATIONS)
+    return ops.act(x, bias, activation)
+
+
+def gelu_tanh(x: Tensor, bias: Optional[Tensor] = None) -> Tensor:
+    """``gelu(x + bias, approximate="tanh")``: the LTX-Video/Flux/Wan FFN activation."""
+    return ops.act(x, bias, "gelu_tanh")
+
+
+def silu_and_mul(x: Tensor) -> Tensor:
+    """vLLM's ``silu_and_mul``: ``silu(x[..., :N]) * x[..., N:]``."""
+    return ops.gated_act_packed(x, "silu", True)
+
+
+def swiglu(gate: Tensor, up: Optional[Tensor] = None) -> Tensor:
+    """``silu(gate) * up``. With ``up=None``, ``gate`` is a packed ``[..., 2N]`` tensor whose
+    second half is the gate (diffusers ``SwiGLU`` layout)."""
+    if up is None:
+        return ops.gated_act_packed(gate, "silu", False)
+    return ops.gated_act(gate, up, "silu")
+
+
+def geglu(gate: Tensor, up: Optional[Tensor] = None, approximate: str = "tanh") -> Tensor:
+    """``gelu(gate) * up`` (``approximate="tanh"`` or ``"none"``). With ``up=None``,
+    ``gate`` is packed ``[..., 2N]`` with the gate second (diffusers ``GEGLU`` layout, which
+    uses ``approximate="none"``)."""
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"fusebox: approximate must be 'tanh' or 'none'; got {approximate!r}")
+    act = "gelu_tanh" if approximate == "tanh" else "gelu"
+    if up is None:
+        return ops.gated_act_packed(gate, act, False)
+    return ops.gated_act(gate, up, act)
+
+
+# --------------------------------------------------------------------------- seed-compatible names
+
+
+def rmsnorm(x: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6) -> Tensor:
+    """Alias of :func:`rms_norm`."""
+    return rms_norm(x, weight, eps)
+
+
+def rmsnorm_residual(
+    x: Tensor, residual: Tensor, weight: Optional[Tensor] = None, eps: float = 1e-6
+) -> Tuple[Tensor, Tensor]:
+    """Alias of :func:`fused_add_rms_norm`: returns ``(normed, x + residual)``."""
+    return fused_add_rms_norm(x, residual, weight, eps)
+
+
+def rope_1d(q, k, cos, sin, interleaved: bool = False, heads_first: bool = False):
+    """Alias of :func:`rope`."""
+    return rope(q, k, cos, sin, interleaved=interleaved, heads_first=heads_first)
+
+
+def adaln_rmsnorm(x, scale, shift=None, weight=None, eps: float = 1e-6):
+    """``rms_norm(x, weight) * (1 + scale) + shift``."""
+    return adaln(x, scale, shift, weight, None, "rms", eps)
+
+
+def adaln_layernorm(x, scale, shift=None, weight=None, bias=None, eps: float = 1e-6):
+    """``layer_norm(x, weight, bias) * (1 + scale) + shift``."""
+    return adaln(x, scale, shift, weight, bias, "layer", eps)
+
+
+def adaln_zero(x, branch, gate, scale=None, shift=None, norm_type: str = "layer",
+               eps: float = 1e-6, weight=None, bias=None):
+    """AdaLN-Zero residual: ``h = x + gate * branch``. With ``scale`` given, also returns the
+    next block input ``norm(h) * (1 + scale) + shift`` as ``(h, out)``."""
+    if scale is None and shift is None:
+        return gated_residual(x, branch, gate)
+    out, h = gated_residual_norm(x, branch, gate, scale, shift, weight, bias, norm_type, eps)
+    return h, out
