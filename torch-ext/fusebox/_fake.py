@@ -4,6 +4,8 @@ operators without data. Each mirrors the output allocation of the C++ implementa
 import torch
 from torch.library import register_fake
 
+from . import _ops  # noqa: F401  (loads the operator library first)
+
 
 def _like(x, dtype=None):
     return x.new_empty(x.shape, dtype=dtype if dtype is not None else x.dtype)

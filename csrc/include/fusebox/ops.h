@@ -108,12 +108,4 @@ void gated_activation(const TensorView& gate, const TensorView& up, const Tensor
 void activation(const TensorView& x, const TensorView& bias, const TensorView& out, Activation act,
                 cudaStream_t stream = nullptr);
 
-// Properties of the current CUDA device that launch heuristics use.
-struct DeviceInfo {
-  int sm_count = 0;
-  int major = 0, minor = 0;
-  int max_threads_per_sm = 0;
-};
-const DeviceInfo& current_device_info();
-
 }  // namespace fusebox

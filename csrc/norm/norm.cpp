@@ -1,0 +1,121 @@
+// Entry point of the norm family: checks every operand, merges row layouts, picks the
+// vector width and hands off to the CPU reference or the CUDA kernel.
+#include <cmath>
+
+#include "common/layout.h"
+#include "norm/norm_impl.h"
+
+namespace fusebox {
+
+using detail::check_param_dtype;
+using detail::check_same_shape;
+using detail::check_unit_last_stride;
+
+namespace {
+
+void check_row_operand(const TensorView& t, const char* name, const TensorView& x, bool param) {
+  if (!t.defined()) return;
+  check_same_shape(t, name, x, "x");
+  check_unit_last_stride(t, name);
+  if (param)
+    check_param_dtype(t, name, x.dtype);
+  else
+    detail::check_dtype_is(t, name, x.dtype, "the dtype of x");
+}
+
+}  // namespace
+
+void norm(const NormArgs& a, cudaStream_t stream) {
+  FUSEBOX_CHECK(a.x.defined() && a.x.ndim >= 1, "x must be a tensor of at least 1 dimension");
+  check_unit_last_stride(a.x, "x");
+  const int64_t width = a.x.shape[a.x.ndim - 1];
+  FUSEBOX_CHECK(width < (int64_t(1) << 31), "x's last dimension must be < 2^31; got ", width);
+  FUSEBOX_CHECK(std::isfinite(a.eps) && a.eps >= 0.f, "eps must be finite and >= 0; got ", a.eps);
+
+  const bool normalizes = a.norm != NormType::kNone;
+  if (normalizes) {
+    FUSEBOX_CHECK(a.out.defined(), "out is required");
+    check_same_shape(a.out, "out", a.x, "x");
+    check_unit_last_stride(a.out, "out");
+    FUSEBOX_CHECK(a.out.dtype == a.x.dtype || a.out.dtype == DType::kFloat32,
+                  "out must be ", dtype_name(a.x.dtype), " (x's dtype) or float32; got ",
+                  dtype_name(a.out.dtype));
+  } else {
+    FUSEBOX_CHECK(a.branch.defined(), "branch is required when norm is none");
+    FUSEBOX_CHECK(!a.out.defined() && !a.weight.defined() && !a.bias.defined() &&
+                      !a.scale.defined() && !a.shift.defined(),
+                  "out, weight, bias, scale and shift must be absent when norm is none");
+  }
+  check_row_operand(a.branch, "branch", a.x, false);
+  if (a.branch.defined()) {
+    FUSEBOX_CHECK(a.residual_out.defined(), "residual_out is required when branch is given");
+  } else {
+    FUSEBOX_CHECK(!a.gate.defined(), "gate needs branch (h = x + gate * branch)");
+    FUSEBOX_CHECK(!a.residual_out.defined(), "residual_out is only written when branch is given");
+  }
+  check_row_operand(a.residual_out, "residual_out", a.x, false);
+  check_row_operand(a.gate, "gate", a.x, true);
+  check_row_operand(a.scale, "scale", a.x, true);
+  check_row_operand(a.shift, "shift", a.x, true);
+  if (a.weight.defined()) detail::check_vector(a.weight, "weight", width, "x's last dimension", a.x.dtype);
+  if (a.bias.defined()) detail::check_vector(a.bias, "bias", width, "x's last dimension", a.x.dtype);
+  detail::check_same_device({{&a.x, "x"}, {&a.branch, "branch"}, {&a.gate, "gate"},
+                             {&a.weight, "weight"}, {&a.bias, "bias"}, {&a.scale, "scale"},
+                             {&a.shift, "shift"}, {&a.out, "out"}, {&a.residual_out, "residual_out"}});
+
+  const TensorView* rows[] = {&a.x, &a.branch, &a.gate, &a.scale, &a.shift, &a.out, &a.residual_out};
+  detail::RowStrides rs[7];
+  const detail::RowLayout layout = detail::merge_rows(a.x, rows, 7, rs);
+  const NormStrides strides{rs[0], rs[1], rs[2], rs[3], rs[4], rs[5], rs[6]};
+
+  if (a.x.device == Device::kCPU) {
+    cpu::norm_cpu(a, layout, strides);
+    return;
+  }
+  const TensorView* all[] = {&a.x, &a.branch, &a.gate, &a.scale, &a.shift, &a.out, &a.residual_out,
+                             &a.weight, &a.bias};
+  detail::RowStrides all_strides[9] = {rs[0], rs[1], rs[2], rs[3], rs[4], rs[5], rs[6], {}, {}};
+  const int vec = detail::pick_vector_width(a.x.dtype, width, all, 9, all_strides);
+  cuda::norm_cuda(a, layout, strides, vec, stream);
+}
+
+void rms_norm(const TensorView& x, const TensorView& weight, const TensorView& out, float eps,
+              float weight_offset, cudaStream_t stream) {
+  NormArgs a;
+  a.x = x;
+  a.weight = weight;
+  a.out = out;
+  a.norm = NormType::kRMS;
+  a.eps = eps;
+  a.weight_offset = weight_offset;
+  norm(a, stream);
+}
+
+void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight,
+                        const TensorView& out, const TensorView& residual_out, float eps,
+                        float weight_offset, cudaStream_t stream) {
+  NormArgs a;
+  a.x = x;
+  a.branch = residual;
+  a.weight = weight;
+  a.out = out;
+  a.residual_out = residual_out;
+  a.norm = NormType::kRMS;
+  a.eps = eps;
+  a.weight_offset = weight_offset;
+  norm(a, stream);
+}
+
+void layer_norm(const TensorView& x, const TensorView& weight, const TensorView& bias,
+                const TensorView& out, float eps, cudaStream_t stream) {
+  NormArgs a;
+  a.x = x;
+  a.weight = weight;
+  a.bias = bias;
+  a.out = out;
+  a.norm = NormType::kLayer;
+  a.eps = eps;
+  norm(a, stream);
+}
+
+}  // namespace fusebox

@@ -1,0 +1,562 @@
+"""Normalization family: rms_norm, fused_add_rms_norm, layer_norm, adaln, gated_residual,
+gated_residual_norm, their seed aliases, and agreement with transformers/diffusers modules."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fusebox
+import reference as ref
+from helpers import (
+    BF16, DTYPE_CASES, DTYPES, F16, F32, LAYOUTS, MOD_KINDS, ODD_ROWS, WIDTHS, assert_close,
+    big_rows, call, make_input, modulation, randn, small, weight,
+)
+
+NORM_TYPES = ["rms", "layer"]
+AFFINE = ["none", "weight", "weight_bias", "bias"]
+
+
+def affine_params(gen, kind, d, dtype, device):
+    w = weight(gen, d, dtype, device) if kind in ("weight", "weight_bias") else None
+    b = small(gen, (d,), dtype, device) if kind in ("weight_bias", "bias") else None
+    return w, b
+
+
+# --------------------------------------------------------------------------- rms_norm
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("rows", ODD_ROWS)
+@pytest.mark.parametrize("with_weight", [True, False], ids=["weight", "noweight"])
+def test_rms_norm(device, gen, dtypes, width, rows, with_weight):
+    xd, pd = dtypes
+    x = randn(gen, (rows, width), xd, device)
+    w = weight(gen, width, pd, device) if with_weight else None
+    out = call(fusebox.rms_norm, x, w, eps=1e-6)
+    assert_close(out, ref.rms_norm(x, w, 1e-6), xd)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("width", [7, 769, 4096])
+def test_rms_norm_layouts(device, gen, dtypes, layout, width):
+    xd, pd = dtypes
+    x = make_input(gen, layout, (3, 5, width), xd, device)
+    w = weight(gen, width, pd, device)
+    assert_close(call(fusebox.rms_norm, x, w), ref.rms_norm(x, w), xd)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+def test_rms_norm_gemma_weight_offset(device, gen, dtypes):
+    xd, pd = dtypes
+    x = randn(gen, (17, 640), xd, device)
+    w = small(gen, (640,), pd, device)  # Gemma stores w around 0 and scales by (1 + w)
+    out = call(fusebox.rms_norm, x, w, eps=1e-6, weight_offset=1.0)
+    assert_close(out, ref.rms_norm(x, w, 1e-6, weight_offset=1.0), xd)
+
+
+@pytest.mark.parametrize("xd", [F16, BF16, F32])
+@pytest.mark.parametrize("pd", [F32, "x"])
+def test_rms_norm_out_dtype_float32(device, gen, xd, pd):
+    pd = xd if pd == "x" else pd
+    x = randn(gen, (5, 1000), xd, device)
+    w = weight(gen, 1000, pd, device)
+    out = call(fusebox.rms_norm, x, w, out_dtype=torch.float32)
+    assert_close(out, ref.rms_norm(x, w), F32)
+    same = call(fusebox.rms_norm, x, w, out_dtype=xd)
+    assert_close(same, ref.rms_norm(x, w), xd)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_eps(device, gen, dtype):
+    # mean(x^2) ~ 1e-6: the result depends strongly on eps, so a wrong or ignored eps fails.
+    x = make_input(gen, "contiguous", (9, 300), dtype, device, scale=1e-3)
+    w = weight(gen, 300, dtype, device)
+    assert_close(call(fusebox.rms_norm, x, w), ref.rms_norm(x, w, 1e-6), dtype)  # default
+    assert_close(call(fusebox.rms_norm, x, w, eps=1e-4), ref.rms_norm(x, w, 1e-4), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(0, 64), (2, 0, 64)])
+def test_rms_norm_empty(device, gen, dtype, shape):
+    x = torch.empty(shape, dtype=dtype, device=device)
+    w = weight(gen, 64, dtype, device)
+    out = call(fusebox.rms_norm, x, w)
+    assert out.shape == x.shape and out.dtype == dtype and out.device == x.device
+    out = call(fusebox.rms_norm, x, w, out_dtype=torch.float32)
+    assert out.shape == x.shape and out.dtype == F32
+
+
+@pytest.mark.large
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("width", [5125, 16384])
+def test_rms_norm_large(device, gen, dtypes, width):
+    xd, pd = dtypes
+    x = randn(gen, (big_rows(device), width), xd, device)
+    w = weight(gen, width, pd, device)
+    assert_close(call(fusebox.rms_norm, x, w), ref.rms_norm(x, w), xd)
+
+
+# --------------------------------------------------------------------------- fused_add_rms_norm
+
+
+def check_fused_add(x, res, w, eps=1e-6, weight_offset=0.0):
+    normed, h = call(fusebox.fused_add_rms_norm, x, res, w, eps=eps, weight_offset=weight_offset)
+    ref_normed, ref_h = ref.fused_add_rms_norm(x, res, w, eps, weight_offset)
+    assert_close(h, ref_h, x.dtype, name="h")
+    assert_close(normed, ref_normed, x.dtype, name="normed")
+    # h is x + residual computed in fp32 and rounded once, exactly what torch's add gives.
+    assert torch.equal(h, x + res), "h differs from x + residual"
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("rows", ODD_ROWS)
+@pytest.mark.parametrize("with_weight", [True, False], ids=["weight", "noweight"])
+def test_fused_add_rms_norm(device, gen, dtypes, width, rows, with_weight):
+    xd, pd = dtypes
+    x = randn(gen, (rows, width), xd, device)
+    res = randn(gen, (rows, width), xd, device, scale=4.0)
+    w = weight(gen, width, pd, device) if with_weight else None
+    check_fused_add(x, res, w)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("x_layout", LAYOUTS)
+@pytest.mark.parametrize("res_layout", LAYOUTS)
+def test_fused_add_rms_norm_layouts(device, gen, dtypes, x_layout, res_layout):
+    xd, pd = dtypes
+    x = make_input(gen, x_layout, (3, 5, 777), xd, device)
+    res = make_input(gen, res_layout, (3, 5, 777), xd, device)
+    check_fused_add(x, res, weight(gen, 777, pd, device))
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+def test_fused_add_rms_norm_gemma(device, gen, dtypes):
+    xd, pd = dtypes
+    x, res = randn(gen, (17, 512), xd, device), randn(gen, (17, 512), xd, device)
+    check_fused_add(x, res, small(gen, (512,), pd, device), eps=1e-5, weight_offset=1.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_fused_add_rms_norm_empty(device, gen, dtype):
+    x = torch.empty((0, 96), dtype=dtype, device=device)
+    normed, h = call(fusebox.fused_add_rms_norm, x, torch.empty_like(x), weight(gen, 96, dtype, device))
+    for t in (normed, h):
+        assert t.shape == (0, 96) and t.dtype == dtype
+
+
+@pytest.mark.large
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+def test_fused_add_rms_norm_large(device, gen, dtypes):
+    xd, pd = dtypes
+    shape = (big_rows(device), 16384)
+    check_fused_add(randn(gen, shape, xd, device), randn(gen, shape, xd, device),
+                    weight(gen, 16384, pd, device))
+
+
+# --------------------------------------------------------------------------- layer_norm
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("rows", ODD_ROWS)
+@pytest.mark.parametrize("affine", AFFINE)
+def test_layer_norm(device, gen, dtypes, width, rows, affine):
+    xd, pd = dtypes
+    x = randn(gen, (rows, width), xd, device, scale=2.0, offset=0.5)
+    w, b = affine_params(gen, affine, width, pd, device)
+    out = call(fusebox.layer_norm, x, w, b, eps=1e-5)
+    if width == 1 and affine in ("none", "weight"):
+        # A width-1 row normalizes to exactly 0 (x - mean == 0): no relative error to take.
+        assert out.shape == x.shape and out.dtype == xd and torch.isfinite(out).all()
+        assert (out == 0).all()
+        return
+    assert_close(out, ref.layer_norm(x, w, b, 1e-5), xd)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("width", [7, 769, 4096])
+def test_layer_norm_layouts(device, gen, dtypes, layout, width):
+    xd, pd = dtypes
+    x = make_input(gen, layout, (3, 5, width), xd, device)
+    w, b = affine_params(gen, "weight_bias", width, pd, device)
+    assert_close(call(fusebox.layer_norm, x, w, b), ref.layer_norm(x, w, b, 1e-5), xd)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_eps(device, gen, dtype):
+    # var(x) ~ 1e-5: the default eps (1e-5, unlike the 1e-6 of the rms ops) matters.
+    x = make_input(gen, "contiguous", (9, 300), dtype, device, scale=3e-3)
+    assert_close(call(fusebox.layer_norm, x), ref.layer_norm(x, eps=1e-5), dtype)
+    assert_close(call(fusebox.layer_norm, x, eps=1e-3), ref.layer_norm(x, eps=1e-3), dtype)
+
+
+def test_layer_norm_offset_mean_fp32(device, gen):
+    # Rows with mean 8 and std 1: the variance must not be computed as E[x^2] - E[x]^2, which
+    # cancels in fp32 (rel ~4e-5 here); a two-pass or Welford variance stays near 4e-6 even
+    # with serial fp32 sums.
+    x = randn(gen, (7, 1024), F32, device, offset=8.0)
+    w, b = affine_params(gen, "weight_bias", 1024, F32, device)
+    assert_close(call(fusebox.layer_norm, x, w, b), ref.layer_norm(x, w, b, 1e-5), F32)
+
+
+@pytest.mark.parametrize("xd", [F16, BF16])
+def test_layer_norm_out_dtype_float32(device, gen, xd):
+    x = randn(gen, (5, 1000), xd, device)
+    w, b = affine_params(gen, "weight_bias", 1000, xd, device)
+    out = call(fusebox.layer_norm, x, w, b, out_dtype=torch.float32)
+    assert_close(out, ref.layer_norm(x, w, b), F32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_layer_norm_empty(device, gen, dtype):
+    x = torch.empty((2, 0, 48), dtype=dtype, device=device)
+    w, b = affine_params(gen, "weight_bias", 48, dtype, device)
+    out = call(fusebox.layer_norm, x, w, b)
+    assert out.shape == x.shape and out.dtype == dtype
+
+
+@pytest.mark.large
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+def test_layer_norm_large(device, gen, dtypes):
+    xd, pd = dtypes
+    x = randn(gen, (big_rows(device), 16384), xd, device)
+    w, b = affine_params(gen, "weight_bias", 16384, pd, device)
+    assert_close(call(fusebox.layer_norm, x, w, b), ref.layer_norm(x, w, b), xd)
+
+
+# --------------------------------------------------------------------------- adaln
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.parametrize("kind", MOD_KINDS)
+@pytest.mark.parametrize("with_shift", [True, False], ids=["shift", "noshift"])
+@pytest.mark.parametrize("width", [7, 769])
+def test_adaln(device, gen, dtypes, norm_type, kind, with_shift, width):
+    xd, pd = dtypes
+    shape = (2, 5, width)
+    x = randn(gen, shape, xd, device)
+    scale, shift = modulation(gen, kind, shape, 2, pd, device)
+    shift = shift if with_shift else None
+    out = call(fusebox.adaln, x, scale, shift, norm_type=norm_type, eps=1e-6)
+    assert_close(out, ref.modulate(ref.norm(norm_type, x, eps=1e-6), scale, shift), xd)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.parametrize("affine", AFFINE)
+@pytest.mark.parametrize("weight_offset", [0.0, 1.0])
+def test_adaln_affine(device, gen, dtypes, norm_type, affine, weight_offset):
+    xd, pd = dtypes
+    shape = (3, 7, 640)
+    x = randn(gen, shape, xd, device)
+    w, b = affine_params(gen, affine, 640, pd, device)
+    scale, shift = modulation(gen, "sample_chunk", shape, 2, pd, device)
+    out = call(fusebox.adaln, x, scale, shift, w, b, norm_type=norm_type, eps=1e-5,
+               weight_offset=weight_offset)
+    expect = ref.modulate(ref.norm(norm_type, x, w, b, 1e-5, weight_offset), scale, shift)
+    assert_close(out, expect, xd)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.parametrize("layout", ["row_slice", "swapped"])
+@pytest.mark.parametrize("kind", ["sample_chunk", "token_chunk"])
+def test_adaln_strided_x(device, gen, dtypes, norm_type, layout, kind):
+    xd, pd = dtypes
+    shape = (3, 9, 1536)
+    x = make_input(gen, layout, shape, xd, device)
+    scale, shift = modulation(gen, kind, shape, 2, pd, device)
+    out = call(fusebox.adaln, x, scale, shift, norm_type=norm_type)
+    assert_close(out, ref.modulate(ref.norm(norm_type, x), scale, shift), xd)
+
+
+@pytest.mark.parametrize("xd", [F16, BF16])
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_adaln_out_dtype_float32(device, gen, xd, norm_type):
+    shape = (2, 5, 384)
+    x = randn(gen, shape, xd, device)
+    scale, shift = modulation(gen, "sample", shape, 2, F32, device)
+    out = call(fusebox.adaln, x, scale, shift, norm_type=norm_type, out_dtype=torch.float32)
+    assert_close(out, ref.modulate(ref.norm(norm_type, x), scale, shift), F32)
+
+
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_adaln_empty(device, gen, norm_type):
+    x = torch.empty((2, 0, 64), dtype=BF16, device=device)
+    scale, shift = modulation(gen, "sample", (2, 1, 64), 2, F32, device)
+    out = call(fusebox.adaln, x, scale, shift, norm_type=norm_type)
+    assert out.shape == x.shape and out.dtype == BF16
+
+
+@pytest.mark.large
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_adaln_large(device, gen, dtypes, norm_type):
+    xd, pd = dtypes
+    shape = (2, big_rows(device), 5125)
+    x = randn(gen, shape, xd, device)
+    scale, shift = modulation(gen, "token_chunk", shape, 2, pd, device)
+    out = call(fusebox.adaln, x, scale, shift, norm_type=norm_type)
+    assert_close(out, ref.modulate(ref.norm(norm_type, x), scale, shift), xd)
+
+
+# --------------------------------------------------------------------------- gated_residual
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("gate_kind", ["none", *MOD_KINDS])
+@pytest.mark.parametrize("width", [1, 7, 769, 5125])
+def test_gated_residual(device, gen, dtypes, gate_kind, width):
+    xd, pd = dtypes
+    shape = (2, 5, width)
+    x, branch = randn(gen, shape, xd, device), randn(gen, shape, xd, device)
+    gate = None if gate_kind == "none" else modulation(gen, gate_kind, shape, 1, pd, device)[0]
+    out = call(fusebox.gated_residual, x, branch, gate)
+    assert_close(out, ref.gated_residual(x, branch, gate), xd)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("x_layout", LAYOUTS)
+@pytest.mark.parametrize("branch_layout", LAYOUTS)
+def test_gated_residual_layouts(device, gen, dtypes, x_layout, branch_layout):
+    xd, pd = dtypes
+    shape = (3, 5, 1000)
+    x = make_input(gen, x_layout, shape, xd, device)
+    branch = make_input(gen, branch_layout, shape, xd, device)
+    (gate,) = modulation(gen, "sample_chunk", shape, 1, pd, device)
+    assert_close(call(fusebox.gated_residual, x, branch, gate),
+                 ref.gated_residual(x, branch, gate), xd)
+
+
+def test_gated_residual_empty(device, gen):
+    x = torch.empty((2, 0, 32), dtype=BF16, device=device)
+    (gate,) = modulation(gen, "sample", (2, 1, 32), 1, F32, device)
+    out = call(fusebox.gated_residual, x, torch.empty_like(x), gate)
+    assert out.shape == x.shape and out.dtype == BF16
+
+
+# --------------------------------------------------------------------------- gated_residual_norm
+
+
+def check_gated_residual_norm(x, branch, gate, scale, shift, w=None, b=None, norm_type="layer",
+                              eps=1e-6, weight_offset=0.0, out_dtype=None):
+    out, h = call(fusebox.gated_residual_norm, x, branch, gate, scale, shift, w, b,
+                  norm_type=norm_type, eps=eps, weight_offset=weight_offset, out_dtype=out_dtype)
+    ref_out, ref_h = ref.gated_residual_norm(x, branch, gate, scale, shift, w, b, norm_type, eps,
+                                             weight_offset)
+    assert_close(h, ref_h, x.dtype, name="h")
+    assert_close(out, ref_out, out_dtype or x.dtype, name="out")
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.parametrize("gate_kind", ["none", "sample_chunk", "token_chunk", "sample_expanded"])
+@pytest.mark.parametrize("mod_kind", ["none", "sample", "token", "sample_chunk"])
+def test_gated_residual_norm(device, gen, dtypes, norm_type, gate_kind, mod_kind):
+    xd, pd = dtypes
+    shape = (2, 7, 769)
+    x, branch = randn(gen, shape, xd, device), randn(gen, shape, xd, device)
+    gate = None if gate_kind == "none" else modulation(gen, gate_kind, shape, 1, pd, device)[0]
+    scale, shift = (None, None) if mod_kind == "none" else modulation(gen, mod_kind, shape, 2, pd,
+                                                                       device)
+    check_gated_residual_norm(x, branch, gate, scale, shift, norm_type=norm_type)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.parametrize("affine", AFFINE)
+def test_gated_residual_norm_affine(device, gen, dtypes, norm_type, affine):
+    xd, pd = dtypes
+    shape = (2, 5, 1024)
+    x, branch = randn(gen, shape, xd, device), randn(gen, shape, xd, device)
+    gate, scale, shift = modulation(gen, "token_chunk", shape, 3, pd, device)
+    w, b = affine_params(gen, affine, 1024, pd, device)
+    check_gated_residual_norm(x, branch, gate, scale, shift, w, b, norm_type, eps=1e-5,
+                              weight_offset=1.0 if norm_type == "rms" else 0.0)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("layout", ["row_slice", "swapped"])
+def test_gated_residual_norm_strided(device, gen, dtypes, layout):
+    xd, pd = dtypes
+    shape = (3, 5, 1111)
+    x = make_input(gen, layout, shape, xd, device)
+    branch = make_input(gen, layout, shape, xd, device)
+    gate, scale, shift = modulation(gen, "sample_chunk", shape, 3, pd, device)
+    check_gated_residual_norm(x, branch, gate, scale, shift)
+
+
+@pytest.mark.parametrize("xd", [F16, BF16])
+def test_gated_residual_norm_out_dtype_float32(device, gen, xd):
+    shape = (2, 5, 512)
+    x, branch = randn(gen, shape, xd, device), randn(gen, shape, xd, device)
+    gate, scale, shift = modulation(gen, "sample", shape, 3, F32, device)
+    check_gated_residual_norm(x, branch, gate, scale, shift, out_dtype=torch.float32)
+
+
+def test_gated_residual_norm_empty(device, gen):
+    x = torch.empty((2, 0, 64), dtype=BF16, device=device)
+    gate, scale, shift = modulation(gen, "sample", (2, 1, 64), 3, F32, device)
+    out, h = call(fusebox.gated_residual_norm, x, torch.empty_like(x), gate, scale, shift)
+    for t in (out, h):
+        assert t.shape == x.shape and t.dtype == BF16
+
+
+@pytest.mark.large
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+def test_gated_residual_norm_large(device, gen, dtypes):
+    xd, pd = dtypes
+    shape = (2, big_rows(device), 5120)
+    x, branch = randn(gen, shape, xd, device), randn(gen, shape, xd, device)
+    gate, scale, shift = modulation(gen, "token_chunk", shape, 3, pd, device)
+    check_gated_residual_norm(x, branch, gate, scale, shift)
+
+
+# --------------------------------------------------------------------------- seed aliases
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+def test_alias_rmsnorm(device, gen, dtypes):
+    xd, pd = dtypes
+    x, w = randn(gen, (5, 300), xd, device), weight(gen, 300, pd, device)
+    assert_close(call(fusebox.rmsnorm, x, w, 1e-5), ref.rms_norm(x, w, 1e-5), xd)
+    assert_close(call(fusebox.rmsnorm, x), ref.rms_norm(x, None, 1e-6), xd)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+def test_alias_rmsnorm_residual(device, gen, dtypes):
+    xd, pd = dtypes
+    x, res = randn(gen, (5, 300), xd, device), randn(gen, (5, 300), xd, device)
+    w = weight(gen, 300, pd, device)
+    normed, h = call(fusebox.rmsnorm_residual, x, res, w, 1e-5)
+    ref_normed, ref_h = ref.fused_add_rms_norm(x, res, w, 1e-5)
+    assert_close(h, ref_h, xd, name="h")
+    assert_close(normed, ref_normed, xd, name="normed")
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("with_shift", [True, False], ids=["shift", "noshift"])
+def test_alias_adaln_rmsnorm(device, gen, dtypes, with_shift):
+    xd, pd = dtypes
+    shape = (2, 5, 256)
+    x = randn(gen, shape, xd, device)
+    scale, shift = modulation(gen, "sample_chunk", shape, 2, pd, device)
+    shift = shift if with_shift else None
+    w = weight(gen, 256, pd, device)
+    out = call(fusebox.adaln_rmsnorm, x, scale, shift, w)
+    assert_close(out, ref.modulate(ref.rms_norm(x, w, 1e-6), scale, shift), xd)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("affine", ["none", "weight_bias"])
+def test_alias_adaln_layernorm(device, gen, dtypes, affine):
+    xd, pd = dtypes
+    shape = (2, 5, 256)
+    x = randn(gen, shape, xd, device)
+    scale, shift = modulation(gen, "token", shape, 2, pd, device)
+    w, b = affine_params(gen, affine, 256, pd, device)
+    out = call(fusebox.adaln_layernorm, x, scale, shift, w, b)
+    assert_close(out, ref.modulate(ref.layer_norm(x, w, b, 1e-6), scale, shift), xd)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+def test_alias_adaln_zero_gate_only(device, gen, dtypes):
+    xd, pd = dtypes
+    shape = (2, 5, 256)
+    x, branch = randn(gen, shape, xd, device), randn(gen, shape, xd, device)
+    (gate,) = modulation(gen, "sample_chunk", shape, 1, pd, device)
+    h = call(fusebox.adaln_zero, x, branch, gate)
+    assert_close(h, ref.gated_residual(x, branch, gate), xd)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_alias_adaln_zero_with_norm(device, gen, dtypes, norm_type):
+    xd, pd = dtypes
+    shape = (2, 5, 256)
+    x, branch = randn(gen, shape, xd, device), randn(gen, shape, xd, device)
+    gate, scale, shift = modulation(gen, "sample_chunk", shape, 3, pd, device)
+    w, b = affine_params(gen, "weight_bias" if norm_type == "layer" else "weight", 256, pd, device)
+    h, out = call(fusebox.adaln_zero, x, branch, gate, scale, shift, norm_type=norm_type,
+                  weight=w, bias=b)  # note the order: (h, out)
+    ref_out, ref_h = ref.gated_residual_norm(x, branch, gate, scale, shift, w, b, norm_type, 1e-6)
+    assert_close(h, ref_h, xd, name="h")
+    assert_close(out, ref_out, xd, name="out")
+
+
+# --------------------------------------------------------------------------- real modules
+
+
+def test_matches_transformers_llama_rmsnorm_fp32(device, gen):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    m = LlamaRMSNorm(1024, eps=1e-5).to(device)
+    with torch.no_grad():
+        m.weight.copy_(weight(gen, 1024, F32, device))
+    x = randn(gen, (3, 7, 1024), F32, device)
+    with torch.no_grad():
+        expect = m(x)
+    out = call(fusebox.rms_norm, x, m.weight.detach(), eps=1e-5)
+    assert_close(out, expect.double(), F32)
+
+
+@pytest.mark.parametrize("name", ["gemma", "gemma3"])
+def test_matches_transformers_gemma_rmsnorm(device, gen, name):
+    import importlib
+
+    mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    cls = getattr(mod, f"{name.capitalize()}RMSNorm")
+    m = cls(512, eps=1e-6).to(device)
+    with torch.no_grad():
+        m.weight.copy_(small(gen, (512,), F32, device))
+    for dtype in (F32, BF16):
+        x = randn(gen, (5, 512), dtype, device)
+        with torch.no_grad():
+            expect = m(x)  # fp32 math, (1 + w), one rounding
+        out = call(fusebox.rms_norm, x, m.weight.detach(), eps=1e-6, weight_offset=1.0)
+        assert_close(out, expect.double(), dtype)
+
+
+def test_matches_torch_rms_norm_fp32(device, gen):
+    x, w = randn(gen, (17, 769), F32, device), weight(gen, 769, F32, device)
+    assert_close(call(fusebox.rms_norm, x, w, eps=1e-6),
+                 F.rms_norm(x, (769,), w, eps=1e-6).double(), F32)
+
+
+def test_matches_torch_layer_norm_fp32(device, gen):
+    x = randn(gen, (17, 769), F32, device)
+    w, b = weight(gen, 769, F32, device), small(gen, (769,), F32, device)
+    assert_close(call(fusebox.layer_norm, x, w, b, eps=1e-5),
+                 F.layer_norm(x, (769,), w, b, eps=1e-5).double(), F32)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_diffusers_rmsnorm_no_affine(device, gen, dtype):
+    from diffusers.models.normalization import RMSNorm
+
+    m = RMSNorm(384, eps=1e-6, elementwise_affine=False)
+    x = randn(gen, (2, 9, 384), dtype, device)
+    with torch.no_grad():
+        expect = m(x)
+    assert expect.dtype == dtype
+    assert_close(call(fusebox.rms_norm, x, eps=1e-6), expect.double(), dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_diffusers_fp32_layernorm(device, gen, dtype):
+    from diffusers.models.normalization import FP32LayerNorm
+
+    m = FP32LayerNorm(384, eps=1e-6).to(device=device, dtype=dtype)
+    with torch.no_grad():
+        m.weight.copy_(weight(gen, 384, dtype, device))
+        m.bias.copy_(small(gen, (384,), dtype, device))
+    x = randn(gen, (2, 9, 384), dtype, device)
+    with torch.no_grad():
+        expect = m(x)
+    out = call(fusebox.layer_norm, x, m.weight.detach(), m.bias.detach(), eps=1e-6)
+    assert_close(out, expect.double(), dtype)
