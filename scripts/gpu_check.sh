@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# GPU proof in one call: builds against the torch installed on the GPU machine, runs the C++
+# and Python suites on CUDA, runs them again under compute-sanitizer memcheck, optionally runs
+# the benchmark, and prints a pass/fail table last.
+# Usage: scripts/gpu_check.sh [stages...]   stages: test sanitize bench quick (default: test sanitize)
+# Env: OUT (where logs and results go; default ./gpu_out), PY (default python3),
+#      FUSEBOX_CUDA_ARCHS (default: the GPU's), .whl/ wheels are installed to /tmp/site if present,
+#      .gtest/ (a GoogleTest source tree) is used when the machine has no GoogleTest package.
+set -uo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+stages=("$@")
+[ ${#stages[@]} -eq 0 ] && stages=(test sanitize)
+out="${OUT:-$root/gpu_out}"
+mkdir -p "$out"
+py="${PY:-python3}"
+export PATH="$PATH:/usr/local/cuda/bin"
+export PYTHONUNBUFFERED=1
+declare -a summary
+
+record() {  # name, status, detail
+  summary+=("$(printf '| %-34s | %-4s | %s |' "$1" "$2" "$3")")
+}
+
+if compgen -G ".whl/*.whl" >/dev/null; then
+  "$py" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+[ -d .gtest ] && [ ! -f /usr/include/gtest/gtest.h ] && export FUSEBOX_GTEST_SOURCE_DIR="$root/.gtest"
+cap="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '.')"
+export FUSEBOX_CUDA_ARCHS="${FUSEBOX_CUDA_ARCHS:-$cap}"
+export FUSEBOX_BUILD_DIR="$root/build/gpu"
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
+
+t0=$(date +%s)
+if scripts/build.sh "$py" >"$out/build.log" 2>&1; then
+  record build PASS "$(( $(date +%s) - t0 )) s, sm_$FUSEBOX_CUDA_ARCHS"
+else
+  tail -30 "$out/build.log"; record build FAIL "see build.log"; printf '%s\n' "${summary[@]}"; exit 1
+fi
+export PYTHONPATH="$root/torch-ext${PYTHONPATH:+:$PYTHONPATH}"
+cpp_tests="$FUSEBOX_BUILD_DIR/fusebox_cpp_tests"
+
+pytest_line() { grep -E "^(=+ )?[0-9]+ (passed|failed)|no tests ran|[0-9]+ passed" "$1" | tail -1 | sed 's/=//g'; }
+
+for stage in "${stages[@]}"; do
+  case "$stage" in
+    test)
+      t0=$(date +%s)
+      "$cpp_tests" --gtest_brief=1 >"$out/cpp_tests.log" 2>&1
+      rc=$?; record "C++ tests (CPU + CUDA vs CPU)" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/cpp_tests.log" | tr '\n' ' ') $(( $(date +%s) - t0 )) s"
+      t0=$(date +%s)
+      "$py" -m pytest tests/python -q -p no:cacheprovider -x --junitxml="$out/pytest.xml" >"$out/pytest.log" 2>&1
+      rc=$?; record "pytest (CPU + CUDA)" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(pytest_line "$out/pytest.log"), $(( $(date +%s) - t0 )) s"
+      [ $rc -ne 0 ] && tail -40 "$out/pytest.log"
+      ;;
+    sanitize)
+      t0=$(date +%s)
+      compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 "$cpp_tests" --gtest_filter='CudaVsCpu.*' \
+        >"$out/sanitizer_cpp.log" 2>&1
+      rc=$?; record "memcheck: C++ CUDA tests" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(grep -E 'ERROR SUMMARY' "$out/sanitizer_cpp.log" | tail -1), $(( $(date +%s) - t0 )) s"
+      t0=$(date +%s)
+      FUSEBOX_TEST_DEVICES=cuda compute-sanitizer --tool memcheck --error-exitcode 9 --target-processes all \
+        "$py" -m pytest tests/python -q -p no:cacheprovider -m "not compile" -k "not opcheck" \
+        >"$out/sanitizer_py.log" 2>&1
+      rc=$?; record "memcheck: pytest CUDA op tests" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(grep -E 'ERROR SUMMARY' "$out/sanitizer_py.log" | tail -1); $(pytest_line "$out/sanitizer_py.log"), $(( $(date +%s) - t0 )) s"
+      ;;
+    bench|quick)
+      t0=$(date +%s)
+      args=(); [ "$stage" = quick ] && args=(--quick)
+      "$py" -m fusebox bench "${args[@]}" --out "$out/bench" 2>&1 | tee "$out/bench.log" | tail -60
+      rc=${PIPESTATUS[0]}; record "fusebox bench ${args[*]}" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(( $(date +%s) - t0 )) s"
+      ;;
+  esac
+done
+
+echo
+echo "| check                              | ok   | detail |"
+echo "|------------------------------------|------|--------|"
+printf '%s\n' "${summary[@]}" | tee "$out/summary.md"
