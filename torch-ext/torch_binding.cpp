@@ -125,11 +125,11 @@ void check_out_dtype(std::optional<at::ScalarType> out_dtype, const Tensor& x) {
 
 // ---------------------------------------------------------------- norms
 
-std::tuple<Tensor, Tensor> fused_norm(const Tensor& x, const OptTensor& branch, const OptTensor& gate,
-                                      const OptTensor& scale, const OptTensor& shift,
-                                      const OptTensor& weight, const OptTensor& bias,
-                                      const std::string& norm_type, double eps, double weight_offset,
-                                      std::optional<at::ScalarType> out_dtype) {
+std::tuple<Tensor, Tensor> norm_impl(const Tensor& x, const OptTensor& branch, const OptTensor& gate,
+                                     const OptTensor& scale, const OptTensor& shift,
+                                     const OptTensor& weight, const OptTensor& bias,
+                                     const std::string& norm_type, double eps, double weight_offset,
+                                     std::optional<at::ScalarType> out_dtype, const char* branch_name) {
   check_out_dtype(out_dtype, x);
   TORCH_CHECK_VALUE(branch.has_value() || !gate.has_value(),
                     "fusebox: gate needs branch (h = x + gate * branch)");
@@ -140,7 +140,8 @@ std::tuple<Tensor, Tensor> fused_norm(const Tensor& x, const OptTensor& branch, 
   Tensor h = branch.has_value() ? empty_like_shape(x) : at::empty({0}, x.options());
   fusebox::NormArgs a;
   a.x = view(x, "x");
-  a.branch = view(branch, "branch");
+  a.branch = view(branch, branch_name);
+  a.branch_name = branch_name;
   a.gate = view(gate_b, "gate");
   a.scale = view(scale_b, "scale");
   a.shift = view(shift_b, "shift");
@@ -155,26 +156,31 @@ std::tuple<Tensor, Tensor> fused_norm(const Tensor& x, const OptTensor& branch, 
   return {out, h};
 }
 
+std::tuple<Tensor, Tensor> fused_norm(const Tensor& x, const OptTensor& branch, const OptTensor& gate,
+                                      const OptTensor& scale, const OptTensor& shift,
+                                      const OptTensor& weight, const OptTensor& bias,
+                                      const std::string& norm_type, double eps, double weight_offset,
+                                      std::optional<at::ScalarType> out_dtype) {
+  return norm_impl(x, branch, gate, scale, shift, weight, bias, norm_type, eps, weight_offset, out_dtype,
+                   "branch");
+}
+
 Tensor rms_norm(const Tensor& x, const OptTensor& weight, double eps, double weight_offset,
                 std::optional<at::ScalarType> out_dtype) {
-  return std::get<0>(fused_norm(x, std::nullopt, std::nullopt, std::nullopt, std::nullopt, weight,
-                                std::nullopt, "rms", eps, weight_offset, out_dtype));
+  return std::get<0>(norm_impl(x, std::nullopt, std::nullopt, std::nullopt, std::nullopt, weight,
+                               std::nullopt, "rms", eps, weight_offset, out_dtype, "branch"));
 }
 
 Tensor layer_norm(const Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps,
                   std::optional<at::ScalarType> out_dtype) {
-  return std::get<0>(fused_norm(x, std::nullopt, std::nullopt, std::nullopt, std::nullopt, weight,
-                                bias, "layer", eps, 0.0, out_dtype));
+  return std::get<0>(norm_impl(x, std::nullopt, std::nullopt, std::nullopt, std::nullopt, weight,
+                               bias, "layer", eps, 0.0, out_dtype, "branch"));
 }
 
 std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& x, const Tensor& residual,
                                               const OptTensor& weight, double eps, double weight_offset) {
-  TORCH_CHECK_VALUE(residual.scalar_type() == x.scalar_type(), "fusebox: residual must have x's dtype (",
-                    x.scalar_type(), "); got ", residual.scalar_type());
-  TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "fusebox: residual must have x's shape ", x.sizes(),
-                    "; got ", residual.sizes());
-  return fused_norm(x, residual, std::nullopt, std::nullopt, std::nullopt, weight, std::nullopt, "rms",
-                    eps, weight_offset, std::nullopt);
+  return norm_impl(x, residual, std::nullopt, std::nullopt, std::nullopt, weight, std::nullopt, "rms",
+                   eps, weight_offset, std::nullopt, "residual");
 }
 
 Tensor gated_residual(const Tensor& x, const Tensor& branch, const OptTensor& gate) {

@@ -56,11 +56,32 @@ __device__ __forceinline__ float round_to(float v) {
 
 // ---------------------------------------------------------------- vector access
 // N elements of T move in chunks of at most 16 bytes; the pointer must be aligned to
-// min(16, N * sizeof(T)) bytes (pick_vector_width guarantees it).
+// min(16, N * sizeof(T)) bytes (pick_vector_width guarantees it). Loads go through the
+// read-only path (ld.global.nc): fusebox operands are never written by the kernel that reads
+// them, and it lets the compiler issue every load of a row before the first store.
 
 template <typename T, int N>
 struct alignas(sizeof(T) * N) Pack {
   T v[N];
+};
+
+template <int Bytes>
+struct RawChunk;
+template <>
+struct RawChunk<16> {
+  using type = uint4;
+};
+template <>
+struct RawChunk<8> {
+  using type = uint2;
+};
+template <>
+struct RawChunk<4> {
+  using type = unsigned int;
+};
+template <>
+struct RawChunk<2> {
+  using type = unsigned short;
 };
 
 template <typename T, int N>
@@ -68,16 +89,19 @@ struct VecIO {
   static constexpr int kBytes = int(sizeof(T)) * N;
   static constexpr int kChunk = kBytes < 16 ? N : 16 / int(sizeof(T));
   static constexpr int kChunks = N / kChunk;
+  using Raw = typename RawChunk<kChunk * int(sizeof(T))>::type;
 
-  __device__ __forceinline__ static void load(const T* __restrict__ p, float (&out)[N]) {
+  __device__ __forceinline__ static void load(const T* p, float (&out)[N]) {
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
-      const Pack<T, kChunk> pk = *reinterpret_cast<const Pack<T, kChunk>*>(p + c * kChunk);
+      const Raw raw = __ldg(reinterpret_cast<const Raw*>(p + c * kChunk));
+      Pack<T, kChunk> pk;
+      memcpy(&pk, &raw, sizeof(raw));
 #pragma unroll
       for (int i = 0; i < kChunk; ++i) out[c * kChunk + i] = to_float(pk.v[i]);
     }
   }
-  __device__ __forceinline__ static void store(T* __restrict__ p, const float (&in)[N]) {
+  __device__ __forceinline__ static void store(T* p, const float (&in)[N]) {
 #pragma unroll
     for (int c = 0; c < kChunks; ++c) {
       Pack<T, kChunk> pk;
@@ -105,8 +129,15 @@ __device__ __forceinline__ void load_param(const ParamPtr& p, int64_t offset, fl
 
 template <typename T>
 __device__ __forceinline__ float load_param_scalar(const ParamPtr& p, int64_t offset) {
-  return p.is_f32 ? static_cast<const float*>(p.ptr)[offset]
-                  : to_float(static_cast<const T*>(p.ptr)[offset]);
+  if constexpr (sizeof(T) == 2) {
+    if (!p.is_f32) {
+      const unsigned short bits = __ldg(reinterpret_cast<const unsigned short*>(p.ptr) + offset);
+      T v;
+      memcpy(&v, &bits, sizeof(T));
+      return to_float(v);
+    }
+  }
+  return __ldg(static_cast<const float*>(p.ptr) + offset);
 }
 
 // ---------------------------------------------------------------- row indexing
@@ -198,6 +229,14 @@ void dispatch_vec(int vec, F&& f) {
   }
   throw Error(ErrorKind::kInvalidArgument, "fusebox: internal error: bad vector width");
 }
+
+// Limits of the current device that launch plans use (queried once per device).
+struct DeviceLimits {
+  int sm_count = 0;
+  int smem_optin = 0;   // max dynamic shared memory per block after opt-in
+  int smem_per_sm = 0;
+};
+const DeviceLimits& device_limits();
 
 inline int next_pow2(int64_t v) {
   int p = 1;

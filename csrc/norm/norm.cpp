@@ -41,16 +41,16 @@ void norm(const NormArgs& a, cudaStream_t stream) {
                   "out must be ", dtype_name(a.x.dtype), " (x's dtype) or float32; got ",
                   dtype_name(a.out.dtype));
   } else {
-    FUSEBOX_CHECK(a.branch.defined(), "branch is required when norm is none");
+    FUSEBOX_CHECK(a.branch.defined(), a.branch_name, " is required when norm is none");
     FUSEBOX_CHECK(!a.out.defined() && !a.weight.defined() && !a.bias.defined() &&
                       !a.scale.defined() && !a.shift.defined(),
                   "out, weight, bias, scale and shift must be absent when norm is none");
   }
-  check_row_operand(a.branch, "branch", a.x, false);
+  check_row_operand(a.branch, a.branch_name, a.x, false);
   if (a.branch.defined()) {
-    FUSEBOX_CHECK(a.residual_out.defined(), "residual_out is required when branch is given");
+    FUSEBOX_CHECK(a.residual_out.defined(), "residual_out is required when ", a.branch_name, " is given");
   } else {
-    FUSEBOX_CHECK(!a.gate.defined(), "gate needs branch (h = x + gate * branch)");
+    FUSEBOX_CHECK(!a.gate.defined(), "gate needs ", a.branch_name, " (h = x + gate * ", a.branch_name, ")");
     FUSEBOX_CHECK(!a.residual_out.defined(), "residual_out is only written when branch is given");
   }
   check_row_operand(a.residual_out, "residual_out", a.x, false);
@@ -59,7 +59,7 @@ void norm(const NormArgs& a, cudaStream_t stream) {
   check_row_operand(a.shift, "shift", a.x, true);
   if (a.weight.defined()) detail::check_vector(a.weight, "weight", width, "x's last dimension", a.x.dtype);
   if (a.bias.defined()) detail::check_vector(a.bias, "bias", width, "x's last dimension", a.x.dtype);
-  detail::check_same_device({{&a.x, "x"}, {&a.branch, "branch"}, {&a.gate, "gate"},
+  detail::check_same_device({{&a.x, "x"}, {&a.branch, a.branch_name}, {&a.gate, "gate"},
                              {&a.weight, "weight"}, {&a.bias, "bias"}, {&a.scale, "scale"},
                              {&a.shift, "shift"}, {&a.out, "out"}, {&a.residual_out, "residual_out"}});
 
@@ -103,6 +103,7 @@ void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const T
   a.norm = NormType::kRMS;
   a.eps = eps;
   a.weight_offset = weight_offset;
+  a.branch_name = "residual";
   norm(a, stream);
 }
 

@@ -128,16 +128,23 @@ __global__ void __launch_bounds__(max_threads_for_items(ITEMS)) norm_rows_kernel
   const float inv_width = 1.f / float(a.width);
 
   if constexpr (ITEMS > 0) {
+    // Every load of the row is issued before the first store.
     float v[ITEMS][VEC];
 #pragma unroll
     for (int it = 0; it < ITEMS; ++it) {
       const int vi = threadIdx.x + it * tpr;
       if (active && vi < a.vec_per_row) {
         load_input<T, VEC>(a, r, vi * VEC, v[it]);
-        if (r.residual_out) VecIO<T, VEC>::store(r.residual_out + vi * VEC, v[it]);
       } else {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) v[it][i] = 0.f;
+      }
+    }
+    if (r.residual_out) {
+#pragma unroll
+      for (int it = 0; it < ITEMS; ++it) {
+        const int vi = threadIdx.x + it * tpr;
+        if (vi < a.vec_per_row) VecIO<T, VEC>::store(r.residual_out + vi * VEC, v[it]);
       }
     }
     float mean = 0.f, rstd = 1.f;

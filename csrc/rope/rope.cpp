@@ -56,6 +56,8 @@ void rope(const RopeArgs& a, cudaStream_t stream) {
                     "axes_dim entries must be even and >= 0; got axes_dim[", i, "] = ", g.axes_dim[i]);
     FUSEBOX_CHECK(std::isfinite(g.theta) && g.theta > 0.f, "theta must be positive; got ", g.theta);
     sh.R = g.axes_dim[0] + g.axes_dim[1] + g.axes_dim[2];
+    FUSEBOX_CHECK(sh.R > 0 && sh.R <= sh.D, "axes_dim must sum to a positive rotary dimension of at most head_dim (",
+                  sh.D, "); got ", g.axes_dim[0], " + ", g.axes_dim[1], " + ", g.axes_dim[2], " = ", sh.R);
   } else {
     FUSEBOX_CHECK(a.cos.defined() && a.sin.defined(), "cos and sin are required");
     FUSEBOX_CHECK(a.cos.ndim == 3 && a.cos.shape[0] == sh.B && a.cos.shape[1] == sh.S,

@@ -59,7 +59,8 @@ void rope_cpu(const RopeArgs& a, const RopeShape& sh) {
     for (int64_t s = 0; s < sh.S; ++s) {
       for (int64_t r = 0; r < sh.R; ++r) {
         if (a.use_grid) {
-          const double angle = rope_grid_angle(a.grid, s, r, sh.R, interleaved);
+          const double angle = rope_grid_reduce(double(rope_grid_position(a.grid, s, r, sh.R, interleaved)) *
+                                                rope_grid_inv_freq(a.grid, r, sh.R, interleaved));
           cs[size_t(r)] = float(std::cos(angle));
           sn[size_t(r)] = float(std::sin(angle));
         } else {

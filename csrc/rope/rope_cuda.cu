@@ -1,14 +1,19 @@
-// Rotary kernel: one block per token handles every q and k head of that token. The token's
-// rows are read once (vectorized) into shared memory, so per-head or across-head RMS
-// statistics and the pair partners of either rotary style come from on-chip memory; the
-// cos/sin row is read (or computed, for the 3-D grid) once per token and shared by all heads.
+// Rotary kernel: a block walks tokens (grid-stride) and handles every q and k head of a token
+// at once. The token's rows are read once (vectorized, all loads in flight) into shared
+// memory, so per-head or across-head RMS statistics and the pair partners of either rotary
+// style come from on-chip memory; the cos/sin row is read (or computed, for the 3-D grid) once
+// per token and shared by all heads. Norm weights and grid frequencies are staged once per
+// block.
 #include "common/cuda_common.cuh"
 #include "rope/rope_impl.h"
+
+#include <algorithm>
 
 namespace fusebox::cuda {
 namespace {
 
 constexpr int kThreads = 128;
+constexpr int kLoadBatch = 4;  // vectors per thread in flight while staging a token
 
 struct RopeTensorArg {
   const void* ptr;
@@ -16,7 +21,7 @@ struct RopeTensorArg {
 };
 
 struct RopeKernelArgs {
-  int64_t S;
+  int64_t S, tokens;
   int Hq, Hk, D, R;
   RopeTensorArg q, k, qo, ko;
   ParamPtr cos, sin;
@@ -29,93 +34,131 @@ struct RopeKernelArgs {
   float eps, weight_offset;
 };
 
+// Shared-memory layout of one block; sizes in bytes, every part 16-byte aligned.
+struct RopeSmem {
+  size_t rows, table, weights, freqs, sums, total;
+  __host__ __device__ RopeSmem(int heads, int D, int R, size_t elem, int qw_len, int kw_len, bool grid) {
+    auto al = [](size_t b) { return (b + 15) / 16 * 16; };
+    rows = al(size_t(heads) * D * elem);
+    table = al(sizeof(float) * 2 * R);
+    weights = al(sizeof(float) * size_t(qw_len + kw_len));
+    freqs = grid ? al(sizeof(double) * R) : 0;
+    sums = al(sizeof(float) * heads);
+    total = rows + table + weights + freqs + sums;
+  }
+};
+
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads) rope_kernel(const RopeKernelArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const int heads = a.Hq + a.Hk;
-  T* rows = reinterpret_cast<T*>(smem_raw);                        // [heads * D], 16B aligned
-  float* cs = reinterpret_cast<float*>(rows + size_t(heads) * a.D);  // [R]
-  float* sn = cs + a.R;                                               // [R]
-  float* sumsq = sn + a.R;                                            // [heads]
+  const int qw_len = a.qw.ptr ? (a.across ? a.Hq * a.D : a.D) : 0;
+  const int kw_len = a.kw.ptr ? (a.across ? a.Hk * a.D : a.D) : 0;
+  const RopeSmem layout(heads, a.D, a.R, sizeof(T), qw_len, kw_len, a.use_grid);
+  T* rows = reinterpret_cast<T*>(smem_raw);
+  float* cs = reinterpret_cast<float*>(smem_raw + layout.rows);
+  float* sn = cs + a.R;
+  float* qw = reinterpret_cast<float*>(smem_raw + layout.rows + layout.table);
+  float* kw = qw + qw_len;
+  double* freq = reinterpret_cast<double*>(smem_raw + layout.rows + layout.table + layout.weights);
+  float* sumsq = reinterpret_cast<float*>(smem_raw + layout.total - layout.sums);
   __shared__ float scratch[32];
-
-  const int64_t token = blockIdx.x;
-  const int64_t b = token / a.S, s = token % a.S;
   const int tid = threadIdx.x;
 
-  for (int r = tid; r < a.R; r += blockDim.x) {
-    if (a.use_grid) {
-      const float angle = float(rope_grid_angle(a.grid, s, r, a.R, a.interleaved));
-      sincosf(angle, &sn[r], &cs[r]);
-    } else {
-      cs[r] = load_param_scalar<T>(a.cos, b * a.cos_sb + s * a.cos_ss + r);
-      sn[r] = load_param_scalar<T>(a.sin, b * a.sin_sb + s * a.sin_ss + r);
-    }
-  }
-  for (int h = tid; h < heads; h += blockDim.x) sumsq[h] = 0.f;
-  __syncthreads();
+  // Per-block setup: norm weights (with the offset folded in) and grid frequencies.
+  for (int i = tid; i < qw_len; i += blockDim.x) qw[i] = a.weight_offset + load_param_scalar<T>(a.qw, i);
+  for (int i = tid; i < kw_len; i += blockDim.x) kw[i] = a.weight_offset + load_param_scalar<T>(a.kw, i);
+  if (a.use_grid)
+    for (int r = tid; r < a.R; r += blockDim.x) freq[r] = rope_grid_inv_freq(a.grid, r, a.R, a.interleaved);
 
-  // Stage the token's rows; accumulate squares per head (or per tensor when across heads).
   const int vpd = a.D / VEC;
   const int nq = a.Hq * vpd, n = heads * vpd;
-  float local_q = 0.f, local_k = 0.f;
-  for (int v = tid; v < n; v += blockDim.x) {
-    const bool is_k = v >= nq;
-    const int vv = is_k ? v - nq : v;
-    const int h = vv / vpd, d0 = (vv % vpd) * VEC;
-    const RopeTensorArg& src = is_k ? a.k : a.q;
-    float x[VEC];
-    VecIO<T, VEC>::load(static_cast<const T*>(src.ptr) + b * src.sb + s * src.ss + h * src.sh + d0, x);
-    VecIO<T, VEC>::store(rows + (is_k ? a.Hq * a.D : 0) + h * a.D + d0, x);
-    if (a.norm) {
-      float sq = 0.f;
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) sq += x[i] * x[i];
-      if (a.across)
-        (is_k ? local_k : local_q) += sq;
-      else
-        atomicAdd(&sumsq[(is_k ? a.Hq : 0) + h], sq);
+  for (int64_t token = blockIdx.x; token < a.tokens; token += gridDim.x) {
+    const int64_t b = token / a.S, s = token % a.S;
+    __syncthreads();  // the previous token's rows, table and sums are consumed
+    for (int r = tid; r < a.R; r += blockDim.x) {
+      if (a.use_grid) {
+        const float angle = float(rope_grid_reduce(double(rope_grid_position(a.grid, s, r, a.R, a.interleaved)) * freq[r]));
+        sincosf(angle, &sn[r], &cs[r]);
+      } else {
+        cs[r] = load_param_scalar<T>(a.cos, b * a.cos_sb + s * a.cos_ss + r);
+        sn[r] = load_param_scalar<T>(a.sin, b * a.sin_sb + s * a.sin_ss + r);
+      }
     }
-  }
-  float rstd_q = 1.f, rstd_k = 1.f;
-  if (a.norm && a.across) {
-    rstd_q = rsqrtf(block_sum(local_q, scratch) / float(a.Hq * a.D) + a.eps);
-    rstd_k = rsqrtf(block_sum(local_k, scratch) / float(max(a.Hk, 1) * a.D) + a.eps);
-  }
-  __syncthreads();
+    for (int h = tid; h < heads; h += blockDim.x) sumsq[h] = 0.f;
+    __syncthreads();
 
-  for (int v = tid; v < n; v += blockDim.x) {
-    const bool is_k = v >= nq;
-    const int vv = is_k ? v - nq : v;
-    const int h = vv / vpd, d0 = (vv % vpd) * VEC;
-    const T* row = rows + (is_k ? a.Hq * a.D : 0) + h * a.D;
-    float rstd = 1.f;
-    if (a.norm) rstd = a.across ? (is_k ? rstd_k : rstd_q) : rsqrtf(sumsq[(is_k ? a.Hq : 0) + h] / float(a.D) + a.eps);
-    const ParamPtr& w = is_k ? a.kw : a.qw;
-    const int w_base = a.across ? h * a.D : 0;
-    auto normed = [&](int d) {
-      float val = to_float(row[d]);
-      if (a.norm) {
-        val *= rstd;
-        if (w.ptr) val *= a.weight_offset + load_param_scalar<T>(w, w_base + d);
-      }
-      return val;
-    };
-    float out[VEC];
+    // Stage the token's rows, kLoadBatch vectors per thread in flight; accumulate squares per
+    // head (or per tensor when the norm spans all heads).
+    float local_q = 0.f, local_k = 0.f;
+    for (int base = tid; base < n; base += kLoadBatch * blockDim.x) {
+      float x[kLoadBatch][VEC];
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      const int d = d0 + i;
-      float val = normed(d);
-      if (d < a.R) {
-        bool first;
-        const int p = int(rope_partner(d, a.R, a.interleaved, first));
-        const float pv = normed(p);
-        val = first ? val * cs[d] - pv * sn[d] : val * cs[d] + pv * sn[d];
+      for (int j = 0; j < kLoadBatch; ++j) {
+        const int v = base + j * blockDim.x;
+        if (v >= n) break;
+        const bool is_k = v >= nq;
+        const int vv = is_k ? v - nq : v;
+        const RopeTensorArg& src = is_k ? a.k : a.q;
+        VecIO<T, VEC>::load(static_cast<const T*>(src.ptr) + b * src.sb + s * src.ss + (vv / vpd) * src.sh + (vv % vpd) * VEC, x[j]);
       }
-      out[i] = val;
+#pragma unroll
+      for (int j = 0; j < kLoadBatch; ++j) {
+        const int v = base + j * blockDim.x;
+        if (v >= n) break;
+        const bool is_k = v >= nq;
+        const int vv = is_k ? v - nq : v;
+        VecIO<T, VEC>::store(rows + v * VEC, x[j]);  // rows of q then k, each [heads, D]
+        if (a.norm) {
+          float sq = 0.f;
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) sq += x[j][i] * x[j][i];
+          if (a.across)
+            (is_k ? local_k : local_q) += sq;
+          else
+            atomicAdd(&sumsq[(is_k ? a.Hq : 0) + vv / vpd], sq);
+        }
+      }
     }
-    const RopeTensorArg& dst = is_k ? a.ko : a.qo;
-    VecIO<T, VEC>::store(static_cast<T*>(const_cast<void*>(dst.ptr)) + b * dst.sb + s * dst.ss + h * dst.sh + d0, out);
+    float rstd_q = 1.f, rstd_k = 1.f;
+    if (a.norm && a.across) {
+      rstd_q = rsqrtf(block_sum(local_q, scratch) / float(a.Hq * a.D) + a.eps);
+      rstd_k = rsqrtf(block_sum(local_k, scratch) / float(max(a.Hk, 1) * a.D) + a.eps);
+    }
+    __syncthreads();
+
+    for (int v = tid; v < n; v += blockDim.x) {
+      const bool is_k = v >= nq;
+      const int vv = is_k ? v - nq : v;
+      const int h = vv / vpd, d0 = (vv % vpd) * VEC;
+      const T* row = rows + (is_k ? a.Hq * a.D : 0) + h * a.D;
+      float rstd = 1.f;
+      if (a.norm) rstd = a.across ? (is_k ? rstd_k : rstd_q) : rsqrtf(sumsq[(is_k ? a.Hq : 0) + h] / float(a.D) + a.eps);
+      const float* w = (is_k ? kw_len : qw_len) ? (is_k ? kw : qw) + (a.across ? h * a.D : 0) : nullptr;
+      auto normed = [&](int d) {
+        float val = to_float(row[d]);
+        if (a.norm) {
+          val *= rstd;
+          if (w) val *= w[d];
+        }
+        return val;
+      };
+      float out[VEC];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const int d = d0 + i;
+        float val = normed(d);
+        if (d < a.R) {
+          bool first;
+          const int p = int(rope_partner(d, a.R, a.interleaved, first));
+          const float pv = normed(p);
+          val = first ? val * cs[d] - pv * sn[d] : val * cs[d] + pv * sn[d];
+        }
+        out[i] = val;
+      }
+      const RopeTensorArg& dst = is_k ? a.ko : a.qo;
+      VecIO<T, VEC>::store(static_cast<T*>(const_cast<void*>(dst.ptr)) + b * dst.sb + s * dst.ss + h * dst.sh + d0, out);
+    }
   }
 }
 
@@ -161,16 +204,16 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   a.weight_offset = args.weight_offset;
 
   const int64_t heads = sh.Hq + sh.Hk;
-  const size_t row_bytes = (size_t(heads * sh.D) * dtype_size(args.q.dtype) + 15) / 16 * 16;
-  const size_t smem = row_bytes + sizeof(float) * size_t(2 * sh.R + heads);
-  int device = 0, smem_optin = 0;
-  FUSEBOX_CUDA_CHECK(cudaGetDevice(&device));
-  FUSEBOX_CUDA_CHECK(cudaDeviceGetAttribute(&smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  FUSEBOX_CHECK(smem + 32 * sizeof(float) <= size_t(smem_optin), "one token of q and k (", heads,
-                " heads x ", sh.D, " channels) needs ", smem,
-                " bytes of shared memory; this GPU allows ", smem_optin);
-  const int64_t tokens = sh.B * sh.S;
-  FUSEBOX_CHECK(tokens < (int64_t(1) << 31), "batch * seq must be < 2^31; got ", tokens);
+  const int qw_len = args.q_weight.defined() ? int(args.q_weight.shape[0]) : 0;
+  const int kw_len = args.k_weight.defined() ? int(args.k_weight.shape[0]) : 0;
+  const size_t smem = RopeSmem(int(heads), a.D, a.R, dtype_size(args.q.dtype), qw_len, kw_len, a.use_grid).total;
+  const DeviceLimits& dev = device_limits();
+  FUSEBOX_CHECK(smem <= size_t(dev.smem_optin), "one token of q and k (", heads, " heads x ", sh.D,
+                " channels) needs ", smem, " bytes of shared memory; this GPU allows ", dev.smem_optin);
+  a.tokens = sh.B * sh.S;
+  // Enough resident blocks to keep every SM busy; each walks several tokens when there are more.
+  const int64_t blocks_per_sm = std::max<int64_t>(1, std::min<int64_t>(16, (dev.smem_per_sm - 1024) / int64_t(smem + 1024)));
+  const int64_t grid = std::min<int64_t>(a.tokens, blocks_per_sm * dev.sm_count);
 
   dispatch_dtype(args.q.dtype, [&](auto t) {
     using T = decltype(t);
@@ -178,7 +221,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
       auto kernel = rope_kernel<T, decltype(v)::value>;
       if (smem > 48 * 1024)
         FUSEBOX_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-      kernel<<<unsigned(tokens), kThreads, smem, stream>>>(a);
+      kernel<<<unsigned(grid), kThreads, smem, stream>>>(a);
     });
   });
   FUSEBOX_CHECK_LAUNCH();

@@ -25,10 +25,10 @@ FUSEBOX_HD int64_t rope_partner(int64_t d, int64_t R, bool interleaved, bool& fi
   return first ? d + R / 2 : d - R / 2;
 }
 
-// Angle of rotary channel r (< R) for token s of a video grid (see Rope3DGrid). Computed in
-// double and reduced to [-pi, pi] so that the fp32 sin/cos that follow are exact to ~1e-7.
-FUSEBOX_HD double rope_grid_angle(const Rope3DGrid& g, int64_t s, int64_t r, int64_t R,
-                                  bool interleaved) {
+// The in-kernel 3-D table (see Rope3DGrid). Channel r (< R) belongs to pair
+// `pair`, which falls in one section (axis) of the grid; its angle is
+// position_on_that_axis * theta^(-2j / axes_dim[axis]), j the pair's index in its section.
+FUSEBOX_HD int rope_grid_axis(const Rope3DGrid& g, int64_t r, int64_t R, bool interleaved, int64_t& j) {
   const int64_t pair = interleaved ? r / 2 : (r < R / 2 ? r : r - R / 2);
   int axis = 0;
   int64_t start = 0;
@@ -36,17 +36,27 @@ FUSEBOX_HD double rope_grid_angle(const Rope3DGrid& g, int64_t s, int64_t r, int
     start += g.axes_dim[axis] / 2;
     ++axis;
   }
-  const int64_t j = pair - start;
-  int64_t pos;
-  if (axis == 0)
-    pos = s / (g.height * g.width);
-  else if (axis == 1)
-    pos = (s / g.width) % g.height;
-  else
-    pos = s % g.width;
-  pos += g.offsets[axis];
-  const double inv_freq = exp2(-(2.0 * double(j) / double(g.axes_dim[axis])) * log2(double(g.theta)));
-  const double angle = double(pos) * inv_freq;
+  j = pair - start;
+  return axis;
+}
+
+// Frequency of channel r, in double (it does not depend on the token).
+FUSEBOX_HD double rope_grid_inv_freq(const Rope3DGrid& g, int64_t r, int64_t R, bool interleaved) {
+  int64_t j;
+  const int axis = rope_grid_axis(g, r, R, interleaved, j);
+  return exp2(-(2.0 * double(j) / double(g.axes_dim[axis])) * log2(double(g.theta)));
+}
+
+// Position of token s along the axis that channel r rotates with.
+FUSEBOX_HD int64_t rope_grid_position(const Rope3DGrid& g, int64_t s, int64_t r, int64_t R, bool interleaved) {
+  int64_t j;
+  const int axis = rope_grid_axis(g, r, R, interleaved, j);
+  const int64_t pos = axis == 0 ? s / (g.height * g.width) : axis == 1 ? (s / g.width) % g.height : s % g.width;
+  return pos + g.offsets[axis];
+}
+
+// Reduces an angle to [-pi, pi] in double, so the fp32 sin/cos that follow are exact to ~1e-7.
+FUSEBOX_HD double rope_grid_reduce(double angle) {
   const double two_pi = 6.283185307179586;
   return angle - two_pi * rint(angle / two_pi);
 }

@@ -11,7 +11,7 @@ TEST(Validation, NormWeightOfWrongLength) {
 TEST(Validation, NormDtypeMix) {
   HostTensor x(DType::kFloat16, {2, 8}), r(DType::kBFloat16, {2, 8}), out(DType::kFloat16, {2, 8}), h(DType::kFloat16, {2, 8});
   expect_error([&] { fusebox::fused_add_rms_norm(x.view, r.view, TensorView{}, out.view, h.view, 1e-6f); },
-               {"branch", "float16", "bfloat16"});
+               {"residual", "float16", "bfloat16"});
 }
 
 TEST(Validation, NonUnitLastStride) {

@@ -45,6 +45,7 @@ struct NormArgs {
   NormType norm = NormType::kRMS;
   float eps = 1e-6f;
   float weight_offset = 0.0f;
+  const char* branch_name = "branch";  // how error messages call `branch` ("residual", ...)
 };
 void norm(const NormArgs& args, cudaStream_t stream = nullptr);
 
