@@ -1,8 +1,10 @@
 """fusebox: fused CUDA kernels for the memory-bound layers of transformers and diffusers
 models, as PyTorch operators (eager and torch.compile)."""
 
-from . import _fake  # noqa: F401  (registers the fake implementations)
-from ._ops import LIBRARY_PATH, ops
+from ._ops import LIBRARY_PATH, LOAD_ERROR, ops
+
+if LOAD_ERROR is None:
+    from . import _fake  # noqa: F401  (registers the fake implementations)
 from .functional import (
     activation,
     adaln,
@@ -32,6 +34,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "LIBRARY_PATH",
+    "LOAD_ERROR",
     "activation",
     "adaln",
     "adaln_layernorm",

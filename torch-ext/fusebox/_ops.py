@@ -1,4 +1,8 @@
-"""Loads the compiled operator library and exposes its namespace as ``ops``."""
+"""Loads the compiled operator library and exposes its namespace as ``ops``.
+
+If the library is missing or cannot be loaded, importing fusebox still works (so that
+``python -m fusebox bench`` can explain the situation); calling an operator then raises an
+ImportError that says why."""
 
 import glob
 import os
@@ -12,17 +16,30 @@ def _find_library() -> str:
     override = os.environ.get("FUSEBOX_LIBRARY")
     if override:
         return override
-    for pattern in ("_fusebox_C*.so", "_fusebox_C*.pyd"):
-        hits = sorted(glob.glob(os.path.join(_HERE, pattern)))
-        if hits:
-            return hits[0]
+    hits = sorted(glob.glob(os.path.join(_HERE, "_fusebox_C*.so")))
+    if hits:
+        return hits[0]
     raise ImportError(
         "fusebox: the compiled operator library (_fusebox_C*.so) is not next to "
-        f"{__file__}. Build it with `pip install --no-build-isolation .` or "
-        "`scripts/build.sh`, or point FUSEBOX_LIBRARY at it."
+        f"{__file__}. Build it with `scripts/build.sh` or `pip install --no-build-isolation .`, "
+        "or point FUSEBOX_LIBRARY at it."
     )
 
 
-LIBRARY_PATH = _find_library()
-torch.ops.load_library(LIBRARY_PATH)
-ops = torch.ops.fusebox
+class _Unavailable:
+    def __init__(self, error: BaseException):
+        self._error = error
+
+    def __getattr__(self, name):
+        raise ImportError(f"fusebox operators are unavailable: {self._error}") from self._error
+
+
+LOAD_ERROR = None
+LIBRARY_PATH = None
+try:
+    LIBRARY_PATH = _find_library()
+    torch.ops.load_library(LIBRARY_PATH)
+    ops = torch.ops.fusebox
+except (ImportError, OSError) as error:
+    LOAD_ERROR = error
+    ops = _Unavailable(error)

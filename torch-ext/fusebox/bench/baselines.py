@@ -176,6 +176,7 @@ def wan_axes_dim(head_dim: int) -> tuple:
 def flux_table(seq: int, device, text_tokens: int = 512, theta: float = 10000.0) -> tuple:
     """Flux's ``[S, 128]`` table: text ids all zero, image ids ``[0, row, col]`` on a square
     grid, axes (16, 56, 56)."""
+    text_tokens = min(text_tokens, seq // 2)
     img = seq - text_tokens
     side = max(1, int(round(math.sqrt(max(img, 1)))))
     s = torch.arange(img, device=device)

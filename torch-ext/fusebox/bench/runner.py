@@ -28,9 +28,13 @@ def load_fusebox() -> Tuple[Optional[object], Optional[str]]:
     """``(fusebox.functional, None)`` or ``(None, why not)``."""
     try:
         import fusebox.functional as fb  # noqa: WPS433 - imported lazily on purpose
-        return fb, None
+        from fusebox import _ops
     except Exception as e:  # noqa: BLE001
         return None, short_error(e, 500)
+    err = getattr(_ops, "LOAD_ERROR", None)      # if _ops ever tolerates a missing library
+    if err is not None:
+        return None, short_error(err, 500) if isinstance(err, BaseException) else str(err)
+    return fb, None
 
 
 def _bind(f: Callable, p: dict, mod=None) -> Callable:

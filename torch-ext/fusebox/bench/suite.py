@@ -129,7 +129,7 @@ def _rms_shapes():
     for rows in LLM_ROWS:
         for d in LLM_WIDTHS:
             out.append(("llm", f"{rows}x{d}", dict(shape=(rows, d), weight=True, eps=1e-6),
-                        (rows, d) in ((1, 4096), (2048, 4096), (32768, 4096))))
+                        (rows, d) in ((1, 4096), (2048, 4096))))
     for s in SEEDS_QWEN:
         out.append(("seeds", f"[{_dims(s)}]", dict(shape=s, weight=True, eps=1e-6), False))
     for s in SEEDS_LTX:
@@ -248,7 +248,7 @@ def _adaln_shapes():
 def _gr_shapes():
     out = []
     for name, (s, _norm, fp32, _f) in DIT.items():
-        out.append(("dit", f"{name} {_dims(s)}", dict(shape=s, T=1, fp32=fp32), False))
+        out.append(("dit", f"{name} {_dims(s)}", dict(shape=s, T=1, fp32=fp32), name == "ltx"))
     return out
 
 
@@ -621,7 +621,7 @@ _OPS = [
     ),
     OpSpec(
         name="geglu", title="gelu_tanh(gate) * up, separate gate/up (Gemma3MLP)",
-        shapes=lambda: _glu_shapes(GEMMA_FFN_ROWS, GEMMA_FFN_WIDTHS, ()),
+        shapes=lambda: _glu_shapes(GEMMA_FFN_ROWS, GEMMA_FFN_WIDTHS, ((2048, 10240),)),
         build=_glu_build, nbytes=_glu_bytes, reads=("gate", "up"),
         fusebox=lambda fb, t, p: fb.gated_activation(t["gate"], t["up"], "gelu_tanh"),
         eager=lambda t, p: B.geglu_tanh_eager(t["gate"], t["up"]),
@@ -716,8 +716,9 @@ def _freeze(v):
 
 def select(ops: Sequence[str], groups: Sequence[str], dtypes: Sequence[str],
            quick: bool = False) -> List[Case]:
-    """The cases to run, ordered op by op, dtype by dtype. A shape listed under several of the
-    selected groups runs once (the first group wins)."""
+    """The cases to run, ordered op by op, dtype by dtype. Identical params listed under several
+    of the selected groups run once (the first group wins); the seeds' ``[B x S x D]`` shapes
+    are kept under their own labels even where an LLM ``rows x D`` case has the same rows."""
     cases = []
     for op in ops:
         spec = REGISTRY[op]

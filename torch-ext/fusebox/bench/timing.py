@@ -221,6 +221,8 @@ class Timer:
         """Copy bandwidth (which also brings the clocks up), the sleep rate, the empty launch."""
         out = self.copy_bandwidth()
         self.cycles_per_us = self._calibrate_sleep()
+        self.flush()                       # allocate the flush buffer outside any timing
+        torch.cuda.synchronize()
         out.update(self.empty_launch())
         out["l2_bytes"] = self.l2
         out["sleep_cycles_per_us"] = self.cycles_per_us

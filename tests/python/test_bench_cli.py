@@ -1,0 +1,460 @@
+"""The `fusebox bench` CLI without a GPU: argument parsing, suite selection, bytes formulas,
+the eager references, report writing from synthetic measurements, and the no-GPU message.
+
+Nothing here needs the compiled library except ``test_fusebox_matches_eager_on_cpu`` (skipped
+without it). The bench modules are imported through a stand-in ``fusebox`` package when the
+real one cannot be imported, so these tests run before the library is built."""
+
+import contextlib
+import importlib
+import json
+import math
+import os
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+TORCH_EXT = ROOT / "torch-ext"
+PKG = TORCH_EXT / "fusebox"
+
+
+@contextlib.contextmanager
+def _package_or_stub():
+    """Makes ``fusebox.bench`` importable even when ``fusebox/__init__`` cannot load the
+    library; removes the stand-in afterwards so other tests see the real package."""
+    stub = None
+    if "fusebox" not in sys.modules:
+        try:
+            importlib.import_module("fusebox")
+        except Exception:  # noqa: BLE001 - library missing or broken
+            stub = types.ModuleType("fusebox")
+            stub.__path__ = [str(PKG)]
+            sys.modules["fusebox"] = stub
+    try:
+        yield
+    finally:
+        if stub is not None and sys.modules.get("fusebox") is stub:
+            del sys.modules["fusebox"]
+
+
+with _package_or_stub():
+    from fusebox.bench import baselines, cli, report, runner, suite  # noqa: E402
+    from fusebox import __main__ as fb_main  # noqa: E402
+
+
+def _fusebox_functional():
+    try:
+        import fusebox.functional as fb
+
+        return fb
+    except Exception:  # noqa: BLE001
+        return None
+
+
+# --------------------------------------------------------------------------- arguments
+
+
+def test_parse_defaults():
+    a = cli.parse_args([])
+    assert a.op_list == list(suite.OP_NAMES)
+    assert a.group_list == ["llm", "seeds", "dit"]
+    assert a.dtype_list == ["bf16", "fp16"]
+    assert (a.iters, a.warmup, a.quick) == (100, 10, False)
+    assert not (a.no_compile or a.no_liger or a.json_only or a.resume or a.list)
+    assert a.out is None and a.max_minutes is None
+
+
+def test_parse_quick_and_lists():
+    a = cli.parse_args(["--quick"])
+    assert a.dtype_list == ["bf16"] and a.iters == 30 and a.warmup == 5
+    a = cli.parse_args(["--ops", "rope, rms_norm", "--shapes", "llm,dit", "--dtype",
+                        "float16,bf16,fp16", "--out", "/tmp/x", "--no-compile", "--no-liger",
+                        "--json-only", "--iters", "7", "--max-minutes", "2.5"])
+    assert a.op_list == ["rope", "rms_norm"]
+    assert a.group_list == ["llm", "dit"]
+    assert a.dtype_list == ["fp16", "bf16"]
+    assert (a.out, a.no_compile, a.no_liger, a.json_only, a.iters, a.max_minutes) == (
+        "/tmp/x", True, True, True, 7, 2.5)
+    assert cli.parse_args(["--shapes", "all", "--ops", "all"]).group_list == list(suite.GROUPS)
+
+
+@pytest.mark.parametrize("argv", [["--ops", "rmsnorm_typo"], ["--dtype", "int8"],
+                                  ["--shapes", "vision"], ["--iters", "0"], ["--bogus"]])
+def test_parse_errors_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_args(argv)
+    assert e.value.code == 2
+    assert "fusebox bench" in capsys.readouterr().err
+
+
+def test_main_dispatch(capsys):
+    assert fb_main.main([]) == 2
+    assert "bench" in capsys.readouterr().out
+    assert fb_main.main(["--help"]) == 0
+    assert fb_main.main(["nope"]) == 2
+    assert "unknown command" in capsys.readouterr().err
+    assert fb_main.main(["bench", "--list", "--ops", "rope", "--dtype", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "5 cases" in out and "rope" in out
+
+
+# --------------------------------------------------------------------------- suite
+
+
+def test_every_op_has_shapes_and_quick_cases():
+    full = suite.select(suite.OP_NAMES, suite.GROUPS, ["bf16"])
+    quick = suite.select(suite.OP_NAMES, suite.GROUPS, ["bf16"], quick=True)
+    for op in suite.OP_NAMES:
+        assert any(c.op == op for c in full), op
+        assert any(c.op == op for c in quick), op
+    keys = [c.key for c in full]
+    assert len(keys) == len(set(keys)), "labels must be unique per op and dtype"
+    assert 10 <= len(quick) <= 30
+
+
+def test_suite_counts():
+    cases = suite.select(suite.OP_NAMES, suite.GROUPS, ["bf16", "fp16"])
+    per = {}
+    for c in cases:
+        per[(c.op, c.group, c.dtype)] = per.get((c.op, c.group, c.dtype), 0) + 1
+    # LLM rows 1..32768 x widths 2048/3072/4096
+    assert per[("rms_norm", "llm", "bf16")] == 18
+    assert per[("fused_add_rms_norm", "llm", "fp16")] == 18
+    # FFN rows 1..8192 x 11008/12288/14336
+    assert per[("swiglu", "llm", "bf16")] == 15
+    # seeds: 8 Qwen shapes + 7 LTX shapes without weight, under their own labels
+    assert per[("rms_norm", "seeds", "bf16")] == 8 + 7
+    assert per[("rope", "llm", "bf16")] == 5
+    assert per[("adaln", "dit", "bf16")] == 9      # both norms, per-sample and per-token
+    labels = {c.label for c in cases if c.op == "adaln"}
+    assert any("rms token" in s for s in labels) and any("layer token" in s for s in labels)
+    assert any("rms sample" in s for s in labels) and any("layer sample" in s for s in labels)
+    assert sum(1 for c in cases if c.op == "qk_norm_rope" and c.dtype == "bf16") == 10
+    assert len(cases) == 2 * len(suite.select(suite.OP_NAMES, suite.GROUPS, ["bf16"]))
+    # group filter: only the seeds' shapes, now without deduplication against llm
+    seeds = suite.select(["rms_norm"], ["seeds"], ["bf16"])
+    assert len(seeds) == 15 and all(c.group == "seeds" for c in seeds)
+    assert suite.select(["gelu_tanh"], ["llm"], ["bf16"]) == []
+
+
+def test_dit_and_llm_shapes_present():
+    labels = {c.label for c in suite.select(suite.OP_NAMES, suite.GROUPS, ["bf16"])}
+    for want in ("ltx 2x2688x2048", "ltx-long 2x8064x2048", "flux 1x4608x3072",
+                 "wan1.3b 1x32760x1536", "wan14b 1x32760x5120", "32768x4096", "1x2048",
+                 "8192 tok 32+8x128", "wan 21x30x52 40x128", "[1x8192x4096]",
+                 "[4x4096x3072] no-w"):
+        assert any(s.startswith(want) for s in labels), want
+
+
+# --------------------------------------------------------------------------- bytes
+
+
+def _nb(op, params, dtype=torch.bfloat16):
+    return suite.REGISTRY[op].nbytes(params, dtype)
+
+
+def test_bytes_hand_computed():
+    # rms_norm 2048x4096 bf16 with weight: x + out + w
+    assert _nb("rms_norm", dict(shape=(2048, 4096), weight=True, eps=1e-6)) == \
+        2 * 2048 * 4096 * 2 + 4096 * 2
+    assert _nb("rms_norm", dict(shape=(2, 2688, 2048), weight=False, eps=1e-6),
+               torch.float32) == 2 * 2 * 2688 * 2048 * 4
+    # fused add: x, residual, w in; y, h out
+    assert _nb("fused_add_rms_norm", dict(shape=(2048, 4096), eps=1e-6)) == \
+        4 * 2048 * 4096 * 2 + 4096 * 2
+    # half-split rope, 8192 tokens, 32 + 8 heads of 128, cos/sin [1, S, 128] bf16
+    assert _nb("rope", dict(B=1, S=8192, hq=32, hk=8, d=128, theta=1e6)) == \
+        2 * 8192 * 40 * 128 * 2 + 2 * 8192 * 128 * 2
+    # LTX qk-norm + rope across heads: q,k in/out bf16, fp32 tables [2,2688,2048], 2 weights
+    assert _nb("qk_norm_rope", dict(kind="ltx", B=2, S=2688, W=2048, eps=1e-5)) == \
+        2 * 2 * 2 * 2688 * 2048 * 2 + 2 * 2 * 2688 * 2048 * 4 + 2 * 2048 * 2
+    # rope_3d computes its table: q and k only
+    assert _nb("rope_3d", dict(B=1, S=32760, grid=(21, 30, 52), hq=40, hk=40, d=128)) == \
+        2 * 32760 * 80 * 128 * 2
+    # adaln per sample: x + out, scale and shift [B, 1, D]
+    assert _nb("adaln", dict(shape=(2, 2688, 2048), norm="rms", T=1, fp32=False, eps=1e-6)) == \
+        2 * 2 * 2688 * 2048 * 2 + 2 * 2 * 2048 * 2
+    # Wan per token, fp32 modulation at its real size
+    assert _nb("adaln", dict(shape=(1, 32760, 1536), norm="layer", T=32760, fp32=True,
+                             eps=1e-6)) == 2 * 32760 * 1536 * 2 + 2 * 32760 * 1536 * 4
+    # gated residual + adaln: x, branch, gate, scale, shift in; out, h out
+    assert _nb("gated_residual_norm", dict(shape=(1, 4608, 3072), norm="layer", T=1,
+                                           fp32=False, eps=1e-6)) == \
+        4 * 4608 * 3072 * 2 + 3 * 3072 * 2
+    assert _nb("swiglu", dict(shape=(2048, 12288))) == 3 * 2048 * 12288 * 2
+    assert _nb("gelu_tanh", dict(shape=(2, 2688, 8192))) == 2 * 2 * 2688 * 8192 * 2 + 8192 * 2
+
+
+def _shrink(params):
+    """The same case at a size the CPU handles in milliseconds."""
+    p = dict(params)
+    if "shape" in p:
+        s = list(p["shape"])
+        s[-1] = min(s[-1], 320)
+        s[:-1] = [min(v, 5) for v in s[:-1]]
+        p["shape"] = tuple(s)
+        if p.get("T", 1) > 1:
+            p["T"] = s[1]
+    if "grid" in p:
+        p["grid"], p["S"] = (2, 3, 4), 24
+    elif "S" in p:
+        p["S"] = min(p["S"], 12)
+    if "W" in p:
+        p["W"] = 256
+    if p.get("kind") == "wan":
+        p["hq"] = p["hk"] = 3
+    return p
+
+
+def _small_cases(dtype="bf16"):
+    seen, out = set(), []
+    for c in suite.select(suite.OP_NAMES, suite.GROUPS, [dtype]):
+        p = _shrink(c.params)
+        key = (c.op, suite._freeze(p))
+        if key not in seen:
+            seen.add(key)
+            out.append(suite.Case(c.op, c.group, c.label, p, c.dtype))
+    return out
+
+
+def test_bytes_formulas_match_tensors():
+    """Formula == the read tensors (as built, broadcast operands at their real size) + the
+    outputs of the eager reference, for every op and shape kind."""
+    for c in _small_cases():
+        t = suite.build_inputs(c, "cpu")
+        spec = c.spec
+        outs = runner._as_tuple(spec.eager(t, c.params))
+        counted = sum(t[k].numel() * t[k].element_size() for k in spec.reads
+                      if t.get(k) is not None)
+        counted += sum(o.numel() * o.element_size() for o in outs)
+        assert counted == c.nbytes, (c.key, counted, c.nbytes)
+
+
+def test_baselines_agree_on_cpu():
+    """The fused PyTorch op agrees with the eager reference (bf16 rounding only)."""
+    for c in _small_cases():
+        spec = c.spec
+        if spec.torch is None:
+            continue
+        t = suite.build_inputs(c, "cpu")
+        try:
+            out = spec.torch(t, c.params)
+        except NotImplementedError:
+            continue
+        assert runner.rel_err(out, spec.eager(t, c.params)) < 1e-2, c.key
+
+
+def test_eager_matches_float64_formula():
+    """Spot checks of the hand-written HF/diffusers code against plain float64 math."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 5, 3, 64, generator=g, dtype=torch.float64)      # [B, S, H, D]
+    cos, sin = baselines.random_pair_table((5, 64), "cpu", g)
+    cos, sin = cos.double(), sin.double()
+    out = baselines.diffusers_apply_rotary_emb(x, cos, sin)
+    xr, xi = x[..., 0::2], x[..., 1::2]
+    c, s = cos[None, :, None, 0::2], sin[None, :, None, 0::2]
+    want = torch.stack([xr * c - xi * s, xr * s + xi * c], dim=-1).flatten(-2)
+    assert torch.allclose(out, want)
+    w = baselines.wan_apply_rotary_emb(x, cos[None, :, None], sin[None, :, None])
+    assert torch.allclose(w, want)
+    flat = baselines.diffusers_apply_rotary_emb(x[:, :, 0], cos[None].expand(2, 5, 64),
+                                                sin[None].expand(2, 5, 64))      # LTX: [B,S,W]
+    assert torch.allclose(flat, want[:, :, 0])
+    # rotate_half: pairs (i, i + D/2)
+    hc, hs = baselines.half_split_table(1, 5, 64, 10000.0, torch.float64, "cpu")
+    q = x.transpose(1, 2)                                                   # [B, H, S, D]
+    qo, _ = baselines.hf_apply_rotary_pos_emb(q, q, hc, hs)
+    a, b = q[..., :32], q[..., 32:]
+    cc, ss = hc[:, None, :, :32], hs[:, None, :, :32]
+    assert torch.allclose(qo, torch.cat([a * cc - b * ss, b * cc + a * ss], dim=-1))
+    y = baselines.llama_rms_norm(x, torch.ones(64, dtype=torch.float64), 1e-6)
+    assert torch.allclose(y, x / x.pow(2).mean(-1, keepdim=True).add(1e-6).sqrt())
+
+
+def test_eager_references_trace_fullgraph():
+    """Each distinct eager chain traces into one graph (what the torch.compile baseline
+    needs); aot_eager so no compiler is involved."""
+    seen = set()
+    for c in _small_cases():
+        kind = (c.op, c.params.get("kind"), c.params.get("norm"), c.params.get("fp32"),
+                c.params.get("weight"))
+        if kind in seen:
+            continue
+        seen.add(kind)
+        t = suite.build_inputs(c, "cpu")
+        torch._dynamo.reset()
+        f = torch.compile(runner._bind(c.spec.eager, c.params), fullgraph=True, dynamic=False,
+                          backend="aot_eager")
+        assert runner.rel_err(f(t), c.spec.eager(t, c.params)) == 0.0, c.key
+    torch._dynamo.reset()
+
+
+def test_fusebox_matches_eager_on_cpu():
+    fb = _fusebox_functional()
+    if fb is None:
+        pytest.skip("the compiled fusebox library is not loadable")
+    for c in _small_cases():
+        t = suite.build_inputs(c, "cpu")
+        try:
+            out = c.spec.fusebox(fb, t, c.params)
+        except Exception as e:  # noqa: BLE001
+            if "CPU" in str(e) or "not implemented" in str(e).lower():
+                pytest.skip(f"fusebox CPU path missing: {e}")
+            raise
+        assert runner.rel_err(out, c.spec.eager(t, c.params)) < 2e-2, c.key
+
+
+def test_rel_err():
+    a = torch.ones(4)
+    assert runner.rel_err(a, a) == 0.0
+    assert math.isinf(runner.rel_err(torch.full((4,), float("nan")), a))
+    assert math.isinf(runner.rel_err(torch.ones(5), a))
+    assert abs(runner.rel_err((a * 1.01, a), (a, a)) - 0.01 / math.sqrt(2)) < 1e-6
+
+
+# --------------------------------------------------------------------------- report
+
+
+CALIB = {"copy_tbps": 4.0, "copy_bytes": 2 << 30, "launch_us": 2.0, "launch_graph_us": 1.0,
+         "launch_host_us": 4.0, "l2_bytes": 50 << 20, "sleep_cycles_per_us": 1980.0}
+
+
+def test_derive_hand_computed():
+    rec = {"key": "k", "op": "rms_norm", "group": "llm", "shape": "s", "dtype": "bf16",
+           "params": {"shape": [16, 4096]}, "bytes": 1_000_000,
+           "impls": {"fusebox": {"us": 2.5, "graph_us": 1.5},
+                     "eager": {"us": 10.0}, "torch": {"us": 5.0},
+                     "compile": {"absent": "x", "kind": "error"}}}
+    report.derive(rec, CALIB)
+    assert rec["floor_us"] == pytest.approx(2.25)
+    fb = rec["impls"]["fusebox"]
+    assert fb["tbps"] == pytest.approx(0.4)
+    assert fb["pct_copy"] == pytest.approx(10.0)
+    assert fb["x_floor"] == pytest.approx(2.5 / 2.25)
+    assert fb["graph_x_floor"] == pytest.approx(1.5 / 1.25)
+    assert rec["best_baseline"] == "torch"
+    assert rec["speedup"] == {"eager": pytest.approx(4.0), "torch": pytest.approx(2.0)}
+    assert rec["speedup_best"] == pytest.approx(2.0)
+    assert report.is_decode(rec)
+
+
+def _synthetic_doc(cases):
+    results = []
+    for i, c in enumerate(cases):
+        nb = c.nbytes
+        fb_us = CALIB["launch_us"] + nb / 3.6e6
+        impls = {"fusebox": {"us": fb_us, "min_us": fb_us * 0.98, "n": 30, "err": 4e-3},
+                 "eager": {"us": fb_us * 5}, "torch": {"absent": "no fused PyTorch op",
+                                                       "kind": "n/a"},
+                 "compile": {"us": fb_us * (1.2 + 0.1 * (i % 5)), "compile_s": 2.0},
+                 "liger": {"absent": "liger_kernel not importable", "kind": "error"}}
+        if nb <= 2 << 20:
+            impls["fusebox"].update(graph_us=fb_us / 2, host_us=6.0)
+        if i == 0:
+            impls["fusebox"]["err"] = float("inf")        # a mismatch is reported
+        if i == 1:
+            impls["fusebox"] = {"absent": "RuntimeError: boom", "kind": "error"}
+        results.append({"key": c.key, "op": c.op, "group": c.group, "shape": c.label,
+                        "dtype": c.dtype, "params": c.params, "bytes": nb,
+                        "timing": {"mode": "rotate", "sets": 2, "small": nb <= 2 << 20},
+                        "impls": impls})
+    return {"schema": 1, "env": {"gpu": "NVIDIA H200", "torch": "2.11", "date": "2026-11-22"},
+            "calibration": dict(CALIB), "results": results, "complete": True,
+            "ops": cli._op_notes(sorted({c.op for c in cases}))}
+
+
+def test_report_from_synthetic(tmp_path, capsys):
+    cases = suite.select(suite.OP_NAMES, suite.GROUPS, ["bf16", "fp16"], quick=True)
+    doc = _synthetic_doc(cases)
+    paths = report.write_all(str(tmp_path), doc)
+    data = json.loads((tmp_path / "results.json").read_text())
+    assert len(data["results"]) == len(cases)
+    assert data["calibration"]["copy_tbps"] == 4.0
+    s = data["summary"]
+    assert s["cases"] == len(cases) and s["fusebox_measured"] == len(cases) - 1
+    assert s["geomean_speedup_vs_best"] == pytest.approx(
+        math.exp(sum(math.log(1.2 + 0.1 * (i % 5)) for i in range(len(cases)) if i != 1)
+                 / (len(cases) - 1)))
+    assert s["mismatches"] == [cases[0].key]
+    assert data["results"][0]["impls"]["fusebox"]["err"] == "inf"     # JSON stays valid
+    md = (tmp_path / "results.md").read_text()
+    sections = {}
+    for part in md.split("\n## ")[1:]:
+        sections[part.splitlines()[0].strip()] = part
+    for c in cases:       # one table row per measurement, in its op's table
+        assert sum(1 for line in sections[c.op].splitlines()
+                   if line.startswith(f"| {c.label} | {c.dtype} |")) == 1, c.key
+    assert "geometric mean speedup" in md and "MISMATCH" in md and "boom" in md
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert pngs == sorted({f"{c.op}_{c.dtype}.png" for c in cases})
+    assert all(os.path.getsize(p) > 1000 for p in paths if p.endswith(".png"))
+    # and again from the JSON alone, as `fusebox bench --from-json` does
+    for p in tmp_path.glob("*.png"):
+        p.unlink()
+    assert cli.main(["--from-json", str(tmp_path / "results.json")]) == 0
+    out = capsys.readouterr().out
+    assert "geometric mean speedup vs best baseline" in out
+    assert len(list(tmp_path.glob("*.png"))) == len(pngs)
+
+
+def test_report_json_only(tmp_path):
+    cases = suite.select(["rms_norm"], ["llm"], ["bf16"], quick=True)
+    report.write_all(str(tmp_path), _synthetic_doc(cases), json_only=True)
+    assert [p.name for p in tmp_path.iterdir()] == ["results.json"]
+
+
+def test_default_out_dir():
+    d = cli.default_out_dir("NVIDIA H200", "abc1234", quick=False, date="2026-11-22")
+    assert d.endswith(os.path.join("bench", "results", "2026-11-22_nvidia-h200_abc1234"))
+    q = cli.default_out_dir("NVIDIA H200", None, quick=True, date="2026-11-22")
+    assert q.endswith(os.path.join("_scratch", "2026-11-22_nvidia-h200_nogit"))
+
+
+# --------------------------------------------------------------------------- no GPU
+
+
+def _env(**extra):
+    env = dict(os.environ)
+    env.update(CUDA_VISIBLE_DEVICES="", PYTHONPATH=str(TORCH_EXT))
+    env.update(extra)
+    return env
+
+
+def test_no_gpu_message_in_process(capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert cli.main(["--quick"]) == 0
+    out = capsys.readouterr().out
+    assert "no CUDA GPU found" in out and "What it would measure" in out
+    assert "python -m fusebox bench" in out and "fusebox library:" in out
+
+
+def test_python_m_fusebox_bench_without_gpu():
+    r = subprocess.run([sys.executable, "-m", "fusebox", "bench"], env=_env(),
+                       capture_output=True, text=True, timeout=300, cwd=str(ROOT))
+    if r.returncode != 0 and ("compiled operator library" in r.stderr
+                              or "Could not load this library" in r.stderr):
+        pytest.skip("fusebox/__init__.py cannot be imported without a loadable library")
+    assert r.returncode == 0, r.stderr
+    assert "no CUDA GPU found" in r.stdout
+    assert "What it would measure: " in r.stdout
+    assert "rms_norm" in r.stdout and "qk_norm_rope" in r.stdout
+
+
+def test_bench_without_gpu_or_library():
+    """The bench itself with the library missing (a stand-in package, as an install without
+    the built extension would have if ``fusebox/__init__`` tolerated it)."""
+    code = (
+        "import sys, types; m = types.ModuleType('fusebox'); "
+        f"m.__path__ = [{str(PKG)!r}]; sys.modules['fusebox'] = m; "
+        "from fusebox.__main__ import main; sys.exit(main(['bench', '--quick']))"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, env=_env(FUSEBOX_LIBRARY="/nonexistent/_fusebox_C.so"))
+    assert r.returncode == 0, r.stderr
+    assert "no CUDA GPU found" in r.stdout
+    assert "does not exist" in r.stdout and "baselines only" in r.stdout
