@@ -23,26 +23,6 @@ struct ActKernelArgs {
   Activation act;
 };
 
-// 16-bit outputs keep ~8-11 significant bits, so the activations use the hardware
-// approximations (MUFU ex2/tanh, error ~2^-11) there; fp32 outputs use the accurate forms.
-__device__ __forceinline__ float fast_tanh(float x) {
-  float y;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(y) : "f"(x));
-  return y;
-}
-
-template <typename T>
-__device__ __forceinline__ float activate(Activation act, float x) {
-  if constexpr (sizeof(T) == 2) {
-    switch (act) {
-      case Activation::kSiLU: return __fdividef(x, 1.f + __expf(-x));
-      case Activation::kGeluTanh: return 0.5f * x * (1.f + fast_tanh(0.7978845608028654f * (x + 0.044715f * x * x * x)));
-      case Activation::kGelu: break;
-    }
-  }
-  return apply_activation(act, x);
-}
-
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kBlockThreads) activation_kernel(const ActKernelArgs p) {
   const int64_t row = int64_t(blockIdx.x) * p.rows_per_block + threadIdx.y;
@@ -72,7 +52,7 @@ __global__ void __launch_bounds__(kBlockThreads) activation_kernel(const ActKern
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
       float v = va[it][i] + (p.bias.ptr ? bias[i] : 0.f);
-      v = activate<T>(p.act, v);
+      v = apply_activation(p.act, v);
       va[it][i] = b ? v * vb[it][i] : v;
     }
     VecIO<T, VEC>::store(out + vi * VEC, va[it]);

@@ -16,7 +16,7 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda])]
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-DTYPES = [F32, F16, BF16]
+DTYPES = [pytest.param(F32, id="f32"), pytest.param(F16, id="f16"), pytest.param(BF16, id="bf16")]
 
 # Upper bounds of rel = ||out - ref|| / ||ref|| against a float64 reference, by output dtype:
 # fp32-internal math with one final rounding.
@@ -190,9 +190,10 @@ def assert_close(out, ref, dtype, tol=None, name="out"):
 
 # q/k layouts: [B, S, H, D]; [B, H, S, D] (heads_first); flat [B, S, W] (LTX-Video).
 ROPE_LAYOUTS = ["bshd", "bhsd", "flat"]
-# cos/sin table shapes: [S, R]; [B, S, R]; [S, R] expanded to [B, S, R] (stride 0); 4-D in q's
-# layout with a size-1 head dim ([B, 1, S, R] heads_first, [B, S, 1, R] otherwise).
-TABLE_KINDS = ["S", "BS", "BS_expand", "4d"]
+# cos/sin table shapes: [S, R]; [B, S, R]; [1, S, R] (batch broadcast); [S, R] expanded to
+# [B, S, R] (stride 0); 4-D in q's layout with a size-1 head dim ([B, 1, S, R] heads_first,
+# [B, S, 1, R] otherwise).
+TABLE_KINDS = ["S", "BS", "1S", "BS_expand", "4d"]
 
 
 def qk_pair(gen, layout, b, s, hq, hk, d, dtype=F32, device="cpu", strided=False):
@@ -233,6 +234,8 @@ def rope_tables(gen, kind, layout, b, s, r, interleaved, dtype=F32, device="cpu"
     cos, sin = cos.to(dtype=dtype, device=device), sin.to(dtype=dtype, device=device)
     if kind == "S":
         cos, sin = cos[0], sin[0]
+    elif kind == "1S":
+        cos, sin = cos[:1], sin[:1]
     elif kind == "BS_expand":
         cos, sin = cos[:1].expand(b, s, r), sin[:1].expand(b, s, r)
     elif kind == "4d":

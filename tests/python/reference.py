@@ -150,7 +150,7 @@ def rope_3d(x, frames, height, width, axes_dim=None, theta=10000.0, offsets=(0, 
         axes_dim = (d - 2 * hw, hw, hw)
     cos, sin = rope_table(rope_3d_angles(frames, height, width, axes_dim, theta, offsets),
                           interleaved)
-    return rope(x, cos, sin, interleaved, heads_first)
+    return rope(x, cos.to(x.device), sin.to(x.device), interleaved, heads_first)
 
 
 def head_rms_norm(x, weight=None, eps=1e-6, across_heads=False, heads_first=False,

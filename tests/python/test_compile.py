@@ -5,8 +5,7 @@ import pytest
 import torch
 
 import fusebox
-from helpers import BF16, F32, TOL, assert_close, call, modulation, qk_pair, randn, rope_tables
-from helpers import small, weight
+from helpers import BF16, F32, TOL, assert_close, call, randn, rope_tables, small, weight
 
 # Inductor runs on both devices (on the CPU its C++ codegen uses the system compiler; graphs
 # made only of these opaque operators and views need little of it).
@@ -17,7 +16,8 @@ def compile_and_compare(fn, *args):
     torch._dynamo.reset()
     eager = fn(*args)
     compiled = call(torch.compile(fn, fullgraph=True, backend=BACKEND), *args)
-    flat_e, flat_c = torch.utils._pytree.tree_leaves(eager), torch.utils._pytree.tree_leaves(compiled)
+    flat_e = torch.utils._pytree.tree_leaves(eager)
+    flat_c = torch.utils._pytree.tree_leaves(compiled)
     assert len(flat_e) == len(flat_c)
     for i, (e, c) in enumerate(zip(flat_e, flat_c)):
         if e is None:

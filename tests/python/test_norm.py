@@ -142,7 +142,8 @@ def test_fused_add_rms_norm_gemma(device, gen, dtypes):
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_fused_add_rms_norm_empty(device, gen, dtype):
     x = torch.empty((0, 96), dtype=dtype, device=device)
-    normed, h = call(fusebox.fused_add_rms_norm, x, torch.empty_like(x), weight(gen, 96, dtype, device))
+    w = weight(gen, 96, dtype, device)
+    normed, h = call(fusebox.fused_add_rms_norm, x, torch.empty_like(x), w)
     for t in (normed, h):
         assert t.shape == (0, 96) and t.dtype == dtype
 
@@ -493,6 +494,7 @@ def test_alias_adaln_zero_with_norm(device, gen, dtypes, norm_type):
 
 
 def test_matches_transformers_llama_rmsnorm_fp32(device, gen):
+    pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     m = LlamaRMSNorm(1024, eps=1e-5).to(device)
@@ -509,6 +511,7 @@ def test_matches_transformers_llama_rmsnorm_fp32(device, gen):
 def test_matches_transformers_gemma_rmsnorm(device, gen, name):
     import importlib
 
+    pytest.importorskip("transformers")
     mod = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     cls = getattr(mod, f"{name.capitalize()}RMSNorm")
     m = cls(512, eps=1e-6).to(device)
@@ -537,6 +540,7 @@ def test_matches_torch_layer_norm_fp32(device, gen):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_diffusers_rmsnorm_no_affine(device, gen, dtype):
+    pytest.importorskip("diffusers")
     from diffusers.models.normalization import RMSNorm
 
     m = RMSNorm(384, eps=1e-6, elementwise_affine=False)
@@ -547,8 +551,26 @@ def test_matches_diffusers_rmsnorm_no_affine(device, gen, dtype):
     assert_close(call(fusebox.rms_norm, x, eps=1e-6), expect.double(), dtype)
 
 
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_matches_diffusers_rmsnorm_fp32_weight(device, gen, dtype):
+    # diffusers' RMSNorm with an fp32 weight returns fp32 for 16-bit x: fusebox's out_dtype
+    pytest.importorskip("diffusers")
+    from diffusers.models.normalization import RMSNorm
+
+    m = RMSNorm(384, eps=1e-6).to(device)
+    with torch.no_grad():
+        m.weight.copy_(weight(gen, 384, F32, device))
+    x = randn(gen, (2, 9, 384), dtype, device)
+    with torch.no_grad():
+        expect = m(x)
+    assert expect.dtype == F32
+    out = call(fusebox.rms_norm, x, m.weight.detach(), eps=1e-6, out_dtype=torch.float32)
+    assert_close(out, expect.double(), F32)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_matches_diffusers_fp32_layernorm(device, gen, dtype):
+    pytest.importorskip("diffusers")
     from diffusers.models.normalization import FP32LayerNorm
 
     m = FP32LayerNorm(384, eps=1e-6).to(device=device, dtype=dtype)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import fusebox  # noqa: F401  (loads the library, registers the fake implementations)
-from helpers import BF16, F32, make_input, modulation, qk_pair, randn, rope_tables, small, weight
+from helpers import BF16, F32, make_input, modulation, qk_pair, rope_tables, small, weight
 
 OPS = ["rms_norm", "layer_norm", "fused_add_rms_norm", "fused_norm", "gated_residual", "rotary",
        "gated_act", "gated_act_packed", "act"]

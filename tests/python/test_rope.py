@@ -164,18 +164,19 @@ def test_rope_3d_k_none(device, gen):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_3d_matches_diffusers_wan(device, gen, dtype):
+    pytest.importorskip("diffusers")
     from diffusers.models.transformers.transformer_wan import WanRotaryPosEmbed
 
     d, (f, h, w) = 128, GRID
     emb = WanRotaryPosEmbed(attention_head_dim=d, patch_size=(1, 1, 1), max_seq_len=64)
-    cos, sin = emb(torch.zeros(1, 1, f, h, w))  # [1, S, 1, D] float64
+    cos, sin = emb(torch.zeros(1, 1, f, h, w))  # [1, S, 1, D] fp32 (computed in float64)
     cos, sin = cos[0, :, 0].to(device), sin[0, :, 0].to(device)  # [S, D]
     q, k = qk_pair(gen, "bshd", B, f * h * w, HQ, HK, d, dtype, device, strided=True)
     q_out, k_out = call(fusebox.rope_3d, q, k, f, h, w)  # Wan defaults: interleaved, Wan split
     assert_close(q_out, ref.rope(q, cos, sin, interleaved=True), dtype)
     assert_close(k_out, ref.rope(k, cos, sin, interleaved=True), dtype)
     # and the table path agrees with the in-kernel frequencies
-    tq, tk = call(fusebox.rope, q, k, cos.float(), sin.float(), interleaved=True)
+    tq, tk = call(fusebox.rope, q, k, cos, sin, interleaved=True)
     assert_close(q_out, tq.double(), dtype)
     assert_close(k_out, tk.double(), dtype)
 
@@ -277,6 +278,7 @@ def test_qk_norm_rope_large(device, gen, dtypes, across):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("table_4d", [False, True], ids=["cos_BSD", "cos_B1SD"])
 def test_matches_transformers_apply_rotary_pos_emb(device, gen, dtype, table_4d):
+    pytest.importorskip("transformers")
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
@@ -300,6 +302,7 @@ def test_matches_transformers_apply_rotary_pos_emb(device, gen, dtype, table_4d)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("sequence_dim", [1, 2])
 def test_matches_diffusers_apply_rotary_emb(device, gen, dtype, sequence_dim):
+    pytest.importorskip("diffusers")
     from diffusers.models.embeddings import apply_rotary_emb, get_1d_rotary_pos_embed
 
     d = 128
