@@ -23,14 +23,16 @@ struct ActKernelArgs {
   Activation act;
 };
 
-template <typename T, int VEC>
+// The activation and the presence of `b` / bias are compile-time, so the per-element loop is
+// straight-line code.
+template <typename T, int VEC, Activation ACT, bool GATED, bool BIAS>
 __global__ void __launch_bounds__(kBlockThreads) activation_kernel(const ActKernelArgs p) {
   const int64_t row = int64_t(blockIdx.x) * p.rows_per_block + threadIdx.y;
   if (row >= p.rows) return;
   int64_t i0, i1, i2;
   p.index.split(row, i0, i1, i2);
   const T* a = static_cast<const T*>(p.a) + p.sa.at(i0, i1, i2);
-  const T* b = p.b ? static_cast<const T*>(p.b) + p.sb.at(i0, i1, i2) : nullptr;
+  const T* b = GATED ? static_cast<const T*>(p.b) + p.sb.at(i0, i1, i2) : nullptr;
   T* out = static_cast<T*>(p.out) + p.sout.at(i0, i1, i2);
 
   const int first = blockIdx.y * kItems * blockDim.x + threadIdx.x;
@@ -40,20 +42,19 @@ __global__ void __launch_bounds__(kBlockThreads) activation_kernel(const ActKern
     const int vi = first + it * blockDim.x;
     if (vi < p.vec_per_row) {
       VecIO<T, VEC>::load(a + vi * VEC, va[it]);
-      if (b) VecIO<T, VEC>::load(b + vi * VEC, vb[it]);
+      if constexpr (GATED) VecIO<T, VEC>::load(b + vi * VEC, vb[it]);
     }
   }
 #pragma unroll
   for (int it = 0; it < kItems; ++it) {
     const int vi = first + it * blockDim.x;
     if (vi >= p.vec_per_row) break;
-    float bias[VEC];
-    if (p.bias.ptr) load_param<T, VEC>(p.bias, vi * VEC, bias);
+    float bias[VEC] = {};
+    if constexpr (BIAS) load_param<T, VEC>(p.bias, vi * VEC, bias);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      float v = va[it][i] + (p.bias.ptr ? bias[i] : 0.f);
-      v = apply_activation(p.act, v);
-      va[it][i] = b ? v * vb[it][i] : v;
+      const float v = apply_activation(ACT, va[it][i] + bias[i]);
+      va[it][i] = GATED ? v * vb[it][i] : v;
     }
     VecIO<T, VEC>::store(out + vi * VEC, va[it]);
   }
@@ -65,7 +66,7 @@ void activation_cuda(const ActPlan& plan, int vec, cudaStream_t stream) {
   const int64_t width = plan.a->shape[plan.a->ndim - 1];
   if (plan.layout.rows == 0 || width == 0) return;
   ActKernelArgs p{};
-  p.index = RowIndexer{plan.layout.sizes[1], plan.layout.sizes[2]};
+  p.index = row_indexer(plan.layout);
   p.rows = plan.layout.rows;
   p.vec_per_row = int(width / vec);
   p.a = plan.a->data;
@@ -88,7 +89,26 @@ void activation_cuda(const ActPlan& plan, int vec, cudaStream_t stream) {
   dispatch_dtype(plan.a->dtype, [&](auto t) {
     using T = decltype(t);
     dispatch_vec<T>(vec, [&](auto v) {
-      activation_kernel<T, decltype(v)::value><<<grid, block, 0, stream>>>(p);
+      constexpr int V = decltype(v)::value;
+      auto launch = [&](auto act, auto gated, auto bias) {
+        activation_kernel<T, V, decltype(act)::value, decltype(gated)::value, decltype(bias)::value>
+            <<<grid, block, 0, stream>>>(p);
+      };
+      using Act = Activation;
+      auto with_act = [&](auto gated, auto bias) {
+        switch (p.act) {
+          case Act::kSiLU: launch(std::integral_constant<Act, Act::kSiLU>{}, gated, bias); break;
+          case Act::kGeluTanh: launch(std::integral_constant<Act, Act::kGeluTanh>{}, gated, bias); break;
+          case Act::kGelu: launch(std::integral_constant<Act, Act::kGelu>{}, gated, bias); break;
+        }
+      };
+      // Gated forms never take a bias; the ungated form may.
+      if (p.b)
+        with_act(std::true_type{}, std::false_type{});
+      else if (p.bias.ptr)
+        with_act(std::false_type{}, std::true_type{});
+      else
+        with_act(std::false_type{}, std::false_type{});
     });
   });
   FUSEBOX_CHECK_LAUNCH();

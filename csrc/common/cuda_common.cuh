@@ -145,7 +145,13 @@ __device__ __forceinline__ float load_param_scalar(const ParamPtr& p, int64_t of
 // Maps a row number to an element offset for each operand of a merged RowLayout.
 struct RowIndexer {
   int64_t size1, size2;  // sizes of the two inner row groups
+  bool flat;             // one row group (the common case): no divisions
   __device__ __forceinline__ void split(int64_t row, int64_t& i0, int64_t& i1, int64_t& i2) const {
+    if (flat) {
+      i0 = i1 = 0;
+      i2 = row;
+      return;
+    }
     i2 = row % size2;
     const int64_t t = row / size2;
     i1 = t % size1;
@@ -159,6 +165,10 @@ struct RowOffsets {
     return i0 * s0 + i1 * s1 + i2 * s2;
   }
 };
+
+inline RowIndexer row_indexer(const detail::RowLayout& l) {
+  return RowIndexer{l.sizes[1], l.sizes[2], l.sizes[0] == 1 && l.sizes[1] == 1};
+}
 
 inline RowOffsets row_offsets(const detail::RowStrides& s) { return RowOffsets{s.s[0], s.s[1], s.s[2]}; }
 

@@ -96,7 +96,7 @@ __device__ __forceinline__ void store_output(const NormKernelArgs& a, const RowP
 // Block size cap per register budget: ITEMS * VEC floats of row per thread must stay in
 // registers without spilling (checked with -Xptxas -warn-spills).
 __host__ __device__ constexpr int max_threads_for_items(int items) {
-  return items >= 8 ? 256 : items >= 4 ? 512 : 1024;
+  return items > 0 ? 256 : 1024;
 }
 
 // ITEMS > 0: the row lives in registers. ITEMS == 0: the row is streamed once per pass.
@@ -245,7 +245,7 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
                cudaStream_t stream) {
   if (layout.rows == 0 || args.x.shape[args.x.ndim - 1] == 0) return;
   NormKernelArgs a{};
-  a.index = RowIndexer{layout.sizes[1], layout.sizes[2]};
+  a.index = row_indexer(layout);
   a.rows = layout.rows;
   a.width = int(args.x.shape[args.x.ndim - 1]);
   a.vec_per_row = a.width / vec;
