@@ -1,6 +1,5 @@
 #include "fusebox/tensor.h"
 
-#include <sstream>
 
 #include "fusebox/error.h"
 
@@ -31,11 +30,12 @@ int64_t TensorView::numel() const {
 }
 
 std::string TensorView::shape_str() const {
-  std::ostringstream os;
-  os << "[";
-  for (int i = 0; i < ndim; ++i) os << (i ? ", " : "") << shape[i];
-  os << "]";
-  return os.str();
+  std::string s = "[";
+  for (int i = 0; i < ndim; ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
 }
 
 TensorView make_view(void* data, DType dtype, Device device, std::initializer_list<int64_t> shape) {

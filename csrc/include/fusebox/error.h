@@ -2,9 +2,10 @@
 // what was expected, so framework bindings can pass it to the user unchanged.
 #pragma once
 
-#include <sstream>
+#include <cstdio>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 
 namespace fusebox {
 
@@ -20,11 +21,26 @@ class Error : public std::runtime_error {
 };
 
 namespace detail {
+// Message formatting without iostreams (no locale machinery on the error path).
+inline void append(std::string& s, const char* v) { s += v; }
+inline void append(std::string& s, const std::string& v) { s += v; }
+inline void append(std::string& s, char v) { s += v; }
+template <typename T>
+std::enable_if_t<std::is_integral_v<T>> append(std::string& s, T v) {
+  s += std::to_string(v);
+}
+template <typename T>
+std::enable_if_t<std::is_floating_point_v<T>> append(std::string& s, T v) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%g", double(v));
+  s += buf;
+}
+
 template <typename... Args>
 std::string concat(const Args&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  return os.str();
+  std::string s;
+  (append(s, args), ...);
+  return s;
 }
 }  // namespace detail
 
