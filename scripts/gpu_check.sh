@@ -27,6 +27,9 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}"
 fi
 [ -d .gtest ] && [ ! -f /usr/include/gtest/gtest.h ] && export FUSEBOX_GTEST_SOURCE_DIR="$root/.gtest"
+# Build with the system compiler: a toolchain that links its own static libstdc++ into the
+# module gives it a second, uninitialized locale (iostream formatting then crashes).
+if [ -x /usr/bin/g++ ]; then export CXX=/usr/bin/g++ CUDAHOSTCXX=/usr/bin/g++; fi
 cap="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader | head -1 | tr -d '.')"
 export FUSEBOX_CUDA_ARCHS="${FUSEBOX_CUDA_ARCHS:-$cap}"
 export FUSEBOX_BUILD_DIR="$root/build/gpu"
