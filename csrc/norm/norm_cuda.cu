@@ -56,18 +56,27 @@ __device__ __forceinline__ void load_input(const NormKernelArgs& a, const RowPtr
   for (int i = 0; i < VEC; ++i) h[i] = round_to<T>(h[i] + b[i]);
 }
 
+// Loads (weight_offset + weight) for one vector; 1 where there is no weight.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_weight(const NormKernelArgs& a, int col, float (&w)[VEC]) {
+  if (a.weight.ptr != nullptr) {
+    load_param<T, VEC>(a.weight, col, w);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) w[i] += a.weight_offset;
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) w[i] = 1.f;
+  }
+}
+
+// `w` holds the vector's (offset + weight), loaded ahead of the row reduction.
 template <typename T, int VEC>
 __device__ __forceinline__ void store_output(const NormKernelArgs& a, const RowPtrs<T>& r,
-                                             int col, float (&v)[VEC], float mean, float rstd) {
+                                             int col, float (&v)[VEC], const float (&w)[VEC],
+                                             float mean, float rstd) {
   if (a.norm != NormType::kNone) {
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) v[i] = (v[i] - mean) * rstd;
-    if (a.weight.ptr != nullptr) {
-      float w[VEC];
-      load_param<T, VEC>(a.weight, col, w);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) v[i] *= a.weight_offset + w[i];
-    }
+    for (int i = 0; i < VEC; ++i) v[i] = (v[i] - mean) * rstd * w[i];
     if (a.bias.ptr != nullptr) {
       float b[VEC];
       load_param<T, VEC>(a.bias, col, b);
@@ -128,13 +137,15 @@ __global__ void __launch_bounds__(max_threads_for_items(ITEMS)) norm_rows_kernel
   const float inv_width = 1.f / float(a.width);
 
   if constexpr (ITEMS > 0) {
-    // Every load of the row is issued before the first store.
-    float v[ITEMS][VEC];
+    // Every load of the row, and of the weight, is issued before the first store and before
+    // the reduction's barriers.
+    float v[ITEMS][VEC], w[ITEMS][VEC];
 #pragma unroll
     for (int it = 0; it < ITEMS; ++it) {
       const int vi = threadIdx.x + it * tpr;
       if (active && vi < a.vec_per_row) {
         load_input<T, VEC>(a, r, vi * VEC, v[it]);
+        load_weight<T, VEC>(a, vi * VEC, w[it]);
       } else {
 #pragma unroll
         for (int i = 0; i < VEC; ++i) v[it][i] = 0.f;
@@ -178,7 +189,7 @@ __global__ void __launch_bounds__(max_threads_for_items(ITEMS)) norm_rows_kernel
 #pragma unroll
     for (int it = 0; it < ITEMS; ++it) {
       const int vi = threadIdx.x + it * tpr;
-      if (vi < a.vec_per_row) store_output<T, VEC>(a, r, vi * VEC, v[it], mean, rstd);
+      if (vi < a.vec_per_row) store_output<T, VEC>(a, r, vi * VEC, v[it], w[it], mean, rstd);
     }
   } else {
     // Streaming path for very wide rows: pass 1 sums (and writes the residual), pass 2 (Layer
@@ -205,9 +216,10 @@ __global__ void __launch_bounds__(max_threads_for_items(ITEMS)) norm_rows_kernel
     if (a.norm != NormType::kNone) rstd = rsqrtf(row_sum(acc, scratch) * inv_width + a.eps);
     if (!active || a.norm == NormType::kNone) return;
     for (int vi = threadIdx.x; vi < a.vec_per_row; vi += tpr) {
-      float h[VEC];
+      float h[VEC], w[VEC];
       load_input<T, VEC>(a, r, vi * VEC, h);
-      store_output<T, VEC>(a, r, vi * VEC, h, mean, rstd);
+      load_weight<T, VEC>(a, vi * VEC, w);
+      store_output<T, VEC>(a, r, vi * VEC, h, w, mean, rstd);
     }
   }
 }
@@ -221,7 +233,7 @@ struct NormLaunch {
 
 NormLaunch plan_norm_launch(int64_t vec_per_row, int64_t rows) {
   NormLaunch l;
-  constexpr int kTargetThreads = 128;  // per row, before items grow
+  constexpr int kTargetThreads = 256;  // per row, before items grow
   int items = next_pow2((vec_per_row + kTargetThreads - 1) / kTargetThreads);
   if (items > 8) items = 8;
   int tpr = next_pow2((vec_per_row + items - 1) / items);
@@ -233,7 +245,7 @@ NormLaunch plan_norm_launch(int64_t vec_per_row, int64_t rows) {
   }
   l.items = items;
   l.threads_per_row = tpr;
-  int rpb = tpr >= 128 ? 1 : 128 / tpr;
+  int rpb = tpr >= 256 ? 1 : 256 / tpr;
   while (rpb > 1 && rpb / 2 >= rows) rpb /= 2;
   l.rows_per_block = rpb;
   return l;

@@ -12,7 +12,7 @@
 namespace fusebox::cuda {
 namespace {
 
-constexpr int kThreads = 128;
+constexpr int kThreads = 256;
 constexpr int kLoadBatch = 4;  // vectors per thread in flight while staging a token
 
 struct RopeTensorArg {
@@ -48,6 +48,76 @@ struct RopeSmem {
   }
 };
 
+// Reads VEC elements of a staged row from shared memory as floats.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_staged(const T* p, float (&out)[VEC]) {
+  const Pack<T, VEC> pk = *reinterpret_cast<const Pack<T, VEC>*>(p);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) out[i] = to_float(pk.v[i]);
+}
+
+// Output of one staged token when every pair lies within one vector (interleaved) or between
+// two vectors R/2 apart (half-split): each work unit reads its vector(s) from shared memory
+// once and writes whole vectors. Units: per head, the rotary units, then pass-through vectors.
+template <typename T, int VEC>
+__device__ __forceinline__ void rotate_pair_vectors(const RopeKernelArgs& a, const T* rows, const float* cs,
+                                                    const float* sn, const float* qw, const float* kw,
+                                                    const float* sumsq, float rstd_q, float rstd_k,
+                                                    int64_t b, int64_t s) {
+  const int rot_units = a.interleaved ? a.R / VEC : a.R / (2 * VEC);
+  const int units = rot_units + (a.D - a.R) / VEC;
+  const int half = a.R / 2;
+  const int total = (a.Hq + a.Hk) * units;
+  for (int u = threadIdx.x; u < total; u += blockDim.x) {
+    const int head = u / units, j = u % units;
+    const bool is_k = head >= a.Hq;
+    const int h = is_k ? head - a.Hq : head;
+    const T* row = rows + head * a.D;
+    float scale = 1.f;
+    if (a.norm) scale = a.across ? (is_k ? rstd_k : rstd_q) : rsqrtf(sumsq[head] / float(a.D) + a.eps);
+    const float* w = is_k ? kw : qw;
+    if (w && a.across) w += h * a.D;
+    const RopeTensorArg& dst = is_k ? a.ko : a.qo;
+    T* out = static_cast<T*>(const_cast<void*>(dst.ptr)) + b * dst.sb + s * dst.ss + h * dst.sh;
+    auto normalize = [&](float (&x)[VEC], int d0) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) x[i] *= scale * (w ? w[d0 + i] : 1.f);
+    };
+    if (j >= rot_units) {  // pass-through channels
+      const int d0 = a.R + (j - rot_units) * VEC;
+      float x[VEC];
+      load_staged<T, VEC>(row + d0, x);
+      normalize(x, d0);
+      VecIO<T, VEC>::store(out + d0, x);
+    } else if (a.interleaved) {
+      const int d0 = j * VEC;
+      float x[VEC], y[VEC];
+      load_staged<T, VEC>(row + d0, x);
+      normalize(x, d0);
+#pragma unroll
+      for (int i = 0; i < VEC; i += 2) {
+        y[i] = x[i] * cs[d0 + i] - x[i + 1] * sn[d0 + i];
+        y[i + 1] = x[i + 1] * cs[d0 + i + 1] + x[i] * sn[d0 + i + 1];
+      }
+      VecIO<T, VEC>::store(out + d0, y);
+    } else {
+      const int d0 = j * VEC, d1 = d0 + half;
+      float lo[VEC], hi[VEC], ylo[VEC], yhi[VEC];
+      load_staged<T, VEC>(row + d0, lo);
+      load_staged<T, VEC>(row + d1, hi);
+      normalize(lo, d0);
+      normalize(hi, d1);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        ylo[i] = lo[i] * cs[d0 + i] - hi[i] * sn[d0 + i];
+        yhi[i] = hi[i] * cs[d1 + i] + lo[i] * sn[d1 + i];
+      }
+      VecIO<T, VEC>::store(out + d0, ylo);
+      VecIO<T, VEC>::store(out + d1, yhi);
+    }
+  }
+}
+
 template <typename T, int VEC>
 __global__ void __launch_bounds__(kThreads) rope_kernel(const RopeKernelArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -73,6 +143,9 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const RopeKernelArgs a) 
 
   const int vpd = a.D / VEC;
   const int nq = a.Hq * vpd, n = heads * vpd;
+  // Whole-vector pairs: interleaved pairs never straddle a vector; half-split partners sit
+  // R/2 apart, a whole number of vectors.
+  const bool pair_vectors = VEC >= 2 && a.R % VEC == 0 && (a.interleaved || (a.R / 2) % VEC == 0);
   for (int64_t token = blockIdx.x; token < a.tokens; token += gridDim.x) {
     const int64_t b = token / a.S, s = token % a.S;
     __syncthreads();  // the previous token's rows, table and sums are consumed
@@ -127,6 +200,11 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const RopeKernelArgs a) 
     }
     __syncthreads();
 
+    if (pair_vectors) {
+      rotate_pair_vectors<T, VEC>(a, rows, cs, sn, qw_len ? qw : nullptr, kw_len ? kw : nullptr, sumsq,
+                                  rstd_q, rstd_k, b, s);
+      continue;
+    }
     for (int v = tid; v < n; v += blockDim.x) {
       const bool is_k = v >= nq;
       const int vv = is_k ? v - nq : v;
@@ -212,8 +290,6 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
                 " channels) needs ", smem, " bytes of shared memory; this GPU allows ", dev.smem_optin);
   a.tokens = sh.B * sh.S;
   // Enough resident blocks to keep every SM busy; each walks several tokens when there are more.
-  const int64_t blocks_per_sm = std::max<int64_t>(1, std::min<int64_t>(16, (dev.smem_per_sm - 1024) / int64_t(smem + 1024)));
-  const int64_t grid = std::min<int64_t>(a.tokens, blocks_per_sm * dev.sm_count);
 
   dispatch_dtype(args.q.dtype, [&](auto t) {
     using T = decltype(t);
@@ -221,6 +297,10 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
       auto kernel = rope_kernel<T, decltype(v)::value>;
       if (smem > 48 * 1024)
         FUSEBOX_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
+      // As many blocks as fit on the GPU at once; each walks its share of the tokens.
+      int blocks_per_sm = 0;
+      FUSEBOX_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, smem));
+      const int64_t grid = std::min<int64_t>(a.tokens, int64_t(std::max(blocks_per_sm, 1)) * dev.sm_count);
       kernel<<<unsigned(grid), kThreads, smem, stream>>>(a);
     });
   });
