@@ -71,6 +71,8 @@ for stage in "${stages[@]}"; do
     bench|quick)
       t0=$(date +%s)
       args=(); [ "$stage" = quick ] && args=(--quick)
+      # shellcheck disable=SC2206
+      args+=(${BENCH_ARGS:-})
       "$py" -m fusebox bench "${args[@]}" --out "$out/bench" 2>&1 | tee "$out/bench.log" | tail -60
       rc=${PIPESTATUS[0]}; record "fusebox bench ${args[*]}" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(( $(date +%s) - t0 )) s"
       ;;
@@ -81,3 +83,6 @@ echo
 echo "| check                              | ok   | detail |"
 echo "|------------------------------------|------|--------|"
 printf '%s\n' "${summary[@]}" | tee "$out/summary.md"
+# Everything in one archive (the summary stays beside it).
+tar czf "$root/gpu_run.tgz" -C "$out" . && mv "$root/gpu_run.tgz" "$out/gpu_run.tgz"
+find "$out" -mindepth 1 ! -name gpu_run.tgz ! -name summary.md -exec rm -rf {} + 2>/dev/null || true
