@@ -134,7 +134,7 @@ def git_info() -> dict:
     root = repo_root()
     if root is None:
         return {"commit": os.environ.get("FUSEBOX_COMMIT") or None, "dirty": None}
-    commit = _git(["rev-parse", "--short", "HEAD"], root)
+    commit = _git(["rev-parse", "--short", "HEAD"], root) or os.environ.get("FUSEBOX_COMMIT") or None
     status = _git(["status", "--porcelain", "--untracked-files=no"], root)
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
