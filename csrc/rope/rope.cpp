@@ -1,4 +1,6 @@
 // Entry point of the rotary family: checks q/k/tables/weights and dispatches.
+#include <algorithm>
+
 #include "common/layout.h"
 #include "rope/rope_impl.h"
 
@@ -96,15 +98,17 @@ void rope(const RopeArgs& a, cudaStream_t stream) {
     cpu::rope_cpu(a, sh);
     return;
   }
-  // Vector width: divides head_dim, every head/seq/batch stride and aligns every pointer.
-  const TensorView* views[] = {&a.q, &a.k, &a.q_out, &a.k_out};
+  // Vector width: divides head_dim, every head/seq/batch stride of q/k and of the tables, and
+  // aligns every pointer (tables and weights are read in vectors too).
+  const TensorView* views[] = {&a.q, &a.k, &a.q_out, &a.k_out, &a.cos, &a.sin, &a.q_weight, &a.k_weight};
   int vec = int(16 / dtype_size(a.q.dtype));
   auto fits = [&](int v) {
     if (sh.D % v) return false;
     for (const TensorView* t : views) {
       if (!t->defined()) continue;
-      if (reinterpret_cast<uintptr_t>(t->data) % (size_t(v) * dtype_size(t->dtype))) return false;
-      for (int d = 0; d < 3; ++d)
+      const size_t bytes = std::min<size_t>(16, size_t(v) * dtype_size(t->dtype));
+      if (reinterpret_cast<uintptr_t>(t->data) % bytes) return false;
+      for (int d = 0; d + 1 < t->ndim; ++d)
         if (t->strides[d] % v) return false;
     }
     return true;

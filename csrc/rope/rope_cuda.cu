@@ -240,6 +240,108 @@ __global__ void __launch_bounds__(kThreads) rope_kernel(const RopeKernelArgs a) 
   }
 }
 
+// Per-head kernel for heads of at most 32 work units (head_dim <= 128 in 16-bit, the
+// LLM/DiT case): a group of lanes owns one head row of one token and reads its vectors straight
+// from global memory (both halves of a half-split pair in one thread), reduces the per-head
+// RMS statistics with shuffles and writes whole vectors. No shared-memory staging and no
+// block barriers on the data path, so every resident warp keeps loads in flight.
+template <typename T, int VEC>
+__global__ void __launch_bounds__(kThreads) rope_head_kernel(const RopeKernelArgs a, const int lanes) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  double* freq = reinterpret_cast<double*>(smem_raw);  // [R], grid mode only
+  if (a.use_grid) {
+    for (int r = threadIdx.x; r < a.R; r += blockDim.x) freq[r] = rope_grid_inv_freq(a.grid, r, a.R, a.interleaved);
+    __syncthreads();
+  }
+  const int heads = a.Hq + a.Hk;
+  const int rot_units = a.interleaved ? a.R / VEC : a.R / (2 * VEC);
+  const int units = rot_units + (a.D - a.R) / VEC;
+  const int half = a.R / 2;
+  const int lane = threadIdx.x % lanes;
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / lanes) + threadIdx.x / lanes;
+  const bool active = row < a.tokens * heads && lane < units;
+  // Rows past the end still take part in the shuffles below, with zeros.
+  const int64_t token = active ? row / heads : 0;
+  const int head = active ? int(row % heads) : 0;
+  const int64_t b = token / a.S, s = token % a.S;
+  const bool is_k = head >= a.Hq;
+  const int h = is_k ? head - a.Hq : head;
+  const RopeTensorArg& src = is_k ? a.k : a.q;
+  const RopeTensorArg& dst = is_k ? a.ko : a.qo;
+
+  // Channels this thread owns: one vector at d0, plus its partner vector at d1 (half-split).
+  const bool rotary = lane < rot_units;
+  const bool two = rotary && !a.interleaved;
+  const int d0 = rotary ? lane * VEC : a.R + (lane - rot_units) * VEC;
+  const int d1 = d0 + half;
+  float x0[VEC] = {}, x1[VEC] = {};
+  if (active) {
+    const T* in = static_cast<const T*>(src.ptr) + b * src.sb + s * src.ss + h * src.sh;
+    VecIO<T, VEC>::load(in + d0, x0);
+    if (two) VecIO<T, VEC>::load(in + d1, x1);
+  }
+  float c0[VEC], s0[VEC], c1[VEC], s1[VEC];
+  if (active && rotary) {
+    if (a.use_grid) {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const float ang0 = float(rope_grid_reduce(double(rope_grid_position(a.grid, s, d0 + i, a.R, a.interleaved)) * freq[d0 + i]));
+        __sincosf(ang0, &s0[i], &c0[i]);
+        if (two) {
+          const float ang1 = float(rope_grid_reduce(double(rope_grid_position(a.grid, s, d1 + i, a.R, a.interleaved)) * freq[d1 + i]));
+          __sincosf(ang1, &s1[i], &c1[i]);
+        }
+      }
+    } else {
+      load_param<T, VEC>(a.cos, b * a.cos_sb + s * a.cos_ss + d0, c0);
+      load_param<T, VEC>(a.sin, b * a.sin_sb + s * a.sin_ss + d0, s0);
+      if (two) {
+        load_param<T, VEC>(a.cos, b * a.cos_sb + s * a.cos_ss + d1, c1);
+        load_param<T, VEC>(a.sin, b * a.sin_sb + s * a.sin_ss + d1, s1);
+      }
+    }
+  }
+  if (a.norm) {
+    float sq = 0.f;
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) sq += x0[i] * x0[i] + x1[i] * x1[i];
+    const float rstd = rsqrtf(lane_group_sum(sq, lanes) / float(a.D) + a.eps);
+    const ParamPtr& w = is_k ? a.kw : a.qw;
+    float w0[VEC], w1[VEC];
+    if (active && w.ptr) {
+      load_param<T, VEC>(w, d0, w0);
+      if (two) load_param<T, VEC>(w, d1, w1);
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      x0[i] *= rstd * (w.ptr ? a.weight_offset + w0[i] : 1.f);
+      x1[i] *= rstd * (w.ptr ? a.weight_offset + w1[i] : 1.f);
+    }
+  }
+  if (!active) return;
+  T* out = static_cast<T*>(const_cast<void*>(dst.ptr)) + b * dst.sb + s * dst.ss + h * dst.sh;
+  if (!rotary) {
+    VecIO<T, VEC>::store(out + d0, x0);
+  } else if (a.interleaved) {
+    float y[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; i += 2) {
+      y[i] = x0[i] * c0[i] - x0[i + 1] * s0[i];
+      y[i + 1] = x0[i + 1] * c0[i + 1] + x0[i] * s0[i + 1];
+    }
+    VecIO<T, VEC>::store(out + d0, y);
+  } else {
+    float y0[VEC], y1[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      y0[i] = x0[i] * c0[i] - x1[i] * s0[i];
+      y1[i] = x1[i] * c1[i] + x0[i] * s1[i];
+    }
+    VecIO<T, VEC>::store(out + d0, y0);
+    VecIO<T, VEC>::store(out + d1, y1);
+  }
+}
+
 RopeTensorArg tensor_arg(const TensorView& t) {
   if (!t.defined()) return RopeTensorArg{nullptr, 0, 0, 0};
   return RopeTensorArg{t.data, t.strides[0], t.strides[1], t.strides[2]};
@@ -281,15 +383,37 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   a.eps = args.eps;
   a.weight_offset = args.weight_offset;
 
+  a.tokens = sh.B * sh.S;
   const int64_t heads = sh.Hq + sh.Hk;
+
+  // Per-head path: pairs in whole vectors, at most 32 units per head, and no norm spanning
+  // several heads.
+  const bool pair_vectors = vec >= 2 && a.R % vec == 0 && (a.interleaved || (a.R / 2) % vec == 0);
+  const int units = (a.interleaved ? a.R / vec : a.R / (2 * vec)) + (a.D - a.R) / vec;
+  const bool cross_head_norm = a.norm && a.across && (sh.Hq > 1 || sh.Hk > 1);
+  if (pair_vectors && units <= 32 && !cross_head_norm) {
+    const int lanes = next_pow2(units);
+    const int64_t rows = a.tokens * heads;
+    const int rows_per_block = kThreads / lanes;
+    const size_t smem = a.use_grid ? sizeof(double) * size_t(a.R) : 0;
+    FUSEBOX_CHECK((rows + rows_per_block - 1) / rows_per_block < (int64_t(1) << 31), "too many rows: ", rows);
+    dispatch_dtype(args.q.dtype, [&](auto t) {
+      using T = decltype(t);
+      dispatch_vec<T>(vec, [&](auto v) {
+        rope_head_kernel<T, decltype(v)::value>
+            <<<unsigned((rows + rows_per_block - 1) / rows_per_block), kThreads, smem, stream>>>(a, lanes);
+      });
+    });
+    FUSEBOX_CHECK_LAUNCH();
+    return;
+  }
+
   const int qw_len = args.q_weight.defined() ? int(args.q_weight.shape[0]) : 0;
   const int kw_len = args.k_weight.defined() ? int(args.k_weight.shape[0]) : 0;
   const size_t smem = RopeSmem(int(heads), a.D, a.R, dtype_size(args.q.dtype), qw_len, kw_len, a.use_grid).total;
   const DeviceLimits& dev = device_limits();
   FUSEBOX_CHECK(smem <= size_t(dev.smem_optin), "one token of q and k (", heads, " heads x ", sh.D,
                 " channels) needs ", smem, " bytes of shared memory; this GPU allows ", dev.smem_optin);
-  a.tokens = sh.B * sh.S;
-  // Enough resident blocks to keep every SM busy; each walks several tokens when there are more.
 
   dispatch_dtype(args.q.dtype, [&](auto t) {
     using T = decltype(t);

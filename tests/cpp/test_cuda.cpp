@@ -139,6 +139,8 @@ TEST_F(CudaVsCpu, RotaryFamily) {
       {2, 17, 1, 1, 2048, 2048, true, true, true, false},   // LTX flat, across-head norm
       {1, 31, 6, 6, 128, 128, true, true, false, false},    // Flux per-head norm
       {1, 2 * 3 * 5, 3, 3, 128, 128, true, false, false, true},  // Wan grid
+      {1, 13, 5, 5, 128, 128, true, true, true, false},     // Wan: norm across several heads
+      {2, 7, 4, 2, 128, 64, false, true, false, false},     // Qwen3-like per-head norm, partial
       {1, 9, 2, 1, 6, 6, false, true, false, false},        // tiny head_dim, scalar vectors
   };
   for (DType dt : kDtypes)
