@@ -29,12 +29,14 @@ from .functional import (
     silu_and_mul,
     swiglu,
 )
+from .patch import PatchReport, is_patched, patch, unpatch
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LIBRARY_PATH",
     "LOAD_ERROR",
+    "PatchReport",
     "activation",
     "adaln",
     "adaln_layernorm",
@@ -47,8 +49,10 @@ __all__ = [
     "gated_residual_norm",
     "geglu",
     "gelu_tanh",
+    "is_patched",
     "layer_norm",
     "ops",
+    "patch",
     "qk_norm_rope",
     "rms_norm",
     "rmsnorm",
@@ -58,4 +62,5 @@ __all__ = [
     "rope_3d",
     "silu_and_mul",
     "swiglu",
+    "unpatch",
 ]

@@ -34,6 +34,9 @@ examples:
                                       stopping cleanly before a time limit
   fusebox bench --from-json DIR/results.json
                                       rewrite results.md and the plots from a results.json
+  fusebox bench e2e --model qwen3-8b  end to end: a whole model (random weights, real config),
+                                      eager / patched / torch.compile / patched + compile;
+                                      `fusebox bench e2e --help` for the models
 """
 
 
@@ -363,6 +366,10 @@ def run(args: argparse.Namespace, cases: List[suite.Case]) -> int:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "e2e":
+        from .e2e import main as e2e_main
+        return e2e_main(argv[1:])
     args = parse_args(argv)
     if args.from_json:
         return regenerate(args.from_json, args.json_only)

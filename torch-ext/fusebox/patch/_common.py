@@ -1,0 +1,120 @@
+"""Mechanics shared by the model families: swapping a module's forward without dropping the
+hooks that accelerate (CPU offload, ``device_map``) or diffusers (group offload, caching) put
+around it, undoing that, and deciding when a patched forward must fall back to the original.
+
+A hook system wraps ``module.forward`` and keeps the forward it wrapped somewhere:
+accelerate in ``module._old_forward``, diffusers in the function references of
+``module._diffusers_hook``. Replacing ``module.forward`` itself would drop the hooks, so the
+original is replaced where the innermost wrapper keeps it; every hook keeps running around the
+fused forward.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Callable, Iterator, List, Optional, Tuple
+
+import torch
+
+ORIGINAL_ATTR = "_fusebox_original_forward"   # the bound forward we replaced
+SLOT_ATTR = "_fusebox_forward_slot"           # where the fused forward was put (for unpatch)
+TAG_ATTR = "_fusebox_patch"                   # short description of the patch ("rms_norm", ...)
+
+
+def _class_forward(module: torch.nn.Module):
+    return type(module).forward
+
+
+def _is_original(fn, module) -> bool:
+    """Is ``fn`` the module's own class forward, bound to it?"""
+    return (isinstance(fn, types.MethodType) and fn.__self__ is module
+            and fn.__func__ is _class_forward(module))
+
+
+def _slots(module: torch.nn.Module) -> Iterator[Tuple[object, str]]:
+    """(holder, attribute) pairs that may hold the module's original forward, innermost
+    wrapper first."""
+    reg = module.__dict__.get("_diffusers_hook")
+    if reg is not None:
+        for ref in getattr(reg, "_fn_refs", []):
+            yield ref, "original_forward"
+            yield ref, "forward"
+    if "_old_forward" in module.__dict__:
+        yield module, "_old_forward"
+    yield module, "forward"
+
+
+def has_hooks(module: torch.nn.Module) -> bool:
+    return "_hf_hook" in module.__dict__ or "_diffusers_hook" in module.__dict__
+
+
+def replace_forward(module: torch.nn.Module, fused: Callable, tag: str) -> None:
+    """Makes ``fused(module, *args, **kwargs)`` the module's forward, inside any hooks.
+
+    ``fused`` may call ``original_forward(module)(...)`` to fall back. Raises RuntimeError
+    when the module's forward was wrapped by something this function does not know."""
+    if is_patched(module):
+        restore_forward(module)
+    bound = types.MethodType(fused, module)
+    if "forward" not in module.__dict__:
+        # nothing wraps the class forward: an instance attribute shadows it
+        module.forward = bound
+        _remember(module, types.MethodType(_class_forward(module), module), (module, "forward"), tag)
+        return
+    for holder, attr in _slots(module):
+        fn = getattr(holder, attr, None)
+        if fn is not None and _is_original(fn, module):
+            setattr(holder, attr, bound)
+            _remember(module, fn, (holder, attr), tag)
+            return
+    raise RuntimeError(
+        f"fusebox: cannot patch {type(module).__name__}: its forward is wrapped by something "
+        "other than accelerate or diffusers hooks. Patch the model before wrapping it.")
+
+
+def _remember(module, original, slot, tag) -> None:
+    module.__dict__[ORIGINAL_ATTR] = original
+    module.__dict__[SLOT_ATTR] = slot
+    module.__dict__[TAG_ATTR] = tag
+
+
+def original_forward(module: torch.nn.Module):
+    """The forward the patch replaced (bound), or the class forward when unpatched."""
+    return module.__dict__.get(ORIGINAL_ATTR) or types.MethodType(_class_forward(module), module)
+
+
+def is_patched(module: torch.nn.Module) -> bool:
+    return ORIGINAL_ATTR in module.__dict__
+
+
+def restore_forward(module: torch.nn.Module) -> bool:
+    """Puts the original forward back where the patch put the fused one. False if unpatched."""
+    if not is_patched(module):
+        return False
+    holder, attr = module.__dict__.pop(SLOT_ATTR)
+    original = module.__dict__.pop(ORIGINAL_ATTR)
+    module.__dict__.pop(TAG_ATTR, None)
+    if holder is module and attr == "forward":
+        # back to the class forward when nothing else wrapped it
+        if _is_original(original, module):
+            module.__dict__.pop("forward", None)
+        else:
+            module.forward = original
+    else:
+        setattr(holder, attr, original)
+    return True
+
+
+def patched_modules(root: torch.nn.Module) -> List[Tuple[str, torch.nn.Module]]:
+    return [(n, m) for n, m in root.named_modules() if is_patched(m)]
+
+
+def needs_autograd(*tensors: Optional[torch.Tensor]) -> bool:
+    """fusebox operators have no backward: a forward that must be differentiated falls back."""
+    if not torch.is_grad_enabled():
+        return False
+    return any(t is not None and isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+def class_name_endswith(module: torch.nn.Module, *suffixes: str) -> bool:
+    return type(module).__name__.endswith(suffixes)
