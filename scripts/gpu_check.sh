@@ -53,9 +53,9 @@ for stage in "${stages[@]}"; do
       "$cpp_tests" --gtest_brief=1 >"$out/cpp_tests.log" 2>&1
       rc=$?; record "C++ tests (CPU + CUDA vs CPU)" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/cpp_tests.log" | tr '\n' ' ') $(( $(date +%s) - t0 )) s"
       t0=$(date +%s)
-      "$py" -m pytest tests/python -q -p no:cacheprovider -x --junitxml="$out/pytest.xml" >"$out/pytest.log" 2>&1
+      "$py" -m pytest tests/python -q -p no:cacheprovider --maxfail=40 -rf --junitxml="$out/pytest.xml" >"$out/pytest.log" 2>&1
       rc=$?; record "pytest (CPU + CUDA)" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(pytest_line "$out/pytest.log"), $(( $(date +%s) - t0 )) s"
-      [ $rc -ne 0 ] && tail -40 "$out/pytest.log"
+      [ $rc -ne 0 ] && grep -E "^FAILED|Error" "$out/pytest.log" | head -60
       ;;
     sanitize)
       t0=$(date +%s)

@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include "common/layout.h"
 #include "fusebox/error.h"
@@ -60,9 +62,15 @@ __device__ __forceinline__ float round_to(float v) {
 // read-only path (ld.global.nc): fusebox operands are never written by the kernel that reads
 // them, and it lets the compiler issue every load of a row before the first store.
 
+// N elements of T as stored in memory, in 32-bit words (two 16-bit values to a word), so a
+// row kept in registers takes the registers its bytes need; elements are widened to fp32
+// where the math uses them.
 template <typename T, int N>
-struct alignas(sizeof(T) * N) Pack {
-  T v[N];
+struct alignas(sizeof(T) * N >= 16 ? 16 : sizeof(T) * N) Pack {
+  static constexpr int kBytes = int(sizeof(T)) * N;
+  static constexpr int kWords = kBytes >= 4 ? kBytes / 4 : 1;
+  using Word = std::conditional_t<(kBytes >= 4), uint32_t, uint16_t>;
+  Word w[kWords];
 };
 
 template <int Bytes>
@@ -85,31 +93,111 @@ struct RawChunk<2> {
 };
 
 template <typename T, int N>
-struct VecIO {
-  static constexpr int kBytes = int(sizeof(T)) * N;
-  static constexpr int kChunk = kBytes < 16 ? N : 16 / int(sizeof(T));
-  static constexpr int kChunks = N / kChunk;
-  using Raw = typename RawChunk<kChunk * int(sizeof(T))>::type;
+__device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
+  constexpr int kChunk = Pack<T, N>::kBytes < 16 ? Pack<T, N>::kBytes : 16;
+  using Raw = typename RawChunk<kChunk>::type;
+  Pack<T, N> out;
+#pragma unroll
+  for (int c = 0; c < Pack<T, N>::kBytes / kChunk; ++c) {
+    const Raw raw = __ldg(reinterpret_cast<const Raw*>(reinterpret_cast<const char*>(p) + c * kChunk));
+    memcpy(reinterpret_cast<char*>(out.w) + c * kChunk, &raw, kChunk);
+  }
+  return out;
+}
 
-  __device__ __forceinline__ static void load(const T* p, float (&out)[N]) {
+template <typename T, int N>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T, N>& in) {
+  constexpr int kChunk = Pack<T, N>::kBytes < 16 ? Pack<T, N>::kBytes : 16;
+  using Raw = typename RawChunk<kChunk>::type;
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      const Raw raw = __ldg(reinterpret_cast<const Raw*>(p + c * kChunk));
-      Pack<T, kChunk> pk;
-      memcpy(&pk, &raw, sizeof(raw));
+  for (int c = 0; c < Pack<T, N>::kBytes / kChunk; ++c) {
+    Raw raw;
+    memcpy(&raw, reinterpret_cast<const char*>(in.w) + c * kChunk, kChunk);
+    *reinterpret_cast<Raw*>(reinterpret_cast<char*>(p) + c * kChunk) = raw;
+  }
+}
+
+// Element-wise widening and rounding of packs.
+template <typename T, int N>
+__device__ __forceinline__ void unpack(const Pack<T, N>& in, float (&out)[N]) {
+  if constexpr (std::is_same_v<T, float>) {
 #pragma unroll
-      for (int i = 0; i < kChunk; ++i) out[c * kChunk + i] = to_float(pk.v[i]);
+    for (int i = 0; i < N; ++i) out[i] = __uint_as_float(in.w[i]);
+  } else if constexpr (N == 1) {
+    out[0] = std::is_same_v<T, __half> ? __half2float(__ushort_as_half(in.w[0]))
+                                       : __uint_as_float(uint32_t(in.w[0]) << 16);
+  } else {
+#pragma unroll
+    for (int j = 0; j < N / 2; ++j) {
+      const uint32_t word = in.w[j];
+      if constexpr (std::is_same_v<T, __half>) {
+        __half2 h2;
+        memcpy(&h2, &word, 4);
+        const float2 f = __half22float2(h2);
+        out[2 * j] = f.x;
+        out[2 * j + 1] = f.y;
+      } else {  // bf16 is the top half of an fp32
+        out[2 * j] = __uint_as_float(word << 16);
+        out[2 * j + 1] = __uint_as_float(word & 0xffff0000u);
+      }
     }
   }
-  __device__ __forceinline__ static void store(T* p, const float (&in)[N]) {
+}
+
+template <typename T, int N>
+__device__ __forceinline__ Pack<T, N> pack(const float (&in)[N]) {
+  Pack<T, N> out;
+  if constexpr (std::is_same_v<T, float>) {
 #pragma unroll
-    for (int c = 0; c < kChunks; ++c) {
-      Pack<T, kChunk> pk;
+    for (int i = 0; i < N; ++i) out.w[i] = __float_as_uint(in[i]);
+  } else if constexpr (N == 1) {
+    const T v = from_float<T>(in[0]);
+    memcpy(&out.w[0], &v, 2);
+  } else {
 #pragma unroll
-      for (int i = 0; i < kChunk; ++i) pk.v[i] = from_float<T>(in[c * kChunk + i]);
-      *reinterpret_cast<Pack<T, kChunk>*>(p + c * kChunk) = pk;
+    for (int j = 0; j < N / 2; ++j) {
+      if constexpr (std::is_same_v<T, __half>) {
+        const __half2 h2 = __floats2half2_rn(in[2 * j], in[2 * j + 1]);
+        memcpy(&out.w[j], &h2, 4);
+      } else {
+        const __nv_bfloat162 b2 = __floats2bfloat162_rn(in[2 * j], in[2 * j + 1]);
+        memcpy(&out.w[j], &b2, 4);
+      }
     }
   }
+  return out;
+}
+
+// Copies a pack from global to shared memory without holding it in registers: cp.async on
+// sm_80+ (complete it with async_copy_wait() before reading), a plain load and store before
+// that. Packs under 4 bytes are copied synchronously.
+template <typename T, int N>
+__device__ __forceinline__ void async_copy_pack(Pack<T, N>* smem, const T* gmem) {
+  constexpr int kBytes = Pack<T, N>::kBytes;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  if constexpr (kBytes >= 4) {
+    constexpr int kChunk = kBytes < 16 ? kBytes : 16;
+    const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+#pragma unroll
+    for (int c = 0; c < kBytes / kChunk; ++c)
+      asm volatile("cp.async.ca.shared.global [%0], [%1], %2;\n" ::"r"(dst + c * kChunk),
+                   "l"(reinterpret_cast<const char*>(gmem) + c * kChunk), "n"(kChunk));
+    return;
+  }
+#endif
+  *smem = load_pack<T, N>(gmem);
+}
+
+__device__ __forceinline__ void async_copy_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+#endif
+}
+
+template <typename T, int N>
+struct VecIO {
+  __device__ __forceinline__ static void load(const T* p, float (&out)[N]) { unpack(load_pack<T, N>(p), out); }
+  __device__ __forceinline__ static void store(T* p, const float (&in)[N]) { store_pack(p, pack<T, N>(in)); }
 };
 
 // An operand whose dtype is either the kernel's main type T or fp32, chosen at run time
@@ -180,22 +268,56 @@ __device__ __forceinline__ float lane_group_sum(float v, int width) {
   return v;
 }
 
-// Sum over the threads of one row: blockDim.x threads (a power of two) per row, rows stacked
-// along threadIdx.y. `scratch` holds one float per warp of the block. Every thread of the block
-// must call it (it synchronizes when rows span several warps).
-__device__ __forceinline__ float row_sum(float v, float* scratch) {
-  const int tpr = blockDim.x;
+// Sum over the `tpr` threads of one row, rows laid out along threadIdx.x (row r owns threads
+// [r * tpr, (r + 1) * tpr)). tpr is a power of two <= 32 (a shuffle within the warp) or a
+// multiple of 32 (shuffles, then one barrier through `scratch`, one float per warp of the
+// block). Every thread of the block must call it. A kernel that reduces more than once uses a
+// separate scratch array per reduction, so no barrier is needed before the writes.
+__device__ __forceinline__ float row_sum(float v, int tpr, float* scratch) {
   if (tpr <= 32) return lane_group_sum(v, tpr);
   v = lane_group_sum(v, 32);
-  const int tid = threadIdx.y * tpr + threadIdx.x;
-  const int warps_per_row = tpr >> 5;
-  const int first_warp = threadIdx.y * warps_per_row;
-  __syncthreads();  // scratch may still be read by a previous reduction
-  if ((tid & 31) == 0) scratch[tid >> 5] = v;
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) scratch[warp] = v;
   __syncthreads();
+  const int warps = tpr >> 5, first = warp / warps * warps;
   float total = 0.f;
-  for (int w = 0; w < warps_per_row; ++w) total += scratch[first_warp + w];
+  for (int w = 0; w < warps; ++w) total += scratch[first + w];
   return total;
+}
+
+// Count, mean and sum of squared deviations (m2) of a row's values, from each thread's own
+// (n, mean, m2), combined pairwise (Chan et al.): one pass over the data and, for rows of
+// several warps, one barrier. Same layout rules as row_sum; `scratch` holds three floats per
+// warp. Every thread gets the row's values.
+__device__ __forceinline__ void combine_moments(float& n, float& mean, float& m2, float nb, float mb, float m2b) {
+  const float total = n + nb;
+  if (total == 0.f) return;
+  const float d = mb - mean, fb = nb / total;
+  mean += d * fb;
+  m2 += m2b + d * d * n * fb;
+  n = total;
+}
+
+__device__ __forceinline__ void row_moments(float& n, float& mean, float& m2, int tpr, float* scratch) {
+  const int width = tpr < 32 ? tpr : 32;
+  for (int off = width >> 1; off > 0; off >>= 1) {
+    const float nb = __shfl_xor_sync(0xffffffffu, n, off);
+    const float mb = __shfl_xor_sync(0xffffffffu, mean, off);
+    const float m2b = __shfl_xor_sync(0xffffffffu, m2, off);
+    combine_moments(n, mean, m2, nb, mb, m2b);
+  }
+  if (tpr <= 32) return;
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) {
+    scratch[3 * warp] = n;
+    scratch[3 * warp + 1] = mean;
+    scratch[3 * warp + 2] = m2;
+  }
+  __syncthreads();
+  const int warps = tpr >> 5, first = warp / warps * warps;
+  n = mean = m2 = 0.f;
+  for (int w = 0; w < warps; ++w)
+    combine_moments(n, mean, m2, scratch[3 * (first + w)], scratch[3 * (first + w) + 1], scratch[3 * (first + w) + 2]);
 }
 
 // Sum over the whole block (1-D or 2-D); `scratch` holds one float per warp.
@@ -209,6 +331,25 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   float total = 0.f;
   for (int w = 0; w < (nthreads + 31) / 32; ++w) total += scratch[w];
   return total;
+}
+
+// ---------------------------------------------------------------- programmatic dependent launch
+// Kernels launched with `launch` may start while the previous kernel of the stream drains
+// (sm_90+). Each kernel computes its addresses, calls pdl_wait() before its first access to
+// global memory (which then sees everything the previous kernel wrote), and pdl_release()
+// once its loads are issued, so the next kernel can be scheduled early. Both are no-ops on
+// older architectures and when the kernel was launched without the attribute.
+
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void pdl_release() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" :::);
+#endif
 }
 
 // ---------------------------------------------------------------- dispatch
@@ -242,11 +383,46 @@ void dispatch_vec(int vec, F&& f) {
 
 // Limits of the current device that launch plans use (queried once per device).
 struct DeviceLimits {
+  int major = 0;        // compute capability
   int sm_count = 0;
   int smem_optin = 0;   // max dynamic shared memory per block after opt-in
   int smem_per_sm = 0;
 };
 const DeviceLimits& device_limits();
+
+// Lets `kernel` take `bytes` of dynamic shared memory (above the default 48 KB); fails with a
+// clear error where the device has less.
+template <typename Kernel>
+void allow_dynamic_smem(Kernel kernel, size_t bytes) {
+  FUSEBOX_CHECK(bytes <= size_t(device_limits().smem_optin), "this launch needs ", bytes,
+                " bytes of shared memory; the GPU allows ", device_limits().smem_optin);
+  FUSEBOX_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
+}
+
+// An integer launch-plan override from the environment (read once per name), for tuning
+// runs; `fallback` when unset.
+int tuning_knob(const char* name, int fallback);
+
+// Whether launches use programmatic dependent launch: on sm_90+, unless FUSEBOX_PDL=0.
+bool use_pdl();
+
+// Launches `kernel<<<grid, block, smem, stream>>>(args...)`, with programmatic stream
+// serialization where use_pdl() says so, and checks the launch.
+template <typename... KernelArgs, typename... Args>
+void launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+            Args&&... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = use_pdl() ? 1 : 0;
+  FUSEBOX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
 
 inline int next_pow2(int64_t v) {
   int p = 1;

@@ -1,14 +1,25 @@
-// The row-normalization kernel behind every norm op: (gated) residual add, RMS or Layer
+// The row-normalization kernels behind every norm op: (gated) residual add, RMS or Layer
 // normalization, affine weight/bias and AdaLN modulation in one pass over HBM.
 //
-// Each row is read once into registers (ITEMS vectors of VEC elements per thread), reduced,
-// and written once. Rows wider than the register budget take the ITEMS == 0 path, which
-// streams the row through each pass (the re-reads come from L2).
+// Register path (rows up to kMaxRegisterVectors vectors): `tpr` threads own a row, each holds
+// ITEMS vectors of it in registers (as stored, 16-bit values packed), so the row is read once
+// and written once. What the op computes (norm type, residual, modulation) and the dtype of
+// the small operands are template parameters: every kernel carries only the code of its op,
+// which keeps it small (instruction fetch is part of the latency of short launches).
+//
+// Streaming path (wider rows, or small operands of mixed dtypes): one block per row walks it
+// once per pass; the re-reads come from L2.
 #include "common/cuda_common.cuh"
 #include "norm/norm_impl.h"
 
+#include <algorithm>
+
 namespace fusebox::cuda {
 namespace {
+
+constexpr int kMaxThreads = 512;       // register path
+constexpr int kStreamThreads = 1024;   // streaming path
+constexpr int kMinBlockThreads = 128;  // short rows are stacked until a block has this many
 
 struct RowOperandArg {
   const void* ptr;
@@ -20,35 +31,241 @@ struct NormKernelArgs {
   int64_t rows;
   int width;        // D
   int vec_per_row;  // D / VEC
+  int tpr;          // threads per row: a power of two <= 32 or a multiple of 32
   int rows_per_block;
+  int row_iters;    // register path: row groups per block
+  bool stage_params;  // register path: small operands go through shared-memory slots
   RowOperandArg x, branch, residual_out, out;
-  RowOperandArg gate, scale, shift;  // ParamPtr-typed
-  bool gate_f32, scale_f32, shift_f32, out_f32;
+  RowOperandArg gate, scale, shift;  // T or the params' dtype
   ParamPtr weight, bias;
+  bool gate_f32, scale_f32, shift_f32, out_f32;
   NormType norm;
   float eps, weight_offset;
 };
 
 template <typename T>
-struct RowPtrs {
-  const T* x;
-  const T* branch;
-  T* residual_out;
-  void* out;
-  ParamPtr gate, scale, shift;
+__device__ __forceinline__ T* at(const RowOperandArg& o, int64_t i0, int64_t i1, int64_t i2, size_t elem) {
+  return reinterpret_cast<T*>(static_cast<char*>(const_cast<void*>(o.ptr)) + o.off.at(i0, i1, i2) * int64_t(elem));
+}
+
+// ---------------------------------------------------------------- register path
+
+// Where the small operands (weight, bias, gate, scale, shift) wait for their use: each thread
+// copies the vectors it will need into its own shared-memory slots when it issues the row's
+// loads (cp.async: no registers held while they are in flight) and reads them back after
+// the reduction, so their latency overlaps the row's instead of following the reduction.
+// Slot of operand p, item it, thread t: [p][it][t], consecutive threads 16 bytes apart.
+template <typename P, int VEC, int ITEMS>
+struct ParamSlots {
+  Pack<P, VEC>* base;
+  __device__ __forceinline__ Pack<P, VEC>* at(int p, int it) const {
+    return base + (p * ITEMS + it) * int(blockDim.x) + int(threadIdx.x);
+  }
 };
 
-// h = x + gate * branch, rounded to T when it is a materialized residual.
+// A block works on `row_iters` consecutive groups of `rows_per_block` rows; `tpr` threads own
+// a row, each holding ITEMS vectors of it in registers (as stored, 16-bit values packed two to
+// a register). A thread covers the same columns in every row, so a small operand whose row
+// pointer does not change from one row to the next (weight, bias, per-sample modulation) is
+// copied to its slots once per block, not once per row.
+// NORM: what normalizes the row; RES: a branch (and optional gate) is added first and the sum
+// written out; MOD: scale and/or shift modulate the normalized row. P: dtype of every small
+// operand present.
+template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD>
+__global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernelArgs a) {
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  // [iteration parity]: a fast thread may start the next row's reduction while a slow one
+  // still reads this row's partial sums.
+  __shared__ float scratch[2][3 * kMaxThreads / 32];
+  const int tpr = a.tpr;
+  const int r = a.rows_per_block == 1 ? 0 : threadIdx.x / tpr;
+  const int lane = threadIdx.x - r * tpr;
+  const ParamSlots<P, VEC, ITEMS> slots{reinterpret_cast<Pack<P, VEC>*>(smem_raw)};
+  // row pointer of each operand's slot contents
+  const P *gate_in = nullptr, *weight_in = nullptr, *bias_in = nullptr, *scale_in = nullptr, *shift_in = nullptr;
+  const int64_t first_group = int64_t(blockIdx.x) * a.row_iters;
+  // Issues the loads of this thread's row of group k (zeros where there is none).
+  auto load_group = [&](int k, Pack<T, VEC>(&hx)[ITEMS], Pack<T, VEC>(&bx)[RES ? ITEMS : 1]) {
+    const int64_t row = (first_group + k) * a.rows_per_block + r;
+    const bool valid = k < a.row_iters && row < a.rows;
+    int64_t i0 = 0, i1 = 0, i2 = 0;
+    if (valid) a.index.split(row, i0, i1, i2);
+    const T* x = at<const T>(a.x, i0, i1, i2, sizeof(T));
+    const T* branch = RES ? at<const T>(a.branch, i0, i1, i2, sizeof(T)) : nullptr;
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+      const int vi = lane + it * tpr;
+      hx[it] = Pack<T, VEC>{};  // zero bits: 0.0 in every dtype (padding adds nothing)
+      if (valid && vi < a.vec_per_row) {
+        hx[it] = load_pack<T, VEC>(x + vi * VEC);
+        if constexpr (RES) bx[it] = load_pack<T, VEC>(branch + vi * VEC);
+      }
+    }
+  };
+  // Loading the next group while this one is worked on would double the row registers; the
+  // occupancy that costs outweighs the overlap it buys (measured), so groups load in turn and
+  // the other resident blocks keep the loads in flight.
+  Pack<T, VEC> h[ITEMS], b[RES ? ITEMS : 1];
+  pdl_wait();
+
+  for (int k = 0; k < a.row_iters; ++k) {
+    const int64_t group_row = (first_group + k) * a.rows_per_block;
+    if (group_row >= a.rows) break;  // uniform over the block
+    load_group(k, h, b);
+    const int64_t row = group_row + r;
+    const bool active = row < a.rows;
+    int64_t i0 = 0, i1 = 0, i2 = 0;
+    if (active) a.index.split(row, i0, i1, i2);
+    // The small operands present, numbered in slot order (-1: absent).
+    const P* gate = RES && a.gate.ptr ? at<const P>(a.gate, i0, i1, i2, sizeof(P)) : nullptr;
+    const P* weight = NORM != NormType::kNone ? static_cast<const P*>(a.weight.ptr) : nullptr;
+    const P* bias = NORM != NormType::kNone ? static_cast<const P*>(a.bias.ptr) : nullptr;
+    const P* scale = MOD && a.scale.ptr ? at<const P>(a.scale, i0, i1, i2, sizeof(P)) : nullptr;
+    const P* shift = MOD && a.shift.ptr ? at<const P>(a.shift, i0, i1, i2, sizeof(P)) : nullptr;
+    const int gate_slot = gate ? 0 : -1;
+    const int weight_slot = weight ? int(gate != nullptr) : -1;
+    const int bias_slot = bias ? int(gate != nullptr) + int(weight != nullptr) : -1;
+    const int scale_slot = scale ? int(gate != nullptr) + int(weight != nullptr) + int(bias != nullptr) : -1;
+    const int shift_slot =
+        shift ? int(gate != nullptr) + int(weight != nullptr) + int(bias != nullptr) + int(scale != nullptr) : -1;
+    auto stage = [&](int slot, const P* src, const P*& in_slot) {  // unless already there
+      if (!a.stage_params || src == nullptr || !active || in_slot == src) return;
+      in_slot = src;
+#pragma unroll
+      for (int it = 0; it < ITEMS; ++it) {
+        const int vi = lane + it * tpr;
+        if (vi < a.vec_per_row) async_copy_pack(slots.at(slot, it), src + vi * VEC);
+      }
+    };
+    stage(gate_slot, gate, gate_in);
+    stage(weight_slot, weight, weight_in);
+    stage(bias_slot, bias, bias_in);
+    stage(scale_slot, scale, scale_in);
+    stage(shift_slot, shift, shift_in);
+    if (k == 0) pdl_release();
+    async_copy_wait();  // only this thread's copies: its own slots
+    // Item `it` of a small operand: from its slot, or straight from global memory (cached).
+    auto param = [&](int slot, const P* src, int it) {
+      return a.stage_params ? *slots.at(slot, it) : load_pack<P, VEC>(src + (lane + it * tpr) * VEC);
+    };
+
+    if constexpr (RES) {
+      // h = x + gate * branch, rounded to T as the unfused model materializes it.
+      T* res = at<T>(a.residual_out, i0, i1, i2, sizeof(T));
+#pragma unroll
+      for (int it = 0; it < ITEMS; ++it) {
+        const int vi = lane + it * tpr;
+        if (active && vi < a.vec_per_row) {
+          float xv[VEC], bv[VEC];
+          unpack(h[it], xv);
+          unpack(b[it], bv);
+          if (gate_slot >= 0) {
+            float gv[VEC];
+            unpack(param(gate_slot, gate, it), gv);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) bv[i] *= gv[i];
+          }
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) xv[i] += bv[i];
+          h[it] = pack<T, VEC>(xv);
+          store_pack(res + vi * VEC, h[it]);
+        }
+      }
+    }
+    if constexpr (NORM != NormType::kNone) {
+      float mean = 0.f, var;
+      if constexpr (NORM == NormType::kLayer) {
+        // This thread's count, mean and sum of squared deviations, combined over the row.
+        float n = 0.f, sum = 0.f;
+#pragma unroll
+        for (int it = 0; it < ITEMS; ++it) {
+          if (lane + it * tpr < a.vec_per_row) {
+            float v[VEC];
+            unpack(h[it], v);
+            n += VEC;
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) sum += v[i];
+          }
+        }
+        float m = n > 0.f ? sum / n : 0.f, m2 = 0.f;
+#pragma unroll
+        for (int it = 0; it < ITEMS; ++it) {
+          if (lane + it * tpr < a.vec_per_row) {  // padding holds zeros, not samples
+            float v[VEC];
+            unpack(h[it], v);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) m2 += (v[i] - m) * (v[i] - m);
+          }
+        }
+        row_moments(n, m, m2, tpr, scratch[k & 1]);
+        mean = m;
+        var = m2 / float(a.width);
+      } else {
+        float acc = 0.f;
+#pragma unroll
+        for (int it = 0; it < ITEMS; ++it) {
+          float v[VEC];
+          unpack(h[it], v);
+#pragma unroll
+          for (int i = 0; i < VEC; ++i) acc += v[i] * v[i];
+        }
+        var = row_sum(acc, tpr, scratch[k & 1]) / float(a.width);
+      }
+      const float rstd = rsqrtf(var + a.eps);
+      if (active) {
+        void* out = at<void>(a.out, i0, i1, i2, a.out_f32 ? sizeof(float) : sizeof(T));
+#pragma unroll
+        for (int it = 0; it < ITEMS; ++it) {
+          const int vi = lane + it * tpr;
+          if (vi < a.vec_per_row) {
+            const int col = vi * VEC;
+            float v[VEC], p[VEC];
+            unpack(h[it], v);
+#pragma unroll
+            for (int i = 0; i < VEC; ++i) v[i] = (v[i] - mean) * rstd;
+            if (weight_slot >= 0) {
+              unpack(param(weight_slot, weight, it), p);
+#pragma unroll
+              for (int i = 0; i < VEC; ++i) v[i] *= a.weight_offset + p[i];
+            }
+            if (bias_slot >= 0) {
+              unpack(param(bias_slot, bias, it), p);
+#pragma unroll
+              for (int i = 0; i < VEC; ++i) v[i] += p[i];
+            }
+            if (scale_slot >= 0) {
+              unpack(param(scale_slot, scale, it), p);
+#pragma unroll
+              for (int i = 0; i < VEC; ++i) v[i] *= 1.f + p[i];
+            }
+            if (shift_slot >= 0) {
+              unpack(param(shift_slot, shift, it), p);
+#pragma unroll
+              for (int i = 0; i < VEC; ++i) v[i] += p[i];
+            }
+            if (a.out_f32)
+              store_pack(static_cast<float*>(out) + col, pack<float, VEC>(v));
+            else
+              store_pack(static_cast<T*>(out) + col, pack<T, VEC>(v));
+          }
+        }
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- streaming path
+
 template <typename T, int VEC>
-__device__ __forceinline__ void load_input(const NormKernelArgs& a, const RowPtrs<T>& r,
-                                           int col, float (&h)[VEC]) {
-  VecIO<T, VEC>::load(r.x + col, h);
-  if (r.branch == nullptr) return;
+__device__ __forceinline__ void load_input(const NormKernelArgs& a, const T* x, const T* branch,
+                                           const ParamPtr& gate, int col, float (&h)[VEC]) {
+  VecIO<T, VEC>::load(x + col, h);
+  if (branch == nullptr) return;
   float b[VEC];
-  VecIO<T, VEC>::load(r.branch + col, b);
-  if (r.gate.ptr != nullptr) {
+  VecIO<T, VEC>::load(branch + col, b);
+  if (gate.ptr != nullptr) {
     float g[VEC];
-    load_param<T, VEC>(r.gate, col, g);
+    load_param<T, VEC>(gate, col, g);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) b[i] *= g[i];
   }
@@ -56,199 +273,154 @@ __device__ __forceinline__ void load_input(const NormKernelArgs& a, const RowPtr
   for (int i = 0; i < VEC; ++i) h[i] = round_to<T>(h[i] + b[i]);
 }
 
-// Loads (weight_offset + weight) for one vector; 1 where there is no weight.
+// One block per row; every operand's dtype and presence is read at run time.
 template <typename T, int VEC>
-__device__ __forceinline__ void load_weight(const NormKernelArgs& a, int col, float (&w)[VEC]) {
-  if (a.weight.ptr != nullptr) {
-    load_param<T, VEC>(a.weight, col, w);
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) w[i] += a.weight_offset;
-  } else {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) w[i] = 1.f;
-  }
-}
+__global__ void __launch_bounds__(kStreamThreads) norm_stream_kernel(const NormKernelArgs a) {
+  __shared__ float scratch[2][kStreamThreads / 32];
+  const int64_t row = blockIdx.x;
+  int64_t i0, i1, i2;
+  a.index.split(row, i0, i1, i2);
+  const T* x = at<const T>(a.x, i0, i1, i2, sizeof(T));
+  const T* branch = a.branch.ptr ? at<const T>(a.branch, i0, i1, i2, sizeof(T)) : nullptr;
+  T* res = a.branch.ptr ? at<T>(a.residual_out, i0, i1, i2, sizeof(T)) : nullptr;
+  auto param = [&](const RowOperandArg& o, bool f32) {
+    return ParamPtr{o.ptr ? at<const char>(o, i0, i1, i2, f32 ? 4 : sizeof(T)) : nullptr, f32};
+  };
+  const ParamPtr gate = param(a.gate, a.gate_f32), scale = param(a.scale, a.scale_f32),
+                 shift = param(a.shift, a.shift_f32);
+  pdl_wait();
+  pdl_release();
 
-// `w` holds the vector's (offset + weight), loaded ahead of the row reduction.
-template <typename T, int VEC>
-__device__ __forceinline__ void store_output(const NormKernelArgs& a, const RowPtrs<T>& r,
-                                             int col, float (&v)[VEC], const float (&w)[VEC],
-                                             float mean, float rstd) {
-  if (a.norm != NormType::kNone) {
+  float acc = 0.f;
+  for (int vi = threadIdx.x; vi < a.vec_per_row; vi += blockDim.x) {
+    float h[VEC];
+    load_input<T, VEC>(a, x, branch, gate, vi * VEC, h);
+    if (res) VecIO<T, VEC>::store(res + vi * VEC, h);
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) v[i] = (v[i] - mean) * rstd * w[i];
-    if (a.bias.ptr != nullptr) {
-      float b[VEC];
-      load_param<T, VEC>(a.bias, col, b);
+    for (int i = 0; i < VEC; ++i) acc += a.norm == NormType::kLayer ? h[i] : h[i] * h[i];
+  }
+  if (a.norm == NormType::kNone) return;
+  const float inv_width = 1.f / float(a.width);
+  float mean = 0.f;
+  if (a.norm == NormType::kLayer) {
+    mean = row_sum(acc, blockDim.x, scratch[0]) * inv_width;
+    acc = 0.f;
+    for (int vi = threadIdx.x; vi < a.vec_per_row; vi += blockDim.x) {
+      float h[VEC];
+      load_input<T, VEC>(a, x, branch, gate, vi * VEC, h);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) v[i] += b[i];
+      for (int i = 0; i < VEC; ++i) acc += (h[i] - mean) * (h[i] - mean);
     }
-    if (r.scale.ptr != nullptr) {
-      float s[VEC];
-      load_param<T, VEC>(r.scale, col, s);
+  }
+  const float rstd = rsqrtf(row_sum(acc, blockDim.x, scratch[1]) * inv_width + a.eps);
+  void* out = at<void>(a.out, i0, i1, i2, a.out_f32 ? sizeof(float) : sizeof(T));
+  for (int vi = threadIdx.x; vi < a.vec_per_row; vi += blockDim.x) {
+    const int col = vi * VEC;
+    float v[VEC], p[VEC];
+    load_input<T, VEC>(a, x, branch, gate, col, v);
+    if (a.weight.ptr) {
+      load_param<T, VEC>(a.weight, col, p);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) v[i] *= 1.f + s[i];
+      for (int i = 0; i < VEC; ++i) v[i] = (v[i] - mean) * rstd * (a.weight_offset + p[i]);
+    } else {
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[i] = (v[i] - mean) * rstd;
     }
-    if (r.shift.ptr != nullptr) {
-      float s[VEC];
-      load_param<T, VEC>(r.shift, col, s);
+    if (a.bias.ptr) {
+      load_param<T, VEC>(a.bias, col, p);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) v[i] += s[i];
+      for (int i = 0; i < VEC; ++i) v[i] += p[i];
+    }
+    if (scale.ptr) {
+      load_param<T, VEC>(scale, col, p);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[i] *= 1.f + p[i];
+    }
+    if (shift.ptr) {
+      load_param<T, VEC>(shift, col, p);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) v[i] += p[i];
     }
     if (a.out_f32)
-      VecIO<float, VEC>::store(static_cast<float*>(r.out) + col, v);
+      VecIO<float, VEC>::store(static_cast<float*>(out) + col, v);
     else
-      VecIO<T, VEC>::store(static_cast<T*>(r.out) + col, v);
+      VecIO<T, VEC>::store(static_cast<T*>(out) + col, v);
   }
 }
 
-// Block size cap per register budget: ITEMS * VEC floats of row per thread must stay in
-// registers without spilling (checked with -Xptxas -warn-spills).
-__host__ __device__ constexpr int max_threads_for_items(int items) {
-  return items > 0 ? 256 : 1024;
+// ---------------------------------------------------------------- launch plan
+
+// Vectors per thread on the register path (0: streaming path). 4 keeps 64 bytes of each
+// operand in flight per thread at the typical widths; 8 for wide rows of the ops without a
+// residual (with one, 8 vectors of x, branch and gate exceed the register budget); odd widths
+// (one element per vector) use 8.
+int pick_items(int64_t vec_per_row, bool full_vectors, bool residual) {
+  if (!full_vectors) return vec_per_row <= 8 * kMaxThreads ? 8 : 0;
+  const int forced = tuning_knob("FUSEBOX_NORM_ITEMS", 0);
+  if ((forced == 2 || forced == 4) && vec_per_row <= forced * kMaxThreads) return forced;
+  if (vec_per_row <= 4 * kMaxThreads) return 4;
+  if (vec_per_row <= 8 * kMaxThreads && !residual) return 8;
+  return 0;
 }
 
-// ITEMS > 0: the row lives in registers. ITEMS == 0: the row is streamed once per pass.
-template <typename T, int VEC, int ITEMS>
-__global__ void __launch_bounds__(max_threads_for_items(ITEMS)) norm_rows_kernel(const NormKernelArgs a) {
-  __shared__ float scratch[32];
-  const int64_t row = int64_t(blockIdx.x) * a.rows_per_block + threadIdx.y;
-  const bool active = row < a.rows;
+int threads_per_row(int64_t vec_per_row, int items) {
+  const int64_t need = (vec_per_row + items - 1) / items;
+  if (need <= 32) return next_pow2(need);
+  return int((need + 31) / 32 * 32);
+}
 
-  RowPtrs<T> r{};
-  if (active) {
-    int64_t i0, i1, i2;
-    a.index.split(row, i0, i1, i2);
-    r.x = static_cast<const T*>(a.x.ptr) + a.x.off.at(i0, i1, i2);
-    if (a.branch.ptr) {
-      r.branch = static_cast<const T*>(a.branch.ptr) + a.branch.off.at(i0, i1, i2);
-      r.residual_out = static_cast<T*>(const_cast<void*>(a.residual_out.ptr)) + a.residual_out.off.at(i0, i1, i2);
-    }
-    if (a.gate.ptr)
-      r.gate = {static_cast<const char*>(a.gate.ptr) + a.gate.off.at(i0, i1, i2) * (a.gate_f32 ? 4 : sizeof(T)), a.gate_f32};
-    if (a.scale.ptr)
-      r.scale = {static_cast<const char*>(a.scale.ptr) + a.scale.off.at(i0, i1, i2) * (a.scale_f32 ? 4 : sizeof(T)), a.scale_f32};
-    if (a.shift.ptr)
-      r.shift = {static_cast<const char*>(a.shift.ptr) + a.shift.off.at(i0, i1, i2) * (a.shift_f32 ? 4 : sizeof(T)), a.shift_f32};
-    if (a.out.ptr)
-      r.out = static_cast<char*>(const_cast<void*>(a.out.ptr)) + a.out.off.at(i0, i1, i2) * (a.out_f32 ? 4 : sizeof(T));
+// The dtype every present small operand shares, or nullopt-like -1 when they differ.
+int shared_param_dtype(const NormArgs& args) {
+  int dt = -1;
+  for (const TensorView* t : {&args.weight, &args.bias, &args.gate, &args.scale, &args.shift}) {
+    if (!t->defined()) continue;
+    if (dt == -1)
+      dt = int(t->dtype);
+    else if (dt != int(t->dtype))
+      return -2;
   }
-  const int tpr = blockDim.x;
-  const float inv_width = 1.f / float(a.width);
+  return dt == -1 ? int(args.x.dtype) : dt;
+}
 
-  if constexpr (ITEMS > 0) {
-    // Every load of the row, and of the weight, is issued before the first store and before
-    // the reduction's barriers.
-    float v[ITEMS][VEC], w[ITEMS][VEC];
-#pragma unroll
-    for (int it = 0; it < ITEMS; ++it) {
-      const int vi = threadIdx.x + it * tpr;
-      if (active && vi < a.vec_per_row) {
-        load_input<T, VEC>(a, r, vi * VEC, v[it]);
-        load_weight<T, VEC>(a, vi * VEC, w[it]);
-      } else {
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) v[it][i] = 0.f;
-      }
-    }
-    if (r.residual_out) {
-#pragma unroll
-      for (int it = 0; it < ITEMS; ++it) {
-        const int vi = threadIdx.x + it * tpr;
-        if (vi < a.vec_per_row) VecIO<T, VEC>::store(r.residual_out + vi * VEC, v[it]);
-      }
-    }
-    float mean = 0.f, rstd = 1.f;
-    if (a.norm != NormType::kNone) {
-      float acc = 0.f;
-      if (a.norm == NormType::kLayer) {
-#pragma unroll
-        for (int it = 0; it < ITEMS; ++it)
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) acc += v[it][i];
-        mean = row_sum(acc, scratch) * inv_width;
-        acc = 0.f;
-#pragma unroll
-        for (int it = 0; it < ITEMS; ++it) {
-          const bool valid = threadIdx.x + it * tpr < a.vec_per_row;
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) {
-            const float d = v[it][i] - mean;
-            acc += valid ? d * d : 0.f;
-          }
-        }
-      } else {
-#pragma unroll
-        for (int it = 0; it < ITEMS; ++it)
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) acc += v[it][i] * v[it][i];
-      }
-      rstd = rsqrtf(row_sum(acc, scratch) * inv_width + a.eps);
-    }
-    if (!active) return;
-#pragma unroll
-    for (int it = 0; it < ITEMS; ++it) {
-      const int vi = threadIdx.x + it * tpr;
-      if (vi < a.vec_per_row) store_output<T, VEC>(a, r, vi * VEC, v[it], w[it], mean, rstd);
-    }
+template <typename T, typename P, int VEC, int ITEMS>
+void launch_rows(const NormKernelArgs& a, bool res, bool mod, int n_params, int64_t groups, dim3 block,
+                 cudaStream_t stream) {
+  const size_t smem = a.stage_params ? size_t(n_params) * ITEMS * block.x * sizeof(Pack<P, VEC>) : 0;
+  auto go = [&](auto norm, auto r, auto m) {
+    const auto kernel =
+        norm_rows_kernel<T, P, VEC, ITEMS, decltype(norm)::value, decltype(r)::value, decltype(m)::value>;
+    // (the kernel's static shared memory counts against the same 48 KB default)
+    if (smem > 32 * 1024) allow_dynamic_smem(kernel, smem);
+    launch(kernel, dim3(unsigned((groups + a.row_iters - 1) / a.row_iters)), block, smem, stream, a);
+  };
+  using N = NormType;
+  using RMS = std::integral_constant<N, N::kRMS>;
+  using LN = std::integral_constant<N, N::kLayer>;
+  using T_ = std::true_type;
+  using F_ = std::false_type;
+  if constexpr (VEC > 1 && ITEMS == 8) {  // no residual (pick_items)
+    if (a.norm == N::kRMS)
+      mod ? go(RMS{}, F_{}, T_{}) : go(RMS{}, F_{}, F_{});
+    else
+      mod ? go(LN{}, F_{}, T_{}) : go(LN{}, F_{}, F_{});
+    (void)res;
   } else {
-    // Streaming path for very wide rows: pass 1 sums (and writes the residual), pass 2 (Layer
-    // only) sums squared deviations, pass 3 normalizes.
-    float acc = 0.f;
-    for (int vi = threadIdx.x; active && vi < a.vec_per_row; vi += tpr) {
-      float h[VEC];
-      load_input<T, VEC>(a, r, vi * VEC, h);
-      if (r.residual_out) VecIO<T, VEC>::store(r.residual_out + vi * VEC, h);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) acc += a.norm == NormType::kLayer ? h[i] : h[i] * h[i];
-    }
-    float mean = 0.f, rstd = 1.f;
-    if (a.norm == NormType::kLayer) {
-      mean = row_sum(acc, scratch) * inv_width;
-      acc = 0.f;
-      for (int vi = threadIdx.x; active && vi < a.vec_per_row; vi += tpr) {
-        float h[VEC];
-        load_input<T, VEC>(a, r, vi * VEC, h);
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) acc += (h[i] - mean) * (h[i] - mean);
-      }
-    }
-    if (a.norm != NormType::kNone) rstd = rsqrtf(row_sum(acc, scratch) * inv_width + a.eps);
-    if (!active || a.norm == NormType::kNone) return;
-    for (int vi = threadIdx.x; vi < a.vec_per_row; vi += tpr) {
-      float h[VEC], w[VEC];
-      load_input<T, VEC>(a, r, vi * VEC, h);
-      load_weight<T, VEC>(a, vi * VEC, w);
-      store_output<T, VEC>(a, r, vi * VEC, h, w, mean, rstd);
+    switch (a.norm) {
+      case N::kNone: go(std::integral_constant<N, N::kNone>{}, T_{}, F_{}); break;
+      case N::kRMS:
+        if (res)
+          mod ? go(RMS{}, T_{}, T_{}) : go(RMS{}, T_{}, F_{});
+        else
+          mod ? go(RMS{}, F_{}, T_{}) : go(RMS{}, F_{}, F_{});
+        break;
+      case N::kLayer:
+        if (res)
+          mod ? go(LN{}, T_{}, T_{}) : go(LN{}, T_{}, F_{});
+        else
+          mod ? go(LN{}, F_{}, T_{}) : go(LN{}, F_{}, F_{});
+        break;
     }
   }
-}
-
-// Threads per row and register items per thread for a row of `vec_per_row` vectors.
-struct NormLaunch {
-  int items;  // 0: streaming path
-  int threads_per_row;
-  int rows_per_block;
-};
-
-NormLaunch plan_norm_launch(int64_t vec_per_row, int64_t rows) {
-  NormLaunch l;
-  constexpr int kTargetThreads = 256;  // per row, before items grow
-  int items = next_pow2((vec_per_row + kTargetThreads - 1) / kTargetThreads);
-  if (items > 8) items = 8;
-  int tpr = next_pow2((vec_per_row + items - 1) / items);
-  if (tpr > max_threads_for_items(items)) {
-    l.items = 0;
-    l.threads_per_row = 1024;
-    l.rows_per_block = 1;
-    return l;
-  }
-  l.items = items;
-  l.threads_per_row = tpr;
-  int rpb = tpr >= 256 ? 1 : 256 / tpr;
-  while (rpb > 1 && rpb / 2 >= rows) rpb /= 2;
-  l.rows_per_block = rpb;
-  return l;
 }
 
 }  // namespace
@@ -283,25 +455,74 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   a.eps = args.eps;
   a.weight_offset = args.weight_offset;
 
-  const NormLaunch l = plan_norm_launch(a.vec_per_row, a.rows);
-  a.rows_per_block = l.rows_per_block;
-  const dim3 block(l.threads_per_row, l.rows_per_block);
-  const dim3 grid(unsigned((a.rows + l.rows_per_block - 1) / l.rows_per_block));
+  const bool full_vectors = vec * int(dtype_size(args.x.dtype)) == 16;
+  const bool res = args.branch.defined();
+  const bool mod = args.scale.defined() || args.shift.defined();
+  const int items = pick_items(a.vec_per_row, full_vectors, res);
+  const int param_dtype = shared_param_dtype(args);
+  FUSEBOX_CHECK(a.rows < (int64_t(1) << 31), "too many rows: ", a.rows);
+
+  if (items == 0 || param_dtype < 0 || !(full_vectors || vec == 1)) {
+    a.tpr = kStreamThreads;
+    a.rows_per_block = 1;
+    dispatch_dtype(args.x.dtype, [&](auto t) {
+      using T = decltype(t);
+      dispatch_vec<T>(vec, [&](auto v) {
+        launch(norm_stream_kernel<T, decltype(v)::value>, dim3(unsigned(a.rows)), dim3(kStreamThreads), 0,
+               stream, a);
+      });
+    });
+    return;
+  }
+
+  a.tpr = threads_per_row(a.vec_per_row, items);
+  a.rows_per_block = (a.tpr <= 32 || (a.tpr & (a.tpr - 1)) == 0) && a.tpr < kMinBlockThreads
+                         ? kMinBlockThreads / a.tpr
+                         : 1;
+  const dim3 block(unsigned(a.tpr * a.rows_per_block));
+  const int64_t groups = (a.rows + a.rows_per_block - 1) / a.rows_per_block;
+  // With small operands to stage, a block takes several row groups (their copies then serve
+  // many rows) as long as the grid keeps about 8 blocks per multiprocessor.
+  a.row_iters = 1;
+  const bool params_f32 = DType(param_dtype) == DType::kFloat32;
+  const bool normalizes = args.norm != NormType::kNone;
+  const int n_params = int(args.gate.defined()) + int(normalizes && args.weight.defined()) +
+                       int(normalizes && args.bias.defined()) + int(args.scale.defined()) +
+                       int(args.shift.defined());
+  if (n_params > 0) {
+    const int64_t target = int64_t(device_limits().sm_count) * 8;
+    a.row_iters = int(std::max<int64_t>(1, std::min<int64_t>(8, groups / target)));
+    a.row_iters = tuning_knob("FUSEBOX_NORM_ROW_ITERS", a.row_iters);
+  }
+  // Staging pays when an operand changes from row to row (its copy overlaps the row's loads)
+  // or is 16-bit; fp32 operands that stay the same for every row are read straight from
+  // global memory (L1 hits), which keeps more rows resident (Wan 14B adaln: 355 -> 291 us).
+  bool per_row_operand = false;
+  for (const auto* st : {&s.gate, &s.scale, &s.shift}) per_row_operand |= layout.sizes[2] > 1 && st->s[2] != 0;
+  const bool stage_by_default = per_row_operand || !params_f32;
+  a.stage_params = n_params > 0 && tuning_knob("FUSEBOX_NORM_STAGE", int(stage_by_default)) != 0;
 
   dispatch_dtype(args.x.dtype, [&](auto t) {
     using T = decltype(t);
-    dispatch_vec<T>(vec, [&](auto v) {
-      constexpr int V = decltype(v)::value;
-      switch (l.items) {
-        case 0: norm_rows_kernel<T, V, 0><<<grid, block, 0, stream>>>(a); break;
-        case 1: norm_rows_kernel<T, V, 1><<<grid, block, 0, stream>>>(a); break;
-        case 2: norm_rows_kernel<T, V, 2><<<grid, block, 0, stream>>>(a); break;
-        case 4: norm_rows_kernel<T, V, 4><<<grid, block, 0, stream>>>(a); break;
-        default: norm_rows_kernel<T, V, 8><<<grid, block, 0, stream>>>(a); break;
+    auto with_params = [&](auto p) {
+      using P = decltype(p);
+      if (full_vectors) {
+        constexpr int V = 16 / int(sizeof(T));
+        if (items == 2)
+          launch_rows<T, P, V, 2>(a, res, mod, n_params, groups, block, stream);
+        else if (items == 4)
+          launch_rows<T, P, V, 4>(a, res, mod, n_params, groups, block, stream);
+        else
+          launch_rows<T, P, V, 8>(a, res, mod, n_params, groups, block, stream);
+      } else {
+        launch_rows<T, P, 1, 8>(a, res, mod, n_params, groups, block, stream);
       }
-    });
+    };
+    if (params_f32 || std::is_same_v<T, float>)
+      with_params(float{});
+    else
+      with_params(T{});
   });
-  FUSEBOX_CHECK_LAUNCH();
 }
 
 }  // namespace fusebox::cuda

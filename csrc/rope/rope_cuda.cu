@@ -1,19 +1,19 @@
-// Rotary kernel: a block walks tokens (grid-stride) and handles every q and k head of a token
-// at once. The token's rows are read once (vectorized, all loads in flight) into shared
-// memory, so per-head or across-head RMS statistics and the pair partners of either rotary
-// style come from on-chip memory; the cos/sin row is read (or computed, for the 3-D grid) once
-// per token and shared by all heads. Norm weights and grid frequencies are staged once per
-// block.
+// Rotary kernel (with the optional RMS norm of q and k) over "rows": a row is one head of one
+// token (per-head norm or none), or every head of q (or of k) of one token (norm across
+// heads, as LTX-Video and Wan normalize). `tpr` threads own a row; each holds ITEMS work units
+// in registers, so q and k are read once and written once:
+//   - a unit is one vector when rotary pairs lie inside vectors (interleaved pairs, VEC >= 2),
+//     or two vectors a pair-offset apart (half-split pairs R/2 apart; interleaved with VEC 1);
+//   - channels past the rotary dimension R are single pass-through units.
+// The row's RMS statistics come from a row reduction over its units; the rotation reads the
+// cos/sin table (or computes the 3-D grid angles) for the unit's own channels.
 #include "common/cuda_common.cuh"
 #include "rope/rope_impl.h"
-
-#include <algorithm>
 
 namespace fusebox::cuda {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kLoadBatch = 4;  // vectors per thread in flight while staging a token
+constexpr int kMaxThreads = 512;
 
 struct RopeTensorArg {
   const void* ptr;
@@ -21,324 +21,347 @@ struct RopeTensorArg {
 };
 
 struct RopeKernelArgs {
-  int64_t S, tokens;
+  int64_t S, rows;
   int Hq, Hk, D, R;
+  int rows_per_token;  // Hq + Hk (one head per row) or 1 + has_k (all heads of a tensor)
+  int q_rows;          // rows of a token that belong to q: Hq, or 1
+  int units_per_head;  // rotary units + pass-through units of one head
+  int tpr, rows_per_block;
   RopeTensorArg q, k, qo, ko;
   ParamPtr cos, sin;
   int64_t cos_sb, cos_ss, sin_sb, sin_ss;
-  bool use_grid;
   Rope3DGrid grid;
-  bool interleaved;
-  bool norm, across;
   ParamPtr qw, kw;
+  bool across;  // one norm over every head of a tensor (weights [H * D])
   float eps, weight_offset;
 };
 
-// Shared-memory layout of one block; sizes in bytes, every part 16-byte aligned.
-struct RopeSmem {
-  size_t rows, table, weights, freqs, sums, total;
-  __host__ __device__ RopeSmem(int heads, int D, int R, size_t elem, int qw_len, int kw_len, bool grid) {
-    auto al = [](size_t b) { return (b + 15) / 16 * 16; };
-    rows = al(size_t(heads) * D * elem);
-    table = al(sizeof(float) * 2 * R);
-    weights = al(sizeof(float) * size_t(qw_len + kw_len));
-    freqs = grid ? al(sizeof(double) * R) : 0;
-    sums = al(sizeof(float) * heads);
-    total = rows + table + weights + freqs + sums;
+// Where the unit's channels sit in its head: d0 and, for two-vector units, d1.
+template <bool INTERLEAVED, int VEC>
+struct UnitLayout {
+  static constexpr bool kTwoVectors = !(INTERLEAVED && VEC >= 2);
+  __device__ __forceinline__ static int rotary_units(int R) { return kTwoVectors ? R / (2 * VEC) : R / VEC; }
+  __device__ __forceinline__ static void channels(int j, int R, int& d0, int& d1) {
+    if (INTERLEAVED && VEC == 1) {
+      d0 = 2 * j;
+      d1 = d0 + 1;
+    } else {
+      d0 = j * VEC;
+      d1 = d0 + R / 2;
+    }
   }
 };
 
-// Reads VEC elements of a staged row from shared memory as floats.
-template <typename T, int VEC>
-__device__ __forceinline__ void load_staged(const T* p, float (&out)[VEC]) {
-  const Pack<T, VEC> pk = *reinterpret_cast<const Pack<T, VEC>*>(p);
-#pragma unroll
-  for (int i = 0; i < VEC; ++i) out[i] = to_float(pk.v[i]);
-}
+// Per-block table of the 3-D grid: each rotary channel's frequency and grid axis.
+struct GridTable {
+  const double* turns;  // frequency / (2 pi): turns per position step
+  const unsigned char* axis;
+};
 
-// Output of one staged token when every pair lies within one vector (interleaved) or between
-// two vectors R/2 apart (half-split): each work unit reads its vector(s) from shared memory
-// once and writes whole vectors. Units: per head, the rotary units, then pass-through vectors.
-template <typename T, int VEC>
-__device__ __forceinline__ void rotate_pair_vectors(const RopeKernelArgs& a, const T* rows, const float* cs,
-                                                    const float* sn, const float* qw, const float* kw,
-                                                    const float* sumsq, float rstd_q, float rstd_k,
-                                                    int64_t b, int64_t s) {
-  const int rot_units = a.interleaved ? a.R / VEC : a.R / (2 * VEC);
-  const int units = rot_units + (a.D - a.R) / VEC;
-  const int half = a.R / 2;
-  const int total = (a.Hq + a.Hk) * units;
-  for (int u = threadIdx.x; u < total; u += blockDim.x) {
-    const int head = u / units, j = u % units;
-    const bool is_k = head >= a.Hq;
-    const int h = is_k ? head - a.Hq : head;
-    const T* row = rows + head * a.D;
-    float scale = 1.f;
-    if (a.norm) scale = a.across ? (is_k ? rstd_k : rstd_q) : rsqrtf(sumsq[head] / float(a.D) + a.eps);
-    const float* w = is_k ? kw : qw;
-    if (w && a.across) w += h * a.D;
-    const RopeTensorArg& dst = is_k ? a.ko : a.qo;
-    T* out = static_cast<T*>(const_cast<void*>(dst.ptr)) + b * dst.sb + s * dst.ss + h * dst.sh;
-    auto normalize = [&](float (&x)[VEC], int d0) {
+// cos/sin of channels [d, d + VEC) of token (b, s): from the table, or from the grid, whose
+// positions `pos` (frame, row, column) were computed once for the token.
+template <typename T, int VEC, bool GRID>
+__device__ __forceinline__ void load_rotation(const RopeKernelArgs& a, const GridTable& g, const int64_t (&pos)[3],
+                                              int64_t b, int64_t s, int d, float (&c)[VEC], float (&sn)[VEC]) {
+  if constexpr (GRID) {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) x[i] *= scale * (w ? w[d0 + i] : 1.f);
-    };
-    if (j >= rot_units) {  // pass-through channels
-      const int d0 = a.R + (j - rot_units) * VEC;
-      float x[VEC];
-      load_staged<T, VEC>(row + d0, x);
-      normalize(x, d0);
-      VecIO<T, VEC>::store(out + d0, x);
-    } else if (a.interleaved) {
-      const int d0 = j * VEC;
-      float x[VEC], y[VEC];
-      load_staged<T, VEC>(row + d0, x);
-      normalize(x, d0);
-#pragma unroll
-      for (int i = 0; i < VEC; i += 2) {
-        y[i] = x[i] * cs[d0 + i] - x[i + 1] * sn[d0 + i];
-        y[i + 1] = x[i + 1] * cs[d0 + i + 1] + x[i] * sn[d0 + i + 1];
-      }
-      VecIO<T, VEC>::store(out + d0, y);
-    } else {
-      const int d0 = j * VEC, d1 = d0 + half;
-      float lo[VEC], hi[VEC], ylo[VEC], yhi[VEC];
-      load_staged<T, VEC>(row + d0, lo);
-      load_staged<T, VEC>(row + d1, hi);
-      normalize(lo, d0);
-      normalize(hi, d1);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        ylo[i] = lo[i] * cs[d0 + i] - hi[i] * sn[d0 + i];
-        yhi[i] = hi[i] * cs[d1 + i] + lo[i] * sn[d1 + i];
-      }
-      VecIO<T, VEC>::store(out + d0, ylo);
-      VecIO<T, VEC>::store(out + d1, yhi);
+    for (int i = 0; i < VEC; ++i) {
+      const int ax = g.axis[d + i];
+      const int64_t p = ax == 0 ? pos[0] : ax == 1 ? pos[1] : pos[2];  // no local-memory array
+      // turns of the angle in double; the fraction of a turn is exact enough for fp32
+      const double turns = double(p) * g.turns[d + i];
+      __sincosf(float(turns - rint(turns)) * 6.283185307179586f, &sn[i], &c[i]);
     }
+  } else {
+    load_param<T, VEC>(a.cos, b * a.cos_sb + s * a.cos_ss + d, c);
+    load_param<T, VEC>(a.sin, b * a.sin_sb + s * a.sin_ss + d, sn);
   }
 }
 
-template <typename T, int VEC>
-__global__ void __launch_bounds__(kThreads) rope_kernel(const RopeKernelArgs a) {
+// What one unit needs besides its data: rotation factors of its channels and norm weights.
+template <int VEC>
+struct UnitParams {
+  float c0[VEC], s0[VEC], c1[VEC], s1[VEC], w0[VEC], w1[VEC];
+};
+
+template <typename T, int VEC, bool NORM, bool GRID>
+__device__ __forceinline__ void load_unit_params(const RopeKernelArgs& a, const GridTable& g, const int64_t (&pos)[3],
+                                                 int64_t b, int64_t s, const ParamPtr& w, int woff, bool rotary,
+                                                 bool two, int d0, int d1, UnitParams<VEC>& p) {
+  if (NORM && w.ptr) {
+    load_param<T, VEC>(w, woff + d0, p.w0);
+    if (two) load_param<T, VEC>(w, woff + d1, p.w1);
+  }
+  if (rotary) {
+    load_rotation<T, VEC, GRID>(a, g, pos, b, s, d0, p.c0, p.s0);
+    if (two) load_rotation<T, VEC, GRID>(a, g, pos, b, s, d1, p.c1, p.s1);
+  }
+}
+
+// Rows of one head (ITEMS == 1) load their unit's rotation factors and weights together with
+// the data, so their latency overlaps it; wider rows load them after the reduction, where
+// they would otherwise cost registers during it.
+template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
+__global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernelArgs a) {
+  constexpr bool kEarlyParams = ITEMS == 1;
+  using L = UnitLayout<INTERLEAVED, VEC>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const int heads = a.Hq + a.Hk;
-  const int qw_len = a.qw.ptr ? (a.across ? a.Hq * a.D : a.D) : 0;
-  const int kw_len = a.kw.ptr ? (a.across ? a.Hk * a.D : a.D) : 0;
-  const RopeSmem layout(heads, a.D, a.R, sizeof(T), qw_len, kw_len, a.use_grid);
-  T* rows = reinterpret_cast<T*>(smem_raw);
-  float* cs = reinterpret_cast<float*>(smem_raw + layout.rows);
-  float* sn = cs + a.R;
-  float* qw = reinterpret_cast<float*>(smem_raw + layout.rows + layout.table);
-  float* kw = qw + qw_len;
-  double* freq = reinterpret_cast<double*>(smem_raw + layout.rows + layout.table + layout.weights);
-  float* sumsq = reinterpret_cast<float*>(smem_raw + layout.total - layout.sums);
-  __shared__ float scratch[32];
-  const int tid = threadIdx.x;
-
-  // Per-block setup: norm weights (with the offset folded in) and grid frequencies.
-  for (int i = tid; i < qw_len; i += blockDim.x) qw[i] = a.weight_offset + load_param_scalar<T>(a.qw, i);
-  for (int i = tid; i < kw_len; i += blockDim.x) kw[i] = a.weight_offset + load_param_scalar<T>(a.kw, i);
-  if (a.use_grid)
-    for (int r = tid; r < a.R; r += blockDim.x) freq[r] = rope_grid_inv_freq(a.grid, r, a.R, a.interleaved);
-
-  const int vpd = a.D / VEC;
-  const int nq = a.Hq * vpd, n = heads * vpd;
-  // Whole-vector pairs: interleaved pairs never straddle a vector; half-split partners sit
-  // R/2 apart, a whole number of vectors.
-  const bool pair_vectors = VEC >= 2 && a.R % VEC == 0 && (a.interleaved || (a.R / 2) % VEC == 0);
-  for (int64_t token = blockIdx.x; token < a.tokens; token += gridDim.x) {
-    const int64_t b = token / a.S, s = token % a.S;
-    __syncthreads();  // the previous token's rows, table and sums are consumed
-    for (int r = tid; r < a.R; r += blockDim.x) {
-      if (a.use_grid) {
-        const float angle = float(rope_grid_reduce(double(rope_grid_position(a.grid, s, r, a.R, a.interleaved)) * freq[r]));
-        sincosf(angle, &sn[r], &cs[r]);
-      } else {
-        cs[r] = load_param_scalar<T>(a.cos, b * a.cos_sb + s * a.cos_ss + r);
-        sn[r] = load_param_scalar<T>(a.sin, b * a.sin_sb + s * a.sin_ss + r);
-      }
+  __shared__ float scratch[kMaxThreads / 32];
+  // grid mode: [R] turns per position step (double), then [R] axes
+  double* freq = reinterpret_cast<double*>(smem_raw);
+  unsigned char* axis = smem_raw + sizeof(double) * a.R;
+  if constexpr (GRID) {
+    for (int r = threadIdx.x; r < a.R; r += blockDim.x) {
+      int64_t j;
+      freq[r] = rope_grid_inv_freq(a.grid, r, a.R, INTERLEAVED) * 0.15915494309189535;  // 1 / (2 pi)
+      axis[r] = static_cast<unsigned char>(rope_grid_axis(a.grid, r, a.R, INTERLEAVED, j));
     }
-    for (int h = tid; h < heads; h += blockDim.x) sumsq[h] = 0.f;
-    __syncthreads();
-
-    // Stage the token's rows, kLoadBatch vectors per thread in flight; accumulate squares per
-    // head (or per tensor when the norm spans all heads).
-    float local_q = 0.f, local_k = 0.f;
-    for (int base = tid; base < n; base += kLoadBatch * blockDim.x) {
-      float x[kLoadBatch][VEC];
-#pragma unroll
-      for (int j = 0; j < kLoadBatch; ++j) {
-        const int v = base + j * blockDim.x;
-        if (v >= n) break;
-        const bool is_k = v >= nq;
-        const int vv = is_k ? v - nq : v;
-        const RopeTensorArg& src = is_k ? a.k : a.q;
-        VecIO<T, VEC>::load(static_cast<const T*>(src.ptr) + b * src.sb + s * src.ss + (vv / vpd) * src.sh + (vv % vpd) * VEC, x[j]);
-      }
-#pragma unroll
-      for (int j = 0; j < kLoadBatch; ++j) {
-        const int v = base + j * blockDim.x;
-        if (v >= n) break;
-        const bool is_k = v >= nq;
-        const int vv = is_k ? v - nq : v;
-        VecIO<T, VEC>::store(rows + v * VEC, x[j]);  // rows of q then k, each [heads, D]
-        if (a.norm) {
-          float sq = 0.f;
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) sq += x[j][i] * x[j][i];
-          if (a.across)
-            (is_k ? local_k : local_q) += sq;
-          else
-            atomicAdd(&sumsq[(is_k ? a.Hq : 0) + vv / vpd], sq);
-        }
-      }
-    }
-    float rstd_q = 1.f, rstd_k = 1.f;
-    if (a.norm && a.across) {
-      rstd_q = rsqrtf(block_sum(local_q, scratch) / float(a.Hq * a.D) + a.eps);
-      rstd_k = rsqrtf(block_sum(local_k, scratch) / float(max(a.Hk, 1) * a.D) + a.eps);
-    }
-    __syncthreads();
-
-    if (pair_vectors) {
-      rotate_pair_vectors<T, VEC>(a, rows, cs, sn, qw_len ? qw : nullptr, kw_len ? kw : nullptr, sumsq,
-                                  rstd_q, rstd_k, b, s);
-      continue;
-    }
-    for (int v = tid; v < n; v += blockDim.x) {
-      const bool is_k = v >= nq;
-      const int vv = is_k ? v - nq : v;
-      const int h = vv / vpd, d0 = (vv % vpd) * VEC;
-      const T* row = rows + (is_k ? a.Hq * a.D : 0) + h * a.D;
-      float rstd = 1.f;
-      if (a.norm) rstd = a.across ? (is_k ? rstd_k : rstd_q) : rsqrtf(sumsq[(is_k ? a.Hq : 0) + h] / float(a.D) + a.eps);
-      const float* w = (is_k ? kw_len : qw_len) ? (is_k ? kw : qw) + (a.across ? h * a.D : 0) : nullptr;
-      auto normed = [&](int d) {
-        float val = to_float(row[d]);
-        if (a.norm) {
-          val *= rstd;
-          if (w) val *= w[d];
-        }
-        return val;
-      };
-      float out[VEC];
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        const int d = d0 + i;
-        float val = normed(d);
-        if (d < a.R) {
-          bool first;
-          const int p = int(rope_partner(d, a.R, a.interleaved, first));
-          const float pv = normed(p);
-          val = first ? val * cs[d] - pv * sn[d] : val * cs[d] + pv * sn[d];
-        }
-        out[i] = val;
-      }
-      const RopeTensorArg& dst = is_k ? a.ko : a.qo;
-      VecIO<T, VEC>::store(static_cast<T*>(const_cast<void*>(dst.ptr)) + b * dst.sb + s * dst.ss + h * dst.sh + d0, out);
-    }
-  }
-}
-
-// Per-head kernel for heads of at most 32 work units (head_dim <= 128 in 16-bit, the
-// LLM/DiT case): a group of lanes owns one head row of one token and reads its vectors straight
-// from global memory (both halves of a half-split pair in one thread), reduces the per-head
-// RMS statistics with shuffles and writes whole vectors. No shared-memory staging and no
-// block barriers on the data path, so every resident warp keeps loads in flight.
-template <typename T, int VEC>
-__global__ void __launch_bounds__(kThreads) rope_head_kernel(const RopeKernelArgs a, const int lanes) {
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  double* freq = reinterpret_cast<double*>(smem_raw);  // [R], grid mode only
-  if (a.use_grid) {
-    for (int r = threadIdx.x; r < a.R; r += blockDim.x) freq[r] = rope_grid_inv_freq(a.grid, r, a.R, a.interleaved);
     __syncthreads();
   }
-  const int heads = a.Hq + a.Hk;
-  const int rot_units = a.interleaved ? a.R / VEC : a.R / (2 * VEC);
-  const int units = rot_units + (a.D - a.R) / VEC;
-  const int half = a.R / 2;
-  const int lane = threadIdx.x % lanes;
-  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / lanes) + threadIdx.x / lanes;
-  const bool active = row < a.tokens * heads && lane < units;
-  // Rows past the end still take part in the shuffles below, with zeros.
-  const int64_t token = active ? row / heads : 0;
-  const int head = active ? int(row % heads) : 0;
-  const int64_t b = token / a.S, s = token % a.S;
-  const bool is_k = head >= a.Hq;
-  const int h = is_k ? head - a.Hq : head;
+  const GridTable gtab{freq, axis};
+
+  const int tpr = a.tpr;
+  const int rb = a.rows_per_block == 1 ? 0 : threadIdx.x / tpr;
+  const int lane = threadIdx.x - rb * tpr;
+  const int64_t row = int64_t(blockIdx.x) * a.rows_per_block + rb;
+  const bool active = row < a.rows;
+  const int64_t token = active ? row / a.rows_per_token : 0;
+  const int sub = active ? int(row - token * a.rows_per_token) : 0;
+  const int64_t b = token / a.S, s = token - b * a.S;
+  const bool is_k = sub >= a.q_rows;
+  const int head0 = a.across ? 0 : (is_k ? sub - a.q_rows : sub);  // first head of the row
+  const int heads = a.across ? (is_k ? a.Hk : a.Hq) : 1;
+  const int units = heads * a.units_per_head;
   const RopeTensorArg& src = is_k ? a.k : a.q;
   const RopeTensorArg& dst = is_k ? a.ko : a.qo;
+  const T* in = static_cast<const T*>(src.ptr) + b * src.sb + s * src.ss;
+  T* out = static_cast<T*>(const_cast<void*>(dst.ptr)) + b * dst.sb + s * dst.ss;
+  const int rot_units = L::rotary_units(a.R);
+  int64_t pos[3] = {0, 0, 0};
+  if constexpr (GRID) {
+    const int64_t hw = a.grid.height * a.grid.width;
+    pos[0] = s / hw + a.grid.offsets[0];
+    pos[1] = (s / a.grid.width) % a.grid.height + a.grid.offsets[1];
+    pos[2] = s % a.grid.width + a.grid.offsets[2];
+  }
 
-  // Channels this thread owns: one vector at d0, plus its partner vector at d1 (half-split).
-  const bool rotary = lane < rot_units;
-  const bool two = rotary && !a.interleaved;
-  const int d0 = rotary ? lane * VEC : a.R + (lane - rot_units) * VEC;
-  const int d1 = d0 + half;
-  float x0[VEC] = {}, x1[VEC] = {};
-  if (active) {
-    const T* in = static_cast<const T*>(src.ptr) + b * src.sb + s * src.ss + h * src.sh;
-    VecIO<T, VEC>::load(in + d0, x0);
-    if (two) VecIO<T, VEC>::load(in + d1, x1);
-  }
-  float c0[VEC], s0[VEC], c1[VEC], s1[VEC];
-  if (active && rotary) {
-    if (a.use_grid) {
+  const ParamPtr& w = is_k ? a.kw : a.qw;
+  // The unit -> (head in row, unit in head, channels) map of item `it`.
+  auto unit_of = [&](int u, int& hi, int& d0, int& d1, bool& rotary) {
+    hi = heads == 1 ? 0 : u / a.units_per_head;
+    const int j = u - hi * a.units_per_head;
+    rotary = j < rot_units;
+    d1 = 0;
+    if (rotary)
+      L::channels(j, a.R, d0, d1);
+    else
+      d0 = a.R + (j - rot_units) * VEC;
+  };
+
+  pdl_wait();
+  // Load every unit of the row: x0 (and x1 for two-vector rotary units).
+  Pack<T, VEC> x0[ITEMS], x1[ITEMS];
+  UnitParams<VEC> early;
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        const float ang0 = float(rope_grid_reduce(double(rope_grid_position(a.grid, s, d0 + i, a.R, a.interleaved)) * freq[d0 + i]));
-        __sincosf(ang0, &s0[i], &c0[i]);
-        if (two) {
-          const float ang1 = float(rope_grid_reduce(double(rope_grid_position(a.grid, s, d1 + i, a.R, a.interleaved)) * freq[d1 + i]));
-          __sincosf(ang1, &s1[i], &c1[i]);
-        }
-      }
-    } else {
-      load_param<T, VEC>(a.cos, b * a.cos_sb + s * a.cos_ss + d0, c0);
-      load_param<T, VEC>(a.sin, b * a.sin_sb + s * a.sin_ss + d0, s0);
-      if (two) {
-        load_param<T, VEC>(a.cos, b * a.cos_sb + s * a.cos_ss + d1, c1);
-        load_param<T, VEC>(a.sin, b * a.sin_sb + s * a.sin_ss + d1, s1);
-      }
+  for (int it = 0; it < ITEMS; ++it) {
+    const int u = lane + it * tpr;
+    x0[it] = Pack<T, VEC>{};
+    x1[it] = Pack<T, VEC>{};
+    if (active && u < units) {
+      int hi, d0, d1;
+      bool rotary;
+      unit_of(u, hi, d0, d1, rotary);
+      const T* p = in + (head0 + hi) * src.sh;
+      x0[it] = load_pack<T, VEC>(p + d0);
+      if (rotary && L::kTwoVectors) x1[it] = load_pack<T, VEC>(p + d1);
+      if constexpr (kEarlyParams)
+        load_unit_params<T, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0, rotary,
+                                             rotary && L::kTwoVectors, d0, d1, early);
     }
   }
-  if (a.norm) {
-    float sq = 0.f;
+  pdl_release();
+
+  float rstd = 1.f;
+  if constexpr (NORM) {
+    float acc = 0.f;
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) sq += x0[i] * x0[i] + x1[i] * x1[i];
-    const float rstd = rsqrtf(lane_group_sum(sq, lanes) / float(a.D) + a.eps);
-    const ParamPtr& w = is_k ? a.kw : a.qw;
-    float w0[VEC], w1[VEC];
-    if (active && w.ptr) {
-      load_param<T, VEC>(w, d0, w0);
-      if (two) load_param<T, VEC>(w, d1, w1);
-    }
+    for (int it = 0; it < ITEMS; ++it) {
+      float v0[VEC], v1[VEC];
+      unpack(x0[it], v0);
+      unpack(x1[it], v1);
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      x0[i] *= rstd * (w.ptr ? a.weight_offset + w0[i] : 1.f);
-      x1[i] *= rstd * (w.ptr ? a.weight_offset + w1[i] : 1.f);
+      for (int i = 0; i < VEC; ++i) acc += v0[i] * v0[i] + v1[i] * v1[i];
     }
+    rstd = rsqrtf(row_sum(acc, tpr, scratch) / float(heads * a.D) + a.eps);
   }
   if (!active) return;
-  T* out = static_cast<T*>(const_cast<void*>(dst.ptr)) + b * dst.sb + s * dst.ss + h * dst.sh;
-  if (!rotary) {
-    VecIO<T, VEC>::store(out + d0, x0);
-  } else if (a.interleaved) {
-    float y[VEC];
+
 #pragma unroll
-    for (int i = 0; i < VEC; i += 2) {
-      y[i] = x0[i] * c0[i] - x0[i + 1] * s0[i];
-      y[i + 1] = x0[i + 1] * c0[i + 1] + x0[i] * s0[i + 1];
-    }
-    VecIO<T, VEC>::store(out + d0, y);
-  } else {
-    float y0[VEC], y1[VEC];
+  for (int it = 0; it < ITEMS; ++it) {
+    const int u = lane + it * tpr;
+    if (u >= units) continue;
+    int hi, d0, d1;
+    bool rotary;
+    unit_of(u, hi, d0, d1, rotary);
+    T* o = out + (head0 + hi) * dst.sh;
+    const bool two = rotary && L::kTwoVectors;
+    UnitParams<VEC> late;
+    if constexpr (!kEarlyParams)  // weights span every head when the norm does
+      load_unit_params<T, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0, rotary, two, d0, d1,
+                                           late);
+    const UnitParams<VEC>& p = kEarlyParams ? early : late;
+    float v0[VEC], v1[VEC];
+    unpack(x0[it], v0);
+    unpack(x1[it], v1);
+    if constexpr (NORM) {
 #pragma unroll
-    for (int i = 0; i < VEC; ++i) {
-      y0[i] = x0[i] * c0[i] - x1[i] * s0[i];
-      y1[i] = x1[i] * c1[i] + x0[i] * s1[i];
+      for (int i = 0; i < VEC; ++i) {
+        v0[i] *= rstd * (w.ptr ? a.weight_offset + p.w0[i] : 1.f);
+        v1[i] *= rstd * (w.ptr && two ? a.weight_offset + p.w1[i] : 1.f);
+      }
     }
-    VecIO<T, VEC>::store(out + d0, y0);
-    VecIO<T, VEC>::store(out + d1, y1);
+    if (!rotary) {
+      store_pack(o + d0, pack<T, VEC>(v0));
+      continue;
+    }
+    if constexpr (!L::kTwoVectors) {
+      float y[VEC];
+#pragma unroll
+      for (int i = 0; i < VEC; i += 2) {
+        y[i] = v0[i] * p.c0[i] - v0[i + 1] * p.s0[i];
+        y[i + 1] = v0[i + 1] * p.c0[i + 1] + v0[i] * p.s0[i + 1];
+      }
+      store_pack(o + d0, pack<T, VEC>(y));
+    } else {
+      float y0[VEC], y1[VEC];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        y0[i] = v0[i] * p.c0[i] - v1[i] * p.s0[i];
+        y1[i] = v1[i] * p.c1[i] + v0[i] * p.s1[i];
+      }
+      store_pack(o + d0, pack<T, VEC>(y0));
+      store_pack(o + d1, pack<T, VEC>(y1));
+    }
+  }
+}
+
+// Per-head rows of at most 32 units (head_dim <= 128 in 16-bit with whole vectors: the LLM
+// and DiT case), one token per thread group: `tpr` lanes own the units of a head, and each of
+// `head_groups` lane groups walks ITEMS heads of the token (h = group + it * head_groups).
+// A lane's unit is the same in all its heads, so its rotation factors (and, for the norm, its
+// weight vectors) are loaded or computed once per token and reused ITEMS times; the heads'
+// data are all loaded before the first use. The per-head RMS is a shuffle over the lanes.
+template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
+__global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKernelArgs a, const int head_groups) {
+  using L = UnitLayout<INTERLEAVED, VEC>;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  double* turns = reinterpret_cast<double*>(smem_raw);
+  unsigned char* axis = smem_raw + sizeof(double) * a.R;
+  if constexpr (GRID) {
+    for (int r = threadIdx.x; r < a.R; r += blockDim.x) {
+      int64_t j;
+      turns[r] = rope_grid_inv_freq(a.grid, r, a.R, INTERLEAVED) * 0.15915494309189535;  // 1 / (2 pi)
+      axis[r] = static_cast<unsigned char>(rope_grid_axis(a.grid, r, a.R, INTERLEAVED, j));
+    }
+    __syncthreads();
+  }
+  const GridTable gtab{turns, axis};
+
+  const int tpr = a.tpr;
+  const int per_token = tpr * head_groups;
+  const int slot = threadIdx.x / per_token;  // token slot of the block
+  const int hg = (threadIdx.x - slot * per_token) / tpr;
+  const int lane = threadIdx.x % tpr;
+  const int64_t token = int64_t(blockIdx.x) * a.rows_per_block + slot;
+  const int heads = a.Hq + a.Hk;
+  const bool active = slot < a.rows_per_block && token < a.rows && lane < a.units_per_head;
+  const int64_t b = active ? token / a.S : 0, s = active ? token - b * a.S : 0;
+  const int rot_units = L::rotary_units(a.R);
+  const bool rotary = lane < rot_units;
+  const bool two = rotary && L::kTwoVectors;
+  int d0, d1 = 0;
+  if (rotary)
+    L::channels(lane, a.R, d0, d1);
+  else
+    d0 = a.R + (lane - rot_units) * VEC;
+  int64_t pos[3] = {0, 0, 0};
+  if constexpr (GRID) {
+    const int64_t hw = a.grid.height * a.grid.width;
+    pos[0] = s / hw + a.grid.offsets[0];
+    pos[1] = (s / a.grid.width) % a.grid.height + a.grid.offsets[1];
+    pos[2] = s % a.grid.width + a.grid.offsets[2];
+  }
+
+  pdl_wait();
+  Pack<T, VEC> x0[ITEMS], x1[ITEMS];
+#pragma unroll
+  for (int it = 0; it < ITEMS; ++it) {
+    const int h = hg + it * head_groups;
+    x0[it] = Pack<T, VEC>{};
+    x1[it] = Pack<T, VEC>{};
+    if (active && h < heads) {
+      const bool is_k = h >= a.Hq;
+      const RopeTensorArg& src = is_k ? a.k : a.q;
+      const T* p = static_cast<const T*>(src.ptr) + b * src.sb + s * src.ss + (is_k ? h - a.Hq : h) * src.sh;
+      x0[it] = load_pack<T, VEC>(p + d0);
+      if (two) x1[it] = load_pack<T, VEC>(p + d1);
+    }
+  }
+  // This lane's rotation factors, shared by its heads.
+  UnitParams<VEC> rot;
+  if (active && rotary) {
+    load_rotation<T, VEC, GRID>(a, gtab, pos, b, s, d0, rot.c0, rot.s0);
+    if (two) load_rotation<T, VEC, GRID>(a, gtab, pos, b, s, d1, rot.c1, rot.s1);
+  }
+  pdl_release();
+
+#pragma unroll
+  for (int it = 0; it < ITEMS; ++it) {
+    const int h = hg + it * head_groups;
+    const bool is_k = h >= a.Hq;
+    float v0[VEC], v1[VEC];
+    unpack(x0[it], v0);
+    unpack(x1[it], v1);
+    if constexpr (NORM) {
+      float acc = 0.f;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) acc += v0[i] * v0[i] + v1[i] * v1[i];
+      const float rstd = rsqrtf(lane_group_sum(acc, tpr) / float(a.D) + a.eps);  // every lane takes part
+      const ParamPtr& w = is_k ? a.kw : a.qw;
+      float w0[VEC], w1[VEC];
+      if (active && w.ptr) {  // [D] per head: L1 hits after the first head
+        load_param<T, VEC>(w, d0, w0);
+        if (two) load_param<T, VEC>(w, d1, w1);
+      }
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        v0[i] *= rstd * (w.ptr ? a.weight_offset + w0[i] : 1.f);
+        v1[i] *= rstd * (w.ptr && two ? a.weight_offset + w1[i] : 1.f);
+      }
+    }
+    if (!(active && h < heads)) continue;
+    const RopeTensorArg& dst = is_k ? a.ko : a.qo;
+    T* o = static_cast<T*>(const_cast<void*>(dst.ptr)) + b * dst.sb + s * dst.ss + (is_k ? h - a.Hq : h) * dst.sh;
+    if (!rotary) {
+      store_pack(o + d0, pack<T, VEC>(v0));
+    } else if constexpr (!L::kTwoVectors) {
+      float y[VEC];
+#pragma unroll
+      for (int i = 0; i < VEC; i += 2) {
+        y[i] = v0[i] * rot.c0[i] - v0[i + 1] * rot.s0[i];
+        y[i + 1] = v0[i + 1] * rot.c0[i + 1] + v0[i] * rot.s0[i + 1];
+      }
+      store_pack(o + d0, pack<T, VEC>(y));
+    } else {
+      float y0[VEC], y1[VEC];
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        y0[i] = v0[i] * rot.c0[i] - v1[i] * rot.s0[i];
+        y1[i] = v1[i] * rot.c1[i] + v0[i] * rot.s1[i];
+      }
+      store_pack(o + d0, pack<T, VEC>(y0));
+      store_pack(o + d1, pack<T, VEC>(y1));
+    }
   }
 }
 
@@ -349,6 +372,27 @@ RopeTensorArg tensor_arg(const TensorView& t) {
 
 ParamPtr param(const TensorView& t) {
   return ParamPtr{t.defined() ? t.data : nullptr, t.defined() && t.dtype == DType::kFloat32};
+}
+
+// Launches the per-head kernel (HEADS) or the rows kernel.
+template <bool HEADS, typename T, int VEC, int ITEMS>
+void launch_rope(const RopeKernelArgs& a, int head_groups, bool interleaved, bool norm, bool grid_mode, dim3 grid,
+                 dim3 block, size_t smem, cudaStream_t stream) {
+  auto go = [&](auto il, auto nm, auto gr) {
+    constexpr bool I = decltype(il)::value, N = decltype(nm)::value, G = decltype(gr)::value;
+    if constexpr (HEADS)
+      launch(rope_heads_kernel<T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups);
+    else
+      launch(rope_rows_kernel<T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a);
+  };
+  auto with_src = [&](auto il, auto nm) {
+    grid_mode ? go(il, nm, std::true_type{}) : go(il, nm, std::false_type{});
+  };
+  auto with_norm = [&](auto il) { norm ? with_src(il, std::true_type{}) : with_src(il, std::false_type{}); };
+  if constexpr (ITEMS == 8)  // only interleaved rows are that wide (rope_cuda)
+    with_norm(std::true_type{});
+  else
+    interleaved ? with_norm(std::true_type{}) : with_norm(std::false_type{});
 }
 
 }  // namespace
@@ -364,7 +408,6 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   a.k = tensor_arg(args.k);
   a.qo = tensor_arg(args.q_out);
   a.ko = tensor_arg(args.k_out);
-  a.use_grid = args.use_grid;
   if (args.use_grid) {
     a.grid = args.grid;
   } else {
@@ -375,60 +418,102 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
     a.sin_sb = args.sin.strides[0];
     a.sin_ss = args.sin.strides[1];
   }
-  a.interleaved = args.style == RopeStyle::kInterleaved;
-  a.norm = args.norm == NormType::kRMS;
-  a.across = args.norm_across_heads;
+  const bool interleaved = args.style == RopeStyle::kInterleaved;
+  const bool norm = args.norm == NormType::kRMS;
+  a.across = norm && args.norm_across_heads;
   a.qw = param(args.q_weight);
   a.kw = param(args.k_weight);
   a.eps = args.eps;
   a.weight_offset = args.weight_offset;
 
-  a.tokens = sh.B * sh.S;
-  const int64_t heads = sh.Hq + sh.Hk;
+  // Units need whole vectors: interleaved pairs inside one, or half-split partners R/2 apart a
+  // whole number of vectors; otherwise (and for widths the vector does not divide) one
+  // element per vector. Only the full 16-byte width and 1 are compiled.
+  const int full = int(16 / dtype_size(args.q.dtype));
+  if (vec != full || a.R % (interleaved ? vec : 2 * vec) != 0 || (a.D - a.R) % vec != 0) vec = 1;
+  const int rot_units = interleaved && vec >= 2 ? a.R / vec : a.R / (2 * vec);
+  a.units_per_head = rot_units + (a.D - a.R) / vec;
+  const bool has_k = args.k.defined();
+  const size_t smem = args.use_grid ? (sizeof(double) + 1) * size_t(a.R) : 0;
+  FUSEBOX_CHECK(smem <= 40 * 1024, "the rotary dimension ", a.R, " is too large for the 3-D grid (at most ",
+                40 * 1024 / (sizeof(double) + 1), ")");
+  const int heads = a.Hq + a.Hk;
 
-  // Per-head path: pairs in whole vectors, at most 32 units per head, and no norm spanning
-  // several heads.
-  const bool pair_vectors = vec >= 2 && a.R % vec == 0 && (a.interleaved || (a.R / 2) % vec == 0);
-  const int units = (a.interleaved ? a.R / vec : a.R / (2 * vec)) + (a.D - a.R) / vec;
-  const bool cross_head_norm = a.norm && a.across && (sh.Hq > 1 || sh.Hk > 1);
-  if (pair_vectors && units <= 32 && !cross_head_norm) {
-    const int lanes = next_pow2(units);
-    const int64_t rows = a.tokens * heads;
-    const int rows_per_block = kThreads / lanes;
-    const size_t smem = a.use_grid ? sizeof(double) * size_t(a.R) : 0;
-    FUSEBOX_CHECK((rows + rows_per_block - 1) / rows_per_block < (int64_t(1) << 31), "too many rows: ", rows);
+  // Per-head kernel (tokens are rows; up to 4 heads per lane group) when a head fits one lane
+  // group and the token's lane groups fit a block.
+  const int head_tpr = next_pow2(a.units_per_head);
+  // With a per-head norm, two heads per lane group keep enough lanes busy through the
+  // shuffle reductions (Qwen3 2048 tokens: 24.7 -> 22.5 us); without one, four heads share
+  // the rotation factors (Wan rope_3d 40 heads: 420 us with 4, 1112 with 2).
+  int head_items = heads >= 4 ? (norm ? 2 : 4) : heads >= 2 ? 2 : 1;
+  const int forced_items = tuning_knob("FUSEBOX_ROPE_ITEMS", 0);
+  if (forced_items == 1 || forced_items == 2 || forced_items == 4) head_items = forced_items;
+  const int head_groups = (heads + head_items - 1) / head_items;
+  if (!a.across && a.units_per_head <= 32 && head_tpr * head_groups <= kMaxThreads) {
+    a.tpr = head_tpr;
+    const int items = head_items;
+    a.rows = sh.B * sh.S;
+    a.rows_per_block = std::max(1, 128 / (a.tpr * head_groups));
+    const int64_t blocks = (a.rows + a.rows_per_block - 1) / a.rows_per_block;
+    FUSEBOX_CHECK(blocks < (int64_t(1) << 31), "too many tokens: ", a.rows);
+    // whole warps: the per-head sums shuffle with every lane of a warp present
+    const int threads = (a.tpr * head_groups * a.rows_per_block + 31) / 32 * 32;
+    const dim3 grid(static_cast<unsigned>(blocks)), block(static_cast<unsigned>(threads));
     dispatch_dtype(args.q.dtype, [&](auto t) {
       using T = decltype(t);
-      dispatch_vec<T>(vec, [&](auto v) {
-        rope_head_kernel<T, decltype(v)::value>
-            <<<unsigned((rows + rows_per_block - 1) / rows_per_block), kThreads, smem, stream>>>(a, lanes);
-      });
+      constexpr int kFull = 16 / int(sizeof(T));
+      auto with_items = [&](auto v) {
+        constexpr int V = decltype(v)::value;
+        switch (items) {
+          case 1: launch_rope<true, T, V, 1>(a, head_groups, interleaved, norm, args.use_grid, grid, block, smem, stream); break;
+          case 2: launch_rope<true, T, V, 2>(a, head_groups, interleaved, norm, args.use_grid, grid, block, smem, stream); break;
+          default: launch_rope<true, T, V, 4>(a, head_groups, interleaved, norm, args.use_grid, grid, block, smem, stream); break;
+        }
+      };
+      if (vec == kFull)
+        with_items(std::integral_constant<int, kFull>{});
+      else
+        with_items(std::integral_constant<int, 1>{});
     });
-    FUSEBOX_CHECK_LAUNCH();
     return;
   }
 
-  const int qw_len = args.q_weight.defined() ? int(args.q_weight.shape[0]) : 0;
-  const int kw_len = args.k_weight.defined() ? int(args.k_weight.shape[0]) : 0;
-  const size_t smem = RopeSmem(int(heads), a.D, a.R, dtype_size(args.q.dtype), qw_len, kw_len, a.use_grid).total;
-  const DeviceLimits& dev = device_limits();
-  FUSEBOX_CHECK(smem <= size_t(dev.smem_optin), "one token of q and k (", heads, " heads x ", sh.D,
-                " channels) needs ", smem, " bytes of shared memory; this GPU allows ", dev.smem_optin);
+  a.rows_per_token = a.across ? 1 + int(has_k) : a.Hq + a.Hk;
+  a.q_rows = a.across ? 1 : a.Hq;
+  a.rows = sh.B * sh.S * a.rows_per_token;
+  const int64_t units = int64_t(a.across ? std::max(a.Hq, a.Hk) : 1) * a.units_per_head;
+
+  // Two-vector units hold twice the registers: at most 4 of them per thread.
+  const bool two_vectors = !(interleaved && vec >= 2);
+  const int items = units <= 32 ? 1 : units <= 4 * kMaxThreads ? 4 : 8;
+  FUSEBOX_CHECK(units <= int64_t(two_vectors ? 4 : 8) * kMaxThreads, "one row of the rotary kernel (",
+                a.across ? "every head of a token" : "one head", ", ", units * vec,
+                " channels) is too wide; at most ", (two_vectors ? 4 * 2 : 8) * kMaxThreads * vec, " are supported");
+  const int64_t need = (units + items - 1) / items;
+  a.tpr = need <= 32 ? next_pow2(need) : int((need + 31) / 32 * 32);
+  a.rows_per_block = a.tpr < 128 && (a.tpr & (a.tpr - 1)) == 0 ? 128 / a.tpr : 1;
+  const int64_t blocks = (a.rows + a.rows_per_block - 1) / a.rows_per_block;
+  FUSEBOX_CHECK(blocks < (int64_t(1) << 31), "too many rows: ", a.rows);
+  const dim3 grid(static_cast<unsigned>(blocks)), block(static_cast<unsigned>(a.tpr * a.rows_per_block));
 
   dispatch_dtype(args.q.dtype, [&](auto t) {
     using T = decltype(t);
-    dispatch_vec<T>(vec, [&](auto v) {
-      auto kernel = rope_kernel<T, decltype(v)::value>;
-      if (smem > 48 * 1024)
-        FUSEBOX_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)));
-      // As many blocks as fit on the GPU at once; each walks its share of the tokens.
-      int blocks_per_sm = 0;
-      FUSEBOX_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, smem));
-      const int64_t grid = std::min<int64_t>(a.tokens, int64_t(std::max(blocks_per_sm, 1)) * dev.sm_count);
-      kernel<<<unsigned(grid), kThreads, smem, stream>>>(a);
-    });
+    constexpr int kFull = 16 / int(sizeof(T));
+    auto with_items = [&](auto v) {
+      constexpr int V = decltype(v)::value;
+      switch (items) {
+        case 1: launch_rope<false, T, V, 1>(a, 0, interleaved, norm, args.use_grid, grid, block, smem, stream); break;
+        case 4: launch_rope<false, T, V, 4>(a, 0, interleaved, norm, args.use_grid, grid, block, smem, stream); break;
+        default:  // interleaved pairs in whole vectors (see above)
+          if constexpr (V > 1) launch_rope<false, T, V, 8>(a, 0, interleaved, norm, args.use_grid, grid, block, smem, stream);
+          break;
+      }
+    };
+    if (vec == kFull)
+      with_items(std::integral_constant<int, kFull>{});
+    else
+      with_items(std::integral_constant<int, 1>{});
   });
-  FUSEBOX_CHECK_LAUNCH();
 }
 
 }  // namespace fusebox::cuda
