@@ -2,7 +2,7 @@
 # GPU proof in one call: builds against the torch installed on the GPU machine, runs the C++
 # and Python suites on CUDA, runs them again under compute-sanitizer memcheck, optionally runs
 # the benchmark, and prints a pass/fail table last.
-# Usage: scripts/gpu_check.sh [stages...]   stages: test sanitize bench quick (default: test sanitize)
+# Usage: scripts/gpu_check.sh [stages...]   stages: test sanitize bench quick e2e (default: test sanitize)
 # Env: OUT (where logs and results go; default ./gpu_out), PY (default python3),
 #      FUSEBOX_CUDA_ARCHS (default: the GPU's), .whl/ wheels are installed to /tmp/site if present,
 #      .gtest/ (a GoogleTest source tree) is used when the machine has no GoogleTest package.
@@ -75,6 +75,14 @@ for stage in "${stages[@]}"; do
       args+=(${BENCH_ARGS:-})
       "$py" -m fusebox bench "${args[@]}" --out "$out/bench" 2>&1 | tee "$out/bench.log" | tail -60
       rc=${PIPESTATUS[0]}; record "fusebox bench ${args[*]}" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(( $(date +%s) - t0 )) s"
+      ;;
+    e2e)
+      # End-to-end models (E2E_MODELS, comma-separated; E2E_ARGS e.g. --quick).
+      t0=$(date +%s)
+      # shellcheck disable=SC2206
+      eargs=(${E2E_ARGS:-})
+      "$py" -m fusebox bench e2e --model "${E2E_MODELS:-tiny}" "${eargs[@]}" --out "$out/e2e" 2>&1 | tee "$out/e2e.log" | tail -80
+      rc=${PIPESTATUS[0]}; record "fusebox bench e2e ${E2E_MODELS:-tiny}" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(( $(date +%s) - t0 )) s"
       ;;
   esac
 done
