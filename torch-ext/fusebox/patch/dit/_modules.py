@@ -51,8 +51,8 @@ FUSED_INTO_ATTR = "_fusebox_fused_into"  # a module whose work a patched parent 
 def fusable(x: Tensor, *small: Optional[Tensor], like_x: Tuple[Optional[Tensor], ...] = ()) -> bool:
     """Can the fused path take ``x``? ``small`` operands (weights, scale/shift, tables) may be
     fp32 or x's dtype; ``like_x`` operands (branches, gates that the model adds in x's dtype)
-    must have x's dtype; rows must be contiguous. False when autograd must record the
-    computation."""
+    must have x's dtype; small operands need contiguous rows (large ones go through
+    :func:`rows`). False when autograd must record the computation."""
     if needs_autograd(x, *small, *like_x):
         return False
     if x.dtype not in FUSED_DTYPES or x.device.type not in FUSED_DEVICES:
@@ -61,9 +61,17 @@ def fusable(x: Tensor, *small: Optional[Tensor], like_x: Tuple[Optional[Tensor],
         return False
     if not all(t is None or t.dtype == x.dtype for t in like_x):
         return False
-    # the operators read rows in place: each needs a unit stride along its last dimension
-    return all(t is None or t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1
-               for t in (x, *small, *like_x))
+    return all(t is None or _unit_last_stride(t) for t in small)
+
+
+def _unit_last_stride(t: Tensor) -> bool:
+    return t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1
+
+
+def rows(t: Tensor) -> Tensor:
+    """``t`` with contiguous rows, as the operators read them (a patch embedding's transposed
+    output is copied once, as an eager norm would copy it)."""
+    return t if _unit_last_stride(t) else t.contiguous()
 
 
 def _out_dtype(x: Tensor, dtype: torch.dtype) -> Optional[torch.dtype]:
@@ -82,11 +90,15 @@ def _run_all(*fns: Callable) -> None:
 def add_undo(module: torch.nn.Module, fn: Callable[[], None]) -> None:
     """Registers ``fn`` to run when :func:`fusebox.unpatch` reaches ``module``."""
     previous = module.__dict__.get(UNDO_ATTR)
-    module.__dict__[UNDO_ATTR] = fn if previous is None else functools.partial(_run_all, previous, fn)
+    if previous is not None:
+        fn = functools.partial(_run_all, previous, fn)
+    module.__dict__[UNDO_ATTR] = fn
 
 
 def mark_fused(module: torch.nn.Module, into: str) -> None:
     """Records that a patched parent does ``module``'s work (so the generic pass leaves it)."""
+    if module.__dict__.get(FUSED_INTO_ATTR) == into:
+        return
     module.__dict__[FUSED_INTO_ATTR] = into
     add_undo(module, functools.partial(module.__dict__.pop, FUSED_INTO_ATTR, None))
 
@@ -129,7 +141,10 @@ def norm_kind(norm: torch.nn.Module) -> Optional[str]:
 
 
 def norm_params(norm: torch.nn.Module, x: Tensor) -> Optional[NormParams]:
-    """How a norm module normalizes ``x``, or None when it is not one fusebox reproduces."""
+    """How a norm module normalizes ``x``, or None when it is not one fusebox reproduces or
+    when a hook owns its weights (offloaded weights arrive only when its own forward runs)."""
+    if has_hooks(norm):
+        return None
     kind = norm_kind(norm)
     if kind == "layer":
         return NormParams(kind, norm.weight, norm.bias, norm.eps, x.dtype)
@@ -152,7 +167,7 @@ def modulated_norm(norm: torch.nn.Module, x: Tensor, scale: Tensor, shift: Tenso
     if p is not None and fusable(x, scale, shift, p.weight, p.bias):
         dtype = _modulation_dtype(p, x, scale, shift)
         if dtype is not None:
-            return F.adaln(x, scale, shift, p.weight, p.bias, p.kind, p.eps,
+            return F.adaln(rows(x), scale, shift, p.weight, p.bias, p.kind, p.eps,
                            out_dtype=_out_dtype(x, dtype))
     return norm(x) * (1 + scale) + shift
 
@@ -160,7 +175,7 @@ def modulated_norm(norm: torch.nn.Module, x: Tensor, scale: Tensor, shift: Tenso
 def gated_add(x: Tensor, branch: Tensor, gate: Optional[Tensor] = None) -> Tensor:
     """``x + gate * branch`` (the AdaLN-Zero residual; ``x + branch`` without a gate)."""
     if fusable(x, like_x=(branch, gate)):
-        return F.gated_residual(x, branch, gate)
+        return F.gated_residual(rows(x), rows(branch), gate)
     return x + branch if gate is None else x + gate * branch
 
 
@@ -172,8 +187,8 @@ def gated_add_norm(x: Tensor, branch: Tensor, gate: Optional[Tensor], norm: torc
     if p is not None and fusable(x, scale, shift, p.weight, p.bias, like_x=(branch, gate)):
         dtype = _modulation_dtype(p, x, scale, shift)
         if dtype is not None:
-            return F.gated_residual_norm(x, branch, gate, scale, shift, p.weight, p.bias, p.kind,
-                                         p.eps, out_dtype=_out_dtype(x, dtype))
+            return F.gated_residual_norm(rows(x), rows(branch), gate, scale, shift, p.weight,
+                                         p.bias, p.kind, p.eps, out_dtype=_out_dtype(x, dtype))
     h = gated_add(x, branch, gate)
     return modulated_norm(norm, h, scale, shift), h
 
@@ -209,6 +224,8 @@ def linear_act(proj: torch.nn.Module, act: torch.nn.Module, x: Tensor) -> Tensor
 
 def _rms_params(norm: torch.nn.Module, x: Tensor) -> Optional[Tuple[Optional[Tensor], float]]:
     """(weight, eps) of a per-head RMSNorm module that returns x's dtype, else None."""
+    if has_hooks(norm):
+        return None
     if type(norm) is torch.nn.RMSNorm and len(norm.normalized_shape) == 1 and norm.eps is not None:
         return norm.weight, norm.eps
     p = norm_params(norm, x)
@@ -238,13 +255,14 @@ def norm_rope(q: Tensor, k: Tensor, norm_q: Optional[torch.nn.Module],
         return _eager_norm_rope(q, k, norm_q, norm_k, rotary)
     if norm_q is None and norm_k is None:
         if cos is not None and fusable(q, cos, sin, like_x=(k,)):
-            return F.rope(q, k, cos, sin, interleaved=True)
+            return F.rope(rows(q), rows(k), cos, sin, interleaved=True)
         return _eager_norm_rope(q, k, norm_q, norm_k, rotary)
     pq = _rms_params(norm_q, q) if norm_q is not None else None
     pk = _rms_params(norm_k, k) if norm_k is not None else None
     if pq is None or pk is None or pq[1] != pk[1] or not fusable(q, pq[0], pk[0], cos, sin,
                                                                   like_x=(k,)):
         return _eager_norm_rope(q, k, norm_q, norm_k, rotary)
+    q, k = rows(q), rows(k)
     if cos is None:
         return F.rms_norm(q, pq[0], pq[1]), F.rms_norm(k, pk[0], pk[1])
     return F.qk_norm_rope(q, k, pq[0], pk[0], cos, sin, pq[1], interleaved=True)
@@ -266,13 +284,14 @@ def _rms_norm_forward(self, hidden_states):
     dtype = hidden_states.dtype if weight is None else weight.dtype
     if not fusable(hidden_states, weight) or dtype not in (hidden_states.dtype, torch.float32):
         return original_forward(self)(hidden_states)
-    return F.rms_norm(hidden_states, weight, self.eps, out_dtype=_out_dtype(hidden_states, dtype))
+    return F.rms_norm(rows(hidden_states), weight, self.eps,
+                      out_dtype=_out_dtype(hidden_states, dtype))
 
 
 def _layer_norm(self, x):
     if not fusable(x, self.weight, self.bias):
         return original_forward(self)(x)
-    return F.layer_norm(x, self.weight, self.bias, self.eps)
+    return F.layer_norm(rows(x), self.weight, self.bias, self.eps)
 
 
 def _layer_norm_forward(self, input):       # nn.LayerNorm.forward's signature

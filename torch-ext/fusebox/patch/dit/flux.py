@@ -153,8 +153,9 @@ def patch(model: torch.nn.Module, report, **options) -> None:
             replace_forward(module, _single_block_forward, "flux single block")
             report.add(path, module, "linear + gelu_tanh(+bias), gated_residual")
         elif cls is FluxAttention:
-            if type(module.processor) is not FluxAttnProcessor:
+            if type(module.processor) is FluxAttnProcessor:
+                install_processor(module, FluxFusedAttnProcessor())
+            elif type(module.processor) is not FluxFusedAttnProcessor:
                 report.skip(path, module, f"processor {type(module.processor).__name__} kept")
                 continue
-            install_processor(module, FluxFusedAttnProcessor())
             report.add(path, module, "qk_norm_rope per head (interleaved), per stream")

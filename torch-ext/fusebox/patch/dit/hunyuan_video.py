@@ -96,6 +96,9 @@ class HunyuanVideoFusedAttnProcessor(HunyuanVideoAttnProcessor2_0):
         return hidden_states, encoder_hidden_states
 
 
+_PROCESSORS = (HunyuanVideoAttnProcessor2_0, HunyuanVideoFusedAttnProcessor)
+
+
 def _double_block_forward(self, hidden_states, encoder_hidden_states, temb, attention_mask=None,
                           freqs_cis=None, *args, **kwargs):
     norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(
@@ -158,8 +161,9 @@ def patch(model: torch.nn.Module, report, **options) -> None:
         elif cls is HunyuanVideoSingleTransformerBlock:
             replace_forward(module, _single_block_forward, "hunyuan-video single block")
             report.add(path, module, "linear + gelu_tanh(+bias), gated_residual")
-        elif type(getattr(module, "processor", None)) is HunyuanVideoAttnProcessor2_0:
-            install_processor(module, HunyuanVideoFusedAttnProcessor())
+        elif type(getattr(module, "processor", None)) in _PROCESSORS:
+            if type(module.processor) is HunyuanVideoAttnProcessor2_0:
+                install_processor(module, HunyuanVideoFusedAttnProcessor())
             report.add(path, module, "qk_norm_rope per head (interleaved) on video tokens")
             for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
                 norm = getattr(module, name, None)

@@ -29,8 +29,8 @@ def _ada_norm_single_block_forward(self, hidden_states, attention_mask=None,
                                    timestep=None, cross_attention_kwargs=None, class_labels=None,
                                    added_cond_kwargs=None):
     cross_attention_kwargs = dict(cross_attention_kwargs or {})
-    if (hidden_states.ndim != 3 or self.pos_embed is not None
-            or "gligen" in cross_attention_kwargs or cross_attention_kwargs.get("scale") is not None):
+    if (hidden_states.ndim != 3 or self.pos_embed is not None or "gligen" in cross_attention_kwargs
+            or cross_attention_kwargs.get("scale") is not None):
         # rare inputs (GLIGEN, positional embedding, the deprecated `scale`): diffusers' code
         return original_forward(self)(
             hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
