@@ -179,8 +179,8 @@ def _processors(model):
 
 
 @pytest.mark.parametrize("name", list(MODELS))
-def test_unpatch_restores_exactly(name):
-    model, inputs = build(name)
+def test_unpatch_restores_exactly(name, device):
+    model, inputs = build(name, device)
     ref = forward(model, inputs)
     processors = _processors(model)
     dicts = {n: set(m.__dict__) for n, m in model.named_modules()}
@@ -298,10 +298,14 @@ def test_cpu_offload_hooks_kept(name, order):
         assert torch.equal(forward(model, inputs), ref)
 
 
-def _block_cases(name, model, inputs):
+def _block_cases(name, model, inputs, device):
     """(block, args) of the patched blocks of each kind, with activations of the model's width."""
     d = model.config.num_attention_heads * model.config.attention_head_dim
-    x, c, temb = torch.randn(B, 12, d), torch.randn(B, 5, d), torch.randn(B, d)
+
+    def randn(*shape):
+        return torch.randn(*shape, device=device)
+
+    x, c, temb = randn(B, 12, d), randn(B, 5, d), randn(B, d)
     if name == "flux":
         rotary = model.pos_embed(torch.cat([inputs["txt_ids"], inputs["img_ids"]]))
         return [(model.transformer_blocks[0], (x, c, temb, rotary)),
@@ -309,29 +313,43 @@ def _block_cases(name, model, inputs):
     if name == "sd3":
         return [(block, (x, c, temb)) for block in model.transformer_blocks]
     if name == "pixart":
-        return [(model.transformer_blocks[0],
-                 (x, None, torch.randn(B, 6, 64), None, torch.randn(B, 6 * d)))]
-    rotary = model.rope(torch.randn(B, 4, 3, 4, 8))      # 3 x 2 x 4 = 24 video tokens
-    x = torch.randn(B, 24, d)
-    mask = torch.ones(B, 1, 1, 29, dtype=torch.bool)
+        return [(model.transformer_blocks[0], (x, None, randn(B, 6, 64), None, randn(B, 6 * d)))]
+    rotary = model.rope(randn(B, 4, 3, 4, 8))      # 3 x 2 x 4 = 24 video tokens
+    x = randn(B, 24, d)
+    mask = torch.ones(B, 1, 1, 29, dtype=torch.bool, device=device)
     return [(model.transformer_blocks[0], (x, c, temb, mask, rotary)),
             (model.single_transformer_blocks[0], (x, c, temb, mask, rotary))]
 
 
+class GraphOps:
+    """A torch.compile backend that records the fusebox operators of the captured graphs and
+    compiles them with aot_eager (which traces the operators' fake implementations)."""
+
+    def __init__(self):
+        self.ops = set()
+
+    def __call__(self, gm, example_inputs):
+        targets = (str(n.target) for n in gm.graph.nodes)
+        self.ops |= {t.split(".")[1] for t in targets if t.startswith("fusebox.")}
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
 @pytest.mark.parametrize("name", ["flux", "sd3", "pixart", "hunyuan_video"])
-def test_compiled_block_has_no_graph_break(name):
-    model, inputs = build(name)
+def test_compiled_block_has_no_graph_break(name, device):
+    model, inputs = build(name, device)
     fusebox.patch(model)
     torch.manual_seed(1)
-    for block, args in _block_cases(name, model, inputs):
+    backend = GraphOps()
+    for block, args in _block_cases(name, model, inputs, device):
         torch._dynamo.reset()
         with torch.no_grad():
             ref = block(*args)
-            out = torch.compile(block, fullgraph=True, backend="aot_eager")(*args)
+            out = torch.compile(block, fullgraph=True, backend=backend)(*args)
         ref = ref if isinstance(ref, tuple) else (ref,)
         out = out if isinstance(out, tuple) else (out,)
         for r, o in zip(ref, out):
             assert (r is None and o is None) or torch.allclose(r, o, rtol=1e-5, atol=1e-6)
+    assert MODELS[name][2] <= backend.ops      # the fused path is what was traced
 
 
 # --------------------------------------------------------------------------- generic modules
