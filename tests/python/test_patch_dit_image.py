@@ -73,7 +73,8 @@ def _sd3():
         num_attention_heads=4, joint_attention_dim=32, caption_projection_dim=64,
         pooled_projection_dim=16, out_channels=4, pos_embed_max_size=16,
         dual_attention_layers=(0,), qk_norm="rms_norm")
-    inputs = dict(hidden_states=torch.randn(B, 4, 8, 8), encoder_hidden_states=torch.randn(B, 5, 32),
+    inputs = dict(hidden_states=torch.randn(B, 4, 8, 8),
+                  encoder_hidden_states=torch.randn(B, 5, 32),
                   pooled_projections=torch.randn(B, 16), timestep=torch.tensor([10, 500]))
     return model, inputs
 
@@ -82,8 +83,8 @@ def _pixart():
     model = PixArtTransformer2DModel(
         num_attention_heads=4, attention_head_dim=16, in_channels=4, out_channels=8, num_layers=2,
         cross_attention_dim=64, sample_size=8, caption_channels=32, use_additional_conditions=False)
-    inputs = dict(hidden_states=torch.randn(B, 4, 8, 8), encoder_hidden_states=torch.randn(B, 6, 32),
-                  timestep=torch.tensor([10, 500]),
+    inputs = dict(hidden_states=torch.randn(B, 4, 8, 8),
+                  encoder_hidden_states=torch.randn(B, 6, 32), timestep=torch.tensor([10, 500]),
                   added_cond_kwargs={"resolution": None, "aspect_ratio": None})
     return model, inputs
 
@@ -103,7 +104,8 @@ def _hunyuan_video():
 
 def _dit():
     model = DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=16, in_channels=4,
-                                  out_channels=8, num_layers=2, sample_size=8, num_embeds_ada_norm=10)
+                                  out_channels=8, num_layers=2, sample_size=8,
+                                  num_embeds_ada_norm=10)
     inputs = dict(hidden_states=torch.randn(B, 4, 8, 8), timestep=torch.tensor([10, 500]),
                   class_labels=torch.tensor([1, 3]))
     return model, inputs

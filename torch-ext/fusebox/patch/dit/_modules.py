@@ -103,18 +103,14 @@ def mark_fused(module: torch.nn.Module, into: str) -> None:
     add_undo(module, functools.partial(module.__dict__.pop, FUSED_INTO_ATTR, None))
 
 
-def _set_processor(attn: torch.nn.Module, processor) -> None:
-    attn.set_processor(processor)
-
-
 def install_processor(attn: torch.nn.Module, processor) -> None:
     """Gives ``attn`` a new processor that keeps the old one's attention backend and parallel
     config; unpatch puts the old processor object back."""
     old = attn.processor
     for name in ("_attention_backend", "_parallel_config"):
         setattr(processor, name, getattr(old, name, None))
-    _set_processor(attn, processor)
-    add_undo(attn, functools.partial(_set_processor, attn, old))
+    attn.set_processor(processor)
+    add_undo(attn, functools.partial(attn.set_processor, old))
 
 
 # --------------------------------------------------------------------------- norms
@@ -132,7 +128,7 @@ _LAYER_NORMS = (torch.nn.LayerNorm, FP32LayerNorm)
 
 
 def norm_kind(norm: torch.nn.Module) -> Optional[str]:
-    """"layer" or "rms" for a norm module fusebox reproduces, else None."""
+    """The fused norm kind ("layer" or "rms") of a norm module, None if it has none."""
     if type(norm) in _LAYER_NORMS and len(norm.normalized_shape) == 1:
         return "layer"
     if type(norm) is RMSNorm and norm.bias is None and len(norm.dim) == 1:
