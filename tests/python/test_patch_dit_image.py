@@ -162,17 +162,20 @@ def test_fp32_matches_unpatched(name, device):
     assert rel(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
 @pytest.mark.parametrize("name", list(MODELS))
-def test_bf16_within_bf16_spread(name, device):
+def test_half_within_eager_half_spread(name, dtype, device):
     model, inputs = build(name, device)
     ref = forward(model, inputs)
-    model_bf16, inputs_bf16 = build(name, device, torch.bfloat16)
-    eager = forward(model_bf16, inputs_bf16)
-    fusebox.patch(model_bf16)
-    patched = forward(model_bf16, inputs_bf16)
-    assert patched.dtype == torch.bfloat16
-    # fused kernels round once where eager bf16 rounds after every op: the patched model must
-    # sit inside the error eager bf16 itself makes against the fp32 model
+    model_half, inputs_half = build(name, device, dtype)
+    eager = forward(model_half, inputs_half)
+    fusebox.patch(model_half)
+    with FuseboxOps() as ops:
+        patched = forward(model_half, inputs_half)
+    assert MODELS[name][2] <= set(ops.calls), ops.calls
+    assert patched.dtype == dtype
+    # fused kernels round once where eager 16-bit code rounds after every op: the patched model
+    # must sit inside the error that eager 16-bit itself makes against the fp32 model
     assert rel(patched, ref) <= 1.5 * rel(eager, ref), (rel(patched, ref), rel(eager, ref))
 
 
