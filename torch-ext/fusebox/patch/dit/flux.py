@@ -28,8 +28,15 @@ from diffusers.models.transformers.transformer_flux import (
 )
 
 from .._common import replace_forward
-from ._modules import gated_add, gated_add_norm, install_processor, linear_act, mark_fused
-from ._modules import norm_rope, split_rotary
+from ._modules import (
+    gated_add,
+    gated_add_norm,
+    install_processor,
+    linear_act,
+    mark_fused,
+    norm_rope,
+    split_rotary,
+)
 
 FAMILY = "flux"
 

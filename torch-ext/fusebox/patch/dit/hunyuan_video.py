@@ -28,8 +28,15 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
 )
 
 from .._common import replace_forward
-from ._modules import fusable, gated_add, gated_add_norm, install_processor, linear_act
-from ._modules import mark_fused, norm_rope
+from ._modules import (
+    fusable,
+    gated_add,
+    gated_add_norm,
+    install_processor,
+    linear_act,
+    mark_fused,
+    norm_rope,
+)
 
 FAMILY = "hunyuan-video"
 
