@@ -1,0 +1,168 @@
+"""FLUX.1 (``FluxTransformer2DModel``) on fusebox.
+
+- ``FluxAttention``: a processor that runs the per-head q/k RMSNorm and the interleaved RoPE
+  of each stream as one ``qk_norm_rope`` launch (text with the first rows of the joint
+  ``(cos, sin)`` tables, image with the rest), then concatenates text-then-image and calls
+  ``dispatch_attention_fn`` with the processor's attention backend and parallel config, as
+  ``FluxAttnProcessor`` does;
+- double-stream blocks: per stream, the gated attention residual and ``norm2`` + modulation
+  become one ``gated_residual_norm``, the feed-forward residual one ``gated_residual``;
+- single-stream blocks: ``proj_mlp`` bias + GELU-tanh in one pass, the gated residual in one
+  ``gated_residual``.
+
+The AdaLayerNormZero(-Single)/Continuous norms and the feed-forward GELU are left to the
+generic pass (:mod:`._modules`).
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_flux import (
+    FluxAttention,
+    FluxAttnProcessor,
+    FluxSingleTransformerBlock,
+    FluxTransformer2DModel,
+    FluxTransformerBlock,
+    _get_qkv_projections,
+)
+
+from .._common import replace_forward
+from ._modules import (
+    gated_add,
+    gated_add_norm,
+    install_processor,
+    linear_act,
+    mark_fused,
+    norm_rope,
+    split_rotary,
+)
+
+FAMILY = "flux"
+
+
+def applies(model: torch.nn.Module) -> bool:
+    return isinstance(model, FluxTransformer2DModel)
+
+
+class FluxFusedAttnProcessor(FluxAttnProcessor):
+    """``FluxAttnProcessor`` with the q/k norms and RoPE of each stream in one launch."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None):
+        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states)
+        query = query.unflatten(-1, (-1, attn.head_dim))
+        key = key.unflatten(-1, (-1, attn.head_dim))
+        value = value.unflatten(-1, (-1, attn.head_dim))
+
+        if attn.added_kv_proj_dim is not None:
+            encoder_query = encoder_query.unflatten(-1, (-1, attn.head_dim))
+            encoder_key = encoder_key.unflatten(-1, (-1, attn.head_dim))
+            encoder_value = encoder_value.unflatten(-1, (-1, attn.head_dim))
+            # the joint tables are text rows then image rows: each stream gets its own rows
+            text_rotary, image_rotary = split_rotary(image_rotary_emb, encoder_query.shape[1])
+            encoder_query, encoder_key = norm_rope(encoder_query, encoder_key, attn.norm_added_q,
+                                                   attn.norm_added_k, text_rotary)
+            query, key = norm_rope(query, key, attn.norm_q, attn.norm_k, image_rotary)
+            query = torch.cat([encoder_query, query], dim=1)
+            key = torch.cat([encoder_key, key], dim=1)
+            value = torch.cat([encoder_value, value], dim=1)
+        else:
+            query, key = norm_rope(query, key, attn.norm_q, attn.norm_k, image_rotary_emb)
+
+        hidden_states = dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, backend=self._attention_backend,
+            parallel_config=self._parallel_config)
+        hidden_states = hidden_states.flatten(2, 3)
+        hidden_states = hidden_states.to(query.dtype)
+
+        if encoder_hidden_states is not None:
+            encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+                [encoder_hidden_states.shape[1],
+                 hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1)
+            hidden_states = attn.to_out[0](hidden_states.contiguous())
+            hidden_states = attn.to_out[1](hidden_states)
+            encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
+            return hidden_states, encoder_hidden_states
+        return hidden_states
+
+
+def _double_block_forward(self, hidden_states, encoder_hidden_states, temb,
+                          image_rotary_emb=None, joint_attention_kwargs=None):
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(
+        hidden_states, emb=temb)
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
+        self.norm1_context(encoder_hidden_states, emb=temb))
+    joint_attention_kwargs = joint_attention_kwargs or {}
+
+    attention_outputs = self.attn(
+        hidden_states=norm_hidden_states,
+        encoder_hidden_states=norm_encoder_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        **joint_attention_kwargs,
+    )
+    attn_output, context_attn_output = attention_outputs[0], attention_outputs[1]
+
+    norm_hidden_states, hidden_states = gated_add_norm(
+        hidden_states, attn_output, gate_msa.unsqueeze(1), self.norm2,
+        scale_mlp[:, None], shift_mlp[:, None])
+    hidden_states = gated_add(hidden_states, self.ff(norm_hidden_states), gate_mlp.unsqueeze(1))
+    if len(attention_outputs) == 3:   # IP-adapter processors add a third output
+        hidden_states = hidden_states + attention_outputs[2]
+
+    norm_encoder_hidden_states, encoder_hidden_states = gated_add_norm(
+        encoder_hidden_states, context_attn_output, c_gate_msa.unsqueeze(1), self.norm2_context,
+        c_scale_mlp[:, None], c_shift_mlp[:, None])
+    encoder_hidden_states = gated_add(encoder_hidden_states,
+                                      self.ff_context(norm_encoder_hidden_states),
+                                      c_gate_mlp.unsqueeze(1))
+    if encoder_hidden_states.dtype == torch.float16:
+        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    return encoder_hidden_states, hidden_states
+
+
+def _single_block_forward(self, hidden_states, encoder_hidden_states, temb,
+                          image_rotary_emb=None, joint_attention_kwargs=None):
+    text_seq_len = encoder_hidden_states.shape[1]
+    hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+
+    residual = hidden_states
+    norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+    mlp_hidden_states = linear_act(self.proj_mlp, self.act_mlp, norm_hidden_states)
+    joint_attention_kwargs = joint_attention_kwargs or {}
+    attn_output = self.attn(
+        hidden_states=norm_hidden_states,
+        image_rotary_emb=image_rotary_emb,
+        **joint_attention_kwargs,
+    )
+
+    hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
+    hidden_states = gated_add(residual, self.proj_out(hidden_states), gate.unsqueeze(1))
+    if hidden_states.dtype == torch.float16:
+        hidden_states = hidden_states.clip(-65504, 65504)
+
+    encoder_hidden_states, hidden_states = (hidden_states[:, :text_seq_len],
+                                            hidden_states[:, text_seq_len:])
+    return encoder_hidden_states, hidden_states
+
+
+def patch(model: torch.nn.Module, report, **options) -> None:
+    report.family = FAMILY
+    for path, module in model.named_modules():
+        cls = type(module)
+        if cls is FluxTransformerBlock:
+            replace_forward(module, _double_block_forward, "flux double block")
+            report.add(path, module, "gated_residual_norm + gated_residual, both streams")
+            mark_fused(module.norm2, "the block's gated_residual_norm")
+            mark_fused(module.norm2_context, "the block's gated_residual_norm")
+        elif cls is FluxSingleTransformerBlock:
+            replace_forward(module, _single_block_forward, "flux single block")
+            report.add(path, module, "linear + gelu_tanh(+bias), gated_residual")
+        elif cls is FluxAttention:
+            if type(module.processor) is FluxAttnProcessor:
+                install_processor(module, FluxFusedAttnProcessor())
+            elif type(module.processor) is not FluxFusedAttnProcessor:
+                report.skip(path, module, f"processor {type(module.processor).__name__} kept")
+                continue
+            report.add(path, module, "qk_norm_rope per head (interleaved), per stream")

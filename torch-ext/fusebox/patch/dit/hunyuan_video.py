@@ -1,0 +1,178 @@
+"""HunyuanVideo (``HunyuanVideoTransformer3DModel``) on fusebox.
+
+- attention (``HunyuanVideoAttnProcessor2_0``): the per-head q/k RMSNorm and the interleaved
+  RoPE of the video tokens run as one ``qk_norm_rope`` launch; the text tokens of the
+  single-stream blocks, which diffusers normalizes but does not rotate, ride along in the same
+  launch with identity rows (cos = 1, sin = 0) appended to the tables; the text q/k of the
+  double-stream blocks (their own norms, no RoPE) get ``rms_norm``. Concatenation is
+  video-then-text and ``dispatch_attention_fn`` gets the processor's backend and parallel
+  config, as in diffusers;
+- double-stream blocks: per stream, gated attention residual + ``norm2`` + modulation in one
+  ``gated_residual_norm``, the feed-forward residual in one ``gated_residual``;
+- single-stream blocks: ``proj_mlp`` bias + GELU-tanh in one pass, one ``gated_residual``.
+
+The token refiner (negligible cost) and the image-to-video token-replace blocks keep their
+forwards; their generic modules (norms, AdaLayerNorms, GELU) are still fused by the generic
+pass.
+"""
+
+from __future__ import annotations
+
+import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_hunyuan_video import (
+    HunyuanVideoAttnProcessor2_0,
+    HunyuanVideoSingleTransformerBlock,
+    HunyuanVideoTransformer3DModel,
+    HunyuanVideoTransformerBlock,
+)
+
+from .._common import replace_forward
+from ._modules import (
+    fusable,
+    gated_add,
+    gated_add_norm,
+    install_processor,
+    linear_act,
+    mark_fused,
+    norm_rope,
+)
+
+FAMILY = "hunyuan-video"
+
+
+def applies(model: torch.nn.Module) -> bool:
+    return isinstance(model, HunyuanVideoTransformer3DModel)
+
+
+def _with_identity_rows(rotary, n: int):
+    """RoPE tables extended by ``n`` rows that leave their tokens as they are."""
+    cos, sin = rotary
+    cos = torch.cat([cos, cos.new_ones(n, cos.shape[1])])
+    sin = torch.cat([sin, sin.new_zeros(n, sin.shape[1])])
+    return cos, sin
+
+
+class HunyuanVideoFusedAttnProcessor(HunyuanVideoAttnProcessor2_0):
+    """``HunyuanVideoAttnProcessor2_0`` with the q/k norms and RoPE in one launch."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None):
+        if not fusable(hidden_states, attn.to_q.weight) or (
+                image_rotary_emb is not None and image_rotary_emb[0].dim() != 2):
+            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                    image_rotary_emb)
+        if attn.add_q_proj is None and encoder_hidden_states is not None:
+            # single-stream: video and text tokens share the projections; only video rotates
+            if image_rotary_emb is not None:
+                image_rotary_emb = _with_identity_rows(image_rotary_emb,
+                                                       encoder_hidden_states.shape[1])
+            hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+
+        query = attn.to_q(hidden_states).unflatten(2, (attn.heads, -1))
+        key = attn.to_k(hidden_states).unflatten(2, (attn.heads, -1))
+        value = attn.to_v(hidden_states).unflatten(2, (attn.heads, -1))
+        query, key = norm_rope(query, key, attn.norm_q, attn.norm_k, image_rotary_emb)
+
+        if attn.add_q_proj is not None and encoder_hidden_states is not None:
+            encoder_query = attn.add_q_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+            encoder_key = attn.add_k_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+            encoder_value = attn.add_v_proj(encoder_hidden_states).unflatten(2, (attn.heads, -1))
+            encoder_query, encoder_key = norm_rope(encoder_query, encoder_key,
+                                                   attn.norm_added_q, attn.norm_added_k, None)
+            query = torch.cat([query, encoder_query], dim=1)
+            key = torch.cat([key, encoder_key], dim=1)
+            value = torch.cat([value, encoder_value], dim=1)
+
+        hidden_states = dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+            backend=self._attention_backend, parallel_config=self._parallel_config)
+        hidden_states = hidden_states.flatten(2, 3)
+        hidden_states = hidden_states.to(query.dtype)
+
+        if encoder_hidden_states is not None:
+            hidden_states, encoder_hidden_states = (
+                hidden_states[:, : -encoder_hidden_states.shape[1]],
+                hidden_states[:, -encoder_hidden_states.shape[1]:],
+            )
+            if getattr(attn, "to_out", None) is not None:
+                hidden_states = attn.to_out[0](hidden_states)
+                hidden_states = attn.to_out[1](hidden_states)
+            if getattr(attn, "to_add_out", None) is not None:
+                encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+        return hidden_states, encoder_hidden_states
+
+
+_PROCESSORS = (HunyuanVideoAttnProcessor2_0, HunyuanVideoFusedAttnProcessor)
+
+
+def _double_block_forward(self, hidden_states, encoder_hidden_states, temb, attention_mask=None,
+                          freqs_cis=None, *args, **kwargs):
+    norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(
+        hidden_states, emb=temb)
+    norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
+        self.norm1_context(encoder_hidden_states, emb=temb))
+
+    attn_output, context_attn_output = self.attn(
+        hidden_states=norm_hidden_states,
+        encoder_hidden_states=norm_encoder_hidden_states,
+        attention_mask=attention_mask,
+        image_rotary_emb=freqs_cis,
+    )
+
+    norm_hidden_states, hidden_states = gated_add_norm(
+        hidden_states, attn_output, gate_msa.unsqueeze(1), self.norm2, scale_mlp[:, None],
+        shift_mlp[:, None])
+    norm_encoder_hidden_states, encoder_hidden_states = gated_add_norm(
+        encoder_hidden_states, context_attn_output, c_gate_msa.unsqueeze(1), self.norm2_context,
+        c_scale_mlp[:, None], c_shift_mlp[:, None])
+
+    hidden_states = gated_add(hidden_states, self.ff(norm_hidden_states), gate_mlp.unsqueeze(1))
+    encoder_hidden_states = gated_add(encoder_hidden_states,
+                                      self.ff_context(norm_encoder_hidden_states),
+                                      c_gate_mlp.unsqueeze(1))
+    return hidden_states, encoder_hidden_states
+
+
+def _single_block_forward(self, hidden_states, encoder_hidden_states, temb, attention_mask=None,
+                          image_rotary_emb=None, *args, **kwargs):
+    text_seq_length = encoder_hidden_states.shape[1]
+    hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+    residual = hidden_states
+
+    norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
+    mlp_hidden_states = linear_act(self.proj_mlp, self.act_mlp, norm_hidden_states)
+
+    attn_output, context_attn_output = self.attn(
+        hidden_states=norm_hidden_states[:, :-text_seq_length, :],
+        encoder_hidden_states=norm_hidden_states[:, -text_seq_length:, :],
+        attention_mask=attention_mask,
+        image_rotary_emb=image_rotary_emb,
+    )
+    attn_output = torch.cat([attn_output, context_attn_output], dim=1)
+
+    hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
+    hidden_states = gated_add(residual, self.proj_out(hidden_states), gate.unsqueeze(1))
+    return hidden_states[:, :-text_seq_length, :], hidden_states[:, -text_seq_length:, :]
+
+
+def patch(model: torch.nn.Module, report, **options) -> None:
+    report.family = FAMILY
+    for path, module in model.named_modules():
+        cls = type(module)
+        if cls is HunyuanVideoTransformerBlock:
+            replace_forward(module, _double_block_forward, "hunyuan-video double block")
+            report.add(path, module, "gated_residual_norm + gated_residual, both streams")
+            mark_fused(module.norm2, "the block's gated_residual_norm")
+            mark_fused(module.norm2_context, "the block's gated_residual_norm")
+        elif cls is HunyuanVideoSingleTransformerBlock:
+            replace_forward(module, _single_block_forward, "hunyuan-video single block")
+            report.add(path, module, "linear + gelu_tanh(+bias), gated_residual")
+        elif type(getattr(module, "processor", None)) in _PROCESSORS:
+            if type(module.processor) is HunyuanVideoAttnProcessor2_0:
+                install_processor(module, HunyuanVideoFusedAttnProcessor())
+            report.add(path, module, "qk_norm_rope per head (interleaved) on video tokens")
+            for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+                norm = getattr(module, name, None)
+                if norm is not None:
+                    mark_fused(norm, "the attention processor")
