@@ -1,0 +1,170 @@
+"""LTX-Video (diffusers ``LTXVideoTransformer3DModel``) on fusebox.
+
+Per ``LTXVideoTransformerBlock``, in the order the block runs:
+
+- ``norm1(x) * (1 + scale_msa) + shift_msa`` (RMSNorm without weight) -> :func:`adaln`;
+- self-attention: ``norm_q``/``norm_k`` (RMSNorm over all heads) and the interleaved RoPE on the
+  flat ``[B, S, heads * head_dim]`` q/k with LTX's per-channel cos/sin tables ->
+  :func:`qk_norm_rope` (one launch for q and k), then diffusers' attention dispatch;
+- ``x + attn1 * gate_msa`` -> :func:`gated_residual`;
+- ``x + attn2`` then ``norm2(x) * (1 + scale_mlp) + shift_mlp`` -> :func:`gated_residual_norm`;
+- feed-forward ``gelu_tanh(x @ W + b)`` -> bias-free matmul + :func:`gelu_tanh` with the bias;
+- ``x + ff * gate_mlp`` -> :func:`gated_residual`.
+
+The modulation is per sample (``temb`` [B, 1, 6D], text-to-video) or per token ([B, S, 6D],
+image-to-video with a per-token timestep); both are strided views of one table, read in place.
+The model's final ``norm_out`` + modulation (LayerNorm without affine) -> :func:`adaln`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import functional as fb
+from .._common import original_forward, replace_forward
+from ._blocks import (
+    FusedAttnProcessor, absorb, feed_forward, fusable, gelu_tanh_projection, grad_needed,
+    install_processor, original_processor, rms_eps, rms_norm_module,
+)
+
+MODEL = "LTXVideoTransformer3DModel"
+BLOCK = "LTXVideoTransformerBlock"
+ATTENTION = "LTXAttention"
+
+
+def applies(module: torch.nn.Module) -> bool:
+    return any(type(m).__name__ in (MODEL, BLOCK) for m in module.modules())
+
+
+# --------------------------------------------------------------------------- attention
+
+
+class LTXFusedAttnProcessor(FusedAttnProcessor):
+    """``LTXVideoAttnProcessor`` with q/k RMSNorm and RoPE fused. Same call signature (LTXAttention
+    filters keyword arguments by it)."""
+
+    def __call__(
+        self,
+        attn: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        cos, sin = image_rotary_emb if image_rotary_emb is not None else (None, None)
+        if (grad_needed(attn, hidden_states, encoder_hidden_states)
+                or not fusable(hidden_states, attn.norm_q.weight, attn.norm_k.weight, cos, sin)):
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                 image_rotary_emb)
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        batch_size, sequence_length, _ = (
+            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape)
+        if attention_mask is not None:
+            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
+            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
+        if encoder_hidden_states is None:
+            encoder_hidden_states = hidden_states
+
+        query = attn.to_q(hidden_states)
+        key = attn.to_k(encoder_hidden_states)
+        value = attn.to_v(encoder_hidden_states)
+        if cos is not None:
+            # one "head" of width heads * head_dim: the norm spans all heads and the tables
+            # hold a frequency per channel
+            query, key = fb.qk_norm_rope(query, key, attn.norm_q.weight, attn.norm_k.weight, cos, sin,
+                                         eps=rms_eps(attn.norm_q), across_heads=True,
+                                         interleaved=True)
+        else:
+            query = rms_norm_module(attn.norm_q, query)
+            key = rms_norm_module(attn.norm_k, key)
+
+        query = query.unflatten(2, (attn.heads, -1))
+        key = key.unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        hidden_states = dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+            backend=self._attention_backend, parallel_config=self._parallel_config)
+        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+        hidden_states = attn.to_out[0](hidden_states)
+        return attn.to_out[1](hidden_states)
+
+
+# --------------------------------------------------------------------------- block
+
+
+def _block_forward(
+    block: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    encoder_attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    table = block.scale_shift_table
+    if (grad_needed(block, hidden_states, encoder_hidden_states, temb)
+            or not fusable(hidden_states, temb, table, block.norm1.weight, block.norm2.weight)):
+        return original_forward(block)(hidden_states, encoder_hidden_states, temb, image_rotary_emb,
+                                       encoder_attention_mask)
+    batch_size = hidden_states.size(0)
+    # [B, T, 6, D] with T = 1 (per sample) or T = S (per token); the six terms stay views
+    ada = table[None, None].to(temb.device) + temb.reshape(batch_size, temb.size(1), table.shape[0], -1)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = ada.unbind(dim=2)
+
+    norm_hidden_states = fb.adaln(hidden_states, scale_msa, shift_msa, block.norm1.weight,
+                                  norm_type="rms", eps=block.norm1.eps)
+    attn_hidden_states = block.attn1(hidden_states=norm_hidden_states, encoder_hidden_states=None,
+                                     image_rotary_emb=image_rotary_emb)
+    hidden_states = fb.gated_residual(hidden_states, attn_hidden_states, gate_msa)
+
+    attn_hidden_states = block.attn2(hidden_states, encoder_hidden_states=encoder_hidden_states,
+                                     image_rotary_emb=None, attention_mask=encoder_attention_mask)
+    norm_hidden_states, hidden_states = fb.gated_residual_norm(
+        hidden_states, attn_hidden_states, None, scale_mlp, shift_mlp, block.norm2.weight,
+        norm_type="rms", eps=block.norm2.eps)
+
+    ff_output = feed_forward(block.ff, norm_hidden_states)
+    return fb.gated_residual(hidden_states, ff_output, gate_mlp)
+
+
+def _block_fusable(block: torch.nn.Module) -> str:
+    """Why the block cannot be fused ("" when it can)."""
+    for name in ("norm1", "norm2"):
+        norm = getattr(block, name, None)
+        if type(norm).__name__ != "RMSNorm" or not hasattr(norm, "eps"):
+            return f"{name} is {type(norm).__name__}, not diffusers RMSNorm"
+        if getattr(norm, "bias", None) is not None:
+            return f"{name} has a bias"
+    if getattr(block, "scale_shift_table", None) is None:
+        return "no scale_shift_table"
+    return ""
+
+
+# --------------------------------------------------------------------------- patch
+
+
+def patch(model: torch.nn.Module, report, **options) -> None:
+    report.family = "ltx-video"
+    for path, module in model.named_modules():
+        kind = type(module).__name__
+        if kind == BLOCK:
+            why = _block_fusable(module)
+            if why:
+                report.skip(path, module, why)
+                continue
+            replace_forward(module, _block_forward, "ltx block")
+            for child in ("norm1", "norm2"):
+                absorb(getattr(module, child), path)
+            report.add(path, module, "adaln(rms) + gated_residual + gated_residual_norm(rms) + "
+                                     "gelu_tanh(bias) + gated_residual")
+            if gelu_tanh_projection(module.ff) is not None:
+                absorb(module.ff.net[0], path)
+        elif kind == ATTENTION:
+            processor = original_processor(module)
+            if type(processor).__name__ != "LTXVideoAttnProcessor":
+                report.skip(path, module, f"custom processor {type(processor).__name__}")
+                continue
+            install_processor(module, LTXFusedAttnProcessor(processor))
+            for child in ("norm_q", "norm_k"):
+                absorb(getattr(module, child), path)
+            report.add(path, module, "processor: qk_norm_rope(across heads, interleaved)")
