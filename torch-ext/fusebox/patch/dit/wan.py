@@ -1,0 +1,181 @@
+"""Wan 2.1 / 2.2 (diffusers ``WanTransformer3DModel``) on fusebox.
+
+Wan keeps its norms and modulation in fp32 (``FP32LayerNorm``, fp32 ``scale_shift_table + temb``)
+and rounds to the activation dtype where noted below; the fused ops do the same math in fp32 and
+round once at the same places. Per ``WanTransformerBlock``:
+
+- ``(norm1(x.float()) * (1 + scale_msa) + shift_msa).type_as(x)`` -> :func:`adaln` with fp32
+  modulation;
+- self-attention: ``norm_q``/``norm_k`` (RMSNorm over all heads) then the interleaved RoPE on
+  ``[B, S, H, D]`` with the cos/sin table shared by the heads -> :func:`qk_norm_rope`;
+- ``(x.float() + attn1 * gate_msa).type_as(x)`` then ``norm2(x.float()).type_as(x)`` (affine
+  LayerNorm, ``cross_attn_norm=True``) -> :func:`gated_residual_norm`;
+- ``x + attn2`` then ``(norm3(x.float()) * (1 + c_scale) + c_shift).type_as(x)`` ->
+  :func:`gated_residual_norm`;
+- feed-forward GELU-tanh with its bias -> :func:`gelu_tanh`;
+- ``(x.float() + ff.float() * c_gate).type_as(x)`` -> :func:`gated_residual`.
+
+Per-sample (``temb`` [B, 6, D]) and per-token (Wan 2.2 TI2V, [B, S, 6, D]) modulation both.
+Image-conditioned cross-attention (Wan 2.1 I2V: ``add_k_proj``) keeps diffusers' processor.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ... import functional as fb
+from .._common import original_forward, replace_forward
+from ._blocks import (
+    FusedAttnProcessor, absorb, feed_forward, fusable, gelu_tanh_projection, grad_needed,
+    install_processor, original_processor, rms_eps, rms_norm_module,
+)
+
+MODEL = "WanTransformer3DModel"
+BLOCK = "WanTransformerBlock"
+ATTENTION = "WanAttention"
+
+
+def applies(module: torch.nn.Module) -> bool:
+    return any(type(m).__name__ in (MODEL, BLOCK) for m in module.modules())
+
+
+# --------------------------------------------------------------------------- attention
+
+
+class WanFusedAttnProcessor(FusedAttnProcessor):
+    """``WanAttnProcessor`` with the q/k RMSNorm and RoPE fused (self-attention) or the q/k
+    RMSNorm on fusebox (text cross-attention). Same call signature."""
+
+    def __call__(
+        self,
+        attn: torch.nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        cos, sin = rotary_emb if rotary_emb is not None else (None, None)
+        if (attn.add_k_proj is not None
+                or grad_needed(attn, hidden_states, encoder_hidden_states)
+                or not fusable(hidden_states, attn.norm_q.weight, attn.norm_k.weight, cos, sin)):
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+
+        query, key, value = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        if cos is None:
+            query = rms_norm_module(attn.norm_q, query)
+            key = rms_norm_module(attn.norm_k, key)
+        query = query.unflatten(2, (attn.heads, -1))
+        key = key.unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        if cos is not None:
+            # the norm spans all heads of a token; the [1, S, 1, D] table is shared by the heads
+            query, key = fb.qk_norm_rope(query, key, attn.norm_q.weight, attn.norm_k.weight, cos, sin,
+                                         eps=rms_eps(attn.norm_q), across_heads=True,
+                                         interleaved=True)
+
+        hidden_states = dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config if encoder_hidden_states is None else None)
+        hidden_states = hidden_states.flatten(2, 3).type_as(query)
+        hidden_states = attn.to_out[0](hidden_states)
+        return attn.to_out[1](hidden_states)
+
+
+# --------------------------------------------------------------------------- block
+
+
+def _modulation(table: torch.Tensor, temb: torch.Tensor):
+    """The six fp32 modulation terms exactly as Wan forms them: [B, 1, D] views of
+    ``table + temb`` per sample, [B, S, D] per token (temb [B, S, 6, D])."""
+    if temb.ndim == 4:
+        return tuple(t.squeeze(2) for t in (table.unsqueeze(0) + temb.float()).chunk(6, dim=2))
+    return (table + temb.float()).chunk(6, dim=1)
+
+
+def _block_forward(
+    block: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    rotary_emb: torch.Tensor,
+) -> torch.Tensor:
+    norm2 = block.norm2 if isinstance(block.norm2, torch.nn.LayerNorm) else None
+    norm2_params = (norm2.weight, norm2.bias) if norm2 is not None else ()
+    if (grad_needed(block, hidden_states, encoder_hidden_states, temb)
+            or not fusable(hidden_states, block.scale_shift_table, *norm2_params)):
+        return original_forward(block)(hidden_states, encoder_hidden_states, temb, rotary_emb)
+    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = _modulation(
+        block.scale_shift_table, temb)
+
+    norm_hidden_states = fb.adaln(hidden_states, scale_msa, shift_msa, norm_type="layer",
+                                  eps=block.norm1.eps)
+    attn_output = block.attn1(norm_hidden_states, None, None, rotary_emb)
+    if norm2 is not None:
+        norm_hidden_states, hidden_states = fb.gated_residual_norm(
+            hidden_states, attn_output, gate_msa, weight=norm2.weight, bias=norm2.bias,
+            norm_type="layer", eps=norm2.eps)
+    else:
+        hidden_states = fb.gated_residual(hidden_states, attn_output, gate_msa)
+        norm_hidden_states = hidden_states
+
+    attn_output = block.attn2(norm_hidden_states, encoder_hidden_states, None, None)
+    norm_hidden_states, hidden_states = fb.gated_residual_norm(
+        hidden_states, attn_output, None, c_scale_msa, c_shift_msa, norm_type="layer",
+        eps=block.norm3.eps)
+
+    ff_output = feed_forward(block.ffn, norm_hidden_states)
+    return fb.gated_residual(hidden_states, ff_output, c_gate_msa)
+
+
+def _block_fusable(block: torch.nn.Module) -> str:
+    """Why the block cannot be fused ("" when it can)."""
+    for name in ("norm1", "norm3"):
+        norm = getattr(block, name, None)
+        if not isinstance(norm, torch.nn.LayerNorm) or norm.weight is not None:
+            return f"{name} is not a LayerNorm without affine"
+    if not isinstance(block.norm2, (torch.nn.LayerNorm, torch.nn.Identity)):
+        return f"norm2 is {type(block.norm2).__name__}"
+    return ""
+
+
+# --------------------------------------------------------------------------- patch
+
+
+def patch(model: torch.nn.Module, report, **options) -> None:
+    report.family = "wan"
+    image_cross_attention = 0
+    for path, module in model.named_modules():
+        kind = type(module).__name__
+        if kind == BLOCK:
+            why = _block_fusable(module)
+            if why:
+                report.skip(path, module, why)
+                continue
+            replace_forward(module, _block_forward, "wan block")
+            for child in ("norm1", "norm2", "norm3"):
+                if isinstance(getattr(module, child), torch.nn.LayerNorm):
+                    absorb(getattr(module, child), path)
+            if gelu_tanh_projection(module.ffn) is not None:
+                absorb(module.ffn.net[0], path)
+            report.add(path, module, "adaln(layer, fp32 modulation) + gated_residual_norm(layer) x2 "
+                                     "+ gelu_tanh(bias) + gated_residual")
+        elif kind == ATTENTION:
+            processor = original_processor(module)
+            if type(processor).__name__ != "WanAttnProcessor":
+                report.skip(path, module, f"custom processor {type(processor).__name__}")
+                continue
+            if module.add_k_proj is not None:
+                image_cross_attention += 1
+                report.skip(path, module, "image cross-attention (I2V) keeps diffusers' processor")
+                continue
+            install_processor(module, WanFusedAttnProcessor(processor))
+            for child in ("norm_q", "norm_k"):
+                absorb(getattr(module, child), path)
+            rope = "qk_norm_rope(across heads, interleaved)"
+            report.add(path, module, f"processor: {rope} (self) / rms_norm q, k (cross)")
+    if image_cross_attention:
+        report.note("wan: image-conditioned cross-attention (I2V image tokens) runs diffusers' "
+                    "processor; its norms are left to the generic module pass")
