@@ -4,6 +4,7 @@ that fall back to (and are undone into) the processor they replaced."""
 
 from __future__ import annotations
 
+import inspect
 from typing import Optional
 
 import torch
@@ -47,6 +48,13 @@ def absorb(child: torch.nn.Module, owner: str) -> None:
     pass leaves it alone; called on its own (or by a falling-back owner) it runs its original
     forward. Undone by :func:`fusebox.unpatch` like any replaced forward."""
     replace_forward(child, _runs_original, f"fused into {owner}")
+
+
+def forward_parameters(fn) -> list:
+    """Parameter names of a forward (after self): a model-level fused forward mirrors one
+    diffusers version and is only installed where the signature still matches."""
+    fn = inspect.unwrap(fn)
+    return list(inspect.signature(fn).parameters)[1:]
 
 
 # --------------------------------------------------------------------------- feed-forward

@@ -19,12 +19,15 @@ The model's final ``norm_out`` + modulation (LayerNorm without affine) -> :func:
 from __future__ import annotations
 
 import torch
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.utils import apply_lora_scale
 
 from ... import functional as fb
 from .._common import original_forward, replace_forward
 from ._blocks import (
     FusedAttnProcessor, absorb, feed_forward, fusable, gelu_tanh_projection, grad_needed,
-    install_processor, original_processor, rms_eps, rms_norm_module,
+    forward_parameters, install_processor, original_processor, rms_eps,
+    rms_norm_module,
 )
 
 MODEL = "LTXVideoTransformer3DModel"
@@ -140,11 +143,88 @@ def _block_fusable(block: torch.nn.Module) -> str:
     return ""
 
 
+# --------------------------------------------------------------------------- model
+
+
+def _model_forward(
+    model: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    timestep: torch.LongTensor,
+    encoder_attention_mask: torch.Tensor,
+    num_frames: int | None = None,
+    height: int | None = None,
+    width: int | None = None,
+    rope_interpolation_scale=None,
+    video_coords: torch.Tensor | None = None,
+    attention_kwargs: dict | None = None,
+    return_dict: bool = True,
+):
+    args = (hidden_states, encoder_hidden_states, timestep, encoder_attention_mask, num_frames, height,
+            width, rope_interpolation_scale, video_coords)
+    if (grad_needed(model, hidden_states, encoder_hidden_states)
+            or not fusable(hidden_states, model.scale_shift_table)):
+        return original_forward(model)(*args, attention_kwargs=attention_kwargs, return_dict=return_dict)
+    return _fused_model_forward(model, *args, attention_kwargs=attention_kwargs, return_dict=return_dict)
+
+
+@apply_lora_scale("attention_kwargs")
+def _fused_model_forward(model, hidden_states, encoder_hidden_states, timestep, encoder_attention_mask,
+                         num_frames, height, width, rope_interpolation_scale, video_coords,
+                         attention_kwargs=None, return_dict=True):
+    """``LTXVideoTransformer3DModel.forward`` (diffusers 0.42) with the output norm and its
+    modulation in one :func:`adaln` (the blocks are patched on their own)."""
+    image_rotary_emb = model.rope(hidden_states, num_frames, height, width, rope_interpolation_scale,
+                                  video_coords)
+    if encoder_attention_mask is not None and encoder_attention_mask.ndim == 2:
+        encoder_attention_mask = (1 - encoder_attention_mask.to(hidden_states.dtype)) * -10000.0
+        encoder_attention_mask = encoder_attention_mask.unsqueeze(1)
+
+    batch_size = hidden_states.size(0)
+    hidden_states = model.proj_in(hidden_states)
+    temb, embedded_timestep = model.time_embed(timestep.flatten(), batch_size=batch_size,
+                                               hidden_dtype=hidden_states.dtype)
+    temb = temb.view(batch_size, -1, temb.size(-1))
+    embedded_timestep = embedded_timestep.view(batch_size, -1, embedded_timestep.size(-1))
+    encoder_hidden_states = model.caption_projection(encoder_hidden_states)
+    encoder_hidden_states = encoder_hidden_states.view(batch_size, -1, hidden_states.size(-1))
+
+    for block in model.transformer_blocks:
+        hidden_states = block(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
+                              temb=temb, image_rotary_emb=image_rotary_emb,
+                              encoder_attention_mask=encoder_attention_mask)
+
+    scale_shift_values = model.scale_shift_table[None, None] + embedded_timestep[:, :, None]
+    shift, scale = scale_shift_values[:, :, 0], scale_shift_values[:, :, 1]
+    hidden_states = fb.adaln(hidden_states, scale, shift, norm_type="layer", eps=model.norm_out.eps)
+    output = model.proj_out(hidden_states)
+    if not return_dict:
+        return (output,)
+    return Transformer2DModelOutput(sample=output)
+
+
+def _model_fusable(model: torch.nn.Module) -> str:
+    norm = getattr(model, "norm_out", None)
+    if not isinstance(norm, torch.nn.LayerNorm) or norm.weight is not None:
+        return "norm_out is not a LayerNorm without affine"
+    if forward_parameters(type(model).forward) != forward_parameters(_model_forward):
+        return "forward signature differs from the diffusers version fusebox mirrors"
+    return ""
+
+
 # --------------------------------------------------------------------------- patch
 
 
 def patch(model: torch.nn.Module, report, **options) -> None:
     report.family = "ltx-video"
+    if type(model).__name__ == MODEL:
+        why = _model_fusable(model)
+        if why:
+            report.skip("norm_out", model.norm_out, why)
+        else:
+            replace_forward(model, _model_forward, "ltx model")
+            absorb(model.norm_out, type(model).__name__)
+            report.add("norm_out", model.norm_out, "adaln(layer) with the output modulation")
     for path, module in model.named_modules():
         kind = type(module).__name__
         if kind == BLOCK:

@@ -22,12 +22,14 @@ Image-conditioned cross-attention (Wan 2.1 I2V: ``add_k_proj``) keeps diffusers'
 from __future__ import annotations
 
 import torch
+from diffusers.models.modeling_outputs import Transformer2DModelOutput
+from diffusers.utils import apply_lora_scale
 
 from ... import functional as fb
 from .._common import original_forward, replace_forward
 from ._blocks import (
     FusedAttnProcessor, absorb, feed_forward, fusable, gelu_tanh_projection, grad_needed,
-    install_processor, original_processor, rms_eps, rms_norm_module,
+    forward_parameters, install_processor, original_processor, rms_eps, rms_norm_module,
 )
 
 MODEL = "WanTransformer3DModel"
@@ -102,10 +104,8 @@ def _block_forward(
     temb: torch.Tensor,
     rotary_emb: torch.Tensor,
 ) -> torch.Tensor:
-    norm2 = block.norm2 if isinstance(block.norm2, torch.nn.LayerNorm) else None
-    norm2_params = (norm2.weight, norm2.bias) if norm2 is not None else ()
     if (grad_needed(block, hidden_states, encoder_hidden_states, temb)
-            or not fusable(hidden_states, block.scale_shift_table, *norm2_params)):
+            or not fusable(hidden_states, block.scale_shift_table)):
         return original_forward(block)(hidden_states, encoder_hidden_states, temb, rotary_emb)
     shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = _modulation(
         block.scale_shift_table, temb)
@@ -113,13 +113,16 @@ def _block_forward(
     norm_hidden_states = fb.adaln(hidden_states, scale_msa, shift_msa, norm_type="layer",
                                   eps=block.norm1.eps)
     attn_output = block.attn1(norm_hidden_states, None, None, rotary_emb)
-    if norm2 is not None:
+    norm2 = block.norm2
+    if isinstance(norm2, torch.nn.LayerNorm) and fusable(hidden_states, norm2.weight, norm2.bias):
         norm_hidden_states, hidden_states = fb.gated_residual_norm(
             hidden_states, attn_output, gate_msa, weight=norm2.weight, bias=norm2.bias,
             norm_type="layer", eps=norm2.eps)
     else:
+        # Identity (cross_attn_norm=False), or an affine norm whose weight an offload hook
+        # loads only when the module runs
         hidden_states = fb.gated_residual(hidden_states, attn_output, gate_msa)
-        norm_hidden_states = hidden_states
+        norm_hidden_states = norm2(hidden_states.float()).type_as(hidden_states)
 
     attn_output = block.attn2(norm_hidden_states, encoder_hidden_states, None, None)
     norm_hidden_states, hidden_states = fb.gated_residual_norm(
@@ -141,11 +144,100 @@ def _block_fusable(block: torch.nn.Module) -> str:
     return ""
 
 
+# --------------------------------------------------------------------------- model
+
+
+def _model_forward(
+    model: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    timestep: torch.LongTensor,
+    encoder_hidden_states: torch.Tensor,
+    encoder_hidden_states_image: torch.Tensor | None = None,
+    return_dict: bool = True,
+    attention_kwargs: dict | None = None,
+):
+    args = (hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image)
+    if (grad_needed(model, hidden_states, encoder_hidden_states)
+            or not fusable(hidden_states, model.scale_shift_table)):
+        return original_forward(model)(*args, return_dict=return_dict, attention_kwargs=attention_kwargs)
+    return _fused_model_forward(model, *args, return_dict=return_dict, attention_kwargs=attention_kwargs)
+
+
+@apply_lora_scale("attention_kwargs")
+def _fused_model_forward(model, hidden_states, timestep, encoder_hidden_states,
+                         encoder_hidden_states_image, return_dict=True, attention_kwargs=None):
+    """``WanTransformer3DModel.forward`` (diffusers 0.42) with the output norm and its fp32
+    modulation in one :func:`adaln` (the blocks are patched on their own)."""
+    batch_size, num_channels, num_frames, height, width = hidden_states.shape
+    p_t, p_h, p_w = model.config.patch_size
+    post_patch_num_frames = num_frames // p_t
+    post_patch_height = height // p_h
+    post_patch_width = width // p_w
+
+    rotary_emb = model.rope(hidden_states)
+    hidden_states = model.patch_embedding(hidden_states)
+    hidden_states = hidden_states.flatten(2).transpose(1, 2).contiguous()
+
+    if timestep.ndim == 2:   # per-token timestep (Wan 2.2 TI2V)
+        ts_seq_len = timestep.shape[1]
+        timestep = timestep.flatten()
+    else:
+        ts_seq_len = None
+    temb, timestep_proj, encoder_hidden_states, encoder_hidden_states_image = model.condition_embedder(
+        timestep, encoder_hidden_states, encoder_hidden_states_image, timestep_seq_len=ts_seq_len)
+    if ts_seq_len is not None:
+        timestep_proj = timestep_proj.unflatten(2, (6, -1))
+    else:
+        timestep_proj = timestep_proj.unflatten(1, (6, -1))
+    if encoder_hidden_states_image is not None:
+        encoder_hidden_states = torch.concat([encoder_hidden_states_image, encoder_hidden_states], dim=1)
+
+    for block in model.blocks:
+        hidden_states = block(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)
+
+    table = model.scale_shift_table
+    if temb.ndim == 3:
+        shift, scale = (table.unsqueeze(0).to(temb.device) + temb.unsqueeze(2)).chunk(2, dim=2)
+        shift, scale = shift.squeeze(2), scale.squeeze(2)
+    else:
+        shift, scale = (table.to(temb.device) + temb.unsqueeze(1)).chunk(2, dim=1)
+    shift, scale = shift.to(hidden_states.device), scale.to(hidden_states.device)
+    # fp32 norm and modulation, rounded once to the activation dtype, as Wan does
+    hidden_states = fb.adaln(hidden_states, scale, shift, norm_type="layer", eps=model.norm_out.eps)
+    hidden_states = model.proj_out(hidden_states)
+
+    hidden_states = hidden_states.reshape(batch_size, post_patch_num_frames, post_patch_height,
+                                          post_patch_width, p_t, p_h, p_w, -1)
+    hidden_states = hidden_states.permute(0, 7, 1, 4, 2, 5, 3, 6)
+    output = hidden_states.flatten(6, 7).flatten(4, 5).flatten(2, 3)
+    if not return_dict:
+        return (output,)
+    return Transformer2DModelOutput(sample=output)
+
+
+def _model_fusable(model: torch.nn.Module) -> str:
+    norm = getattr(model, "norm_out", None)
+    if not isinstance(norm, torch.nn.LayerNorm) or norm.weight is not None:
+        return "norm_out is not a LayerNorm without affine"
+    if forward_parameters(type(model).forward) != forward_parameters(_model_forward):
+        return "forward signature differs from the diffusers version fusebox mirrors"
+    return ""
+
+
 # --------------------------------------------------------------------------- patch
 
 
 def patch(model: torch.nn.Module, report, **options) -> None:
     report.family = "wan"
+    if type(model).__name__ == MODEL:
+        why = _model_fusable(model)
+        if why:
+            report.skip("norm_out", model.norm_out, why)
+        else:
+            replace_forward(model, _model_forward, "wan model")
+            absorb(model.norm_out, type(model).__name__)
+            report.add("norm_out", model.norm_out, "adaln(layer, fp32 modulation) with the output "
+                                                   "modulation")
     image_cross_attention = 0
     for path, module in model.named_modules():
         kind = type(module).__name__
