@@ -15,6 +15,7 @@ the same weights) says how large a difference bf16 itself makes.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional
@@ -256,9 +257,12 @@ def build(spec: Spec, device, dtype) -> torch.nn.Module:
     import diffusers
 
     cls = getattr(diffusers, spec.cls)
+    # config.json keys the class does not take are ignored, as from_pretrained ignores them
+    accepted = inspect.signature(cls.__init__).parameters
+    config = {k: v for k, v in spec.config.items() if k in accepted}
     torch.manual_seed(0)
     with _default_dtype(dtype), torch.device(device):
-        model = cls(**spec.config)
+        model = cls(**config)
     return keep_fp32_modules(model.to(device=device, dtype=dtype).eval())
 
 
