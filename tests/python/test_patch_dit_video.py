@@ -359,7 +359,7 @@ def test_bench_tiny_cli(tmp_path, capsys):
     from fusebox.bench.e2e import main
 
     rc = main(["--model", "tiny", "--device", "cpu", "--quick", "--dtype", "fp32",
-               "--variants", "eager,patched", "--out", str(tmp_path)])
+               "--variants", "eager,patched", "--pipeline", "--out", str(tmp_path)])
     assert rc == 0
     out = capsys.readouterr().out
     assert "tiny" in out
@@ -371,3 +371,5 @@ def test_bench_tiny_cli(tmp_path, capsys):
         assert not rec["variants"][variant].get("error"), rec["variants"][variant]
         assert rec["variants"][variant]["step_ms"] > 0
     assert rec["variants"]["patched"]["rel_diff_vs_eager"] < 1e-4
+    assert rec["variants"]["pipeline:patched"]["pipeline_s"] > 0
+    assert (tmp_path / rec["summary"]["video"].split("/")[-1]).exists()

@@ -401,6 +401,99 @@ def bf16_spread(model, inputs, eager_out, device) -> Dict[str, object]:
     return out
 
 
+# --------------------------------------------------------------------------- pipeline
+
+LTX_SCHEDULER = dict(  # Lightricks/LTX-Video scheduler/scheduler_config.json
+    base_image_seq_len=1024, base_shift=0.95, invert_sigmas=False, max_image_seq_len=4096,
+    max_shift=2.05, num_train_timesteps=1000, shift=1.0, shift_terminal=0.1,
+    use_dynamic_shifting=True)
+PIPELINE_VIDEO = {"ltx-video": (49, 512, 768), "tiny": (17, 96, 128)}
+
+
+def _ltx_pipeline(spec: Spec, device, dtype):
+    """LTXPipeline with the benchmark transformer, a random-weight VAE of the released layout (a
+    narrow one for ``tiny``) and a 2-layer random T5 encoder (no tokenizer: prompts are random
+    token ids, encoded by the pipeline's text encoder outside the timed denoising loop)."""
+    import diffusers
+    from transformers import T5Config, T5EncoderModel
+
+    transformer = build(spec, device, dtype)
+    width = spec.config["caption_channels"]
+    vae_config = {} if spec.config["in_channels"] == 128 else dict(
+        latent_channels=spec.config["in_channels"], block_out_channels=(8, 8, 8, 8),
+        decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1, 1))
+    torch.manual_seed(0)
+    with _default_dtype(dtype), torch.device(device):
+        vae = diffusers.AutoencoderKLLTXVideo(**vae_config)
+        text_encoder = T5EncoderModel(T5Config(vocab_size=32128, d_model=width, d_kv=64, d_ff=1024,
+                                               num_layers=2, num_heads=8))
+    pipe = diffusers.LTXPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**LTX_SCHEDULER),
+        vae=vae.to(device=device, dtype=dtype).eval(),
+        text_encoder=text_encoder.to(device=device, dtype=dtype).eval(), tokenizer=None,
+        transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _prompt_embeds(pipe, device, text=128):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 32128, (2, text), generator=g).to(device)
+    mask = torch.ones(2, text, dtype=torch.long, device=device)
+    with torch.inference_mode():
+        embeds = pipe.text_encoder(ids, attention_mask=mask)[0]
+    return dict(prompt_embeds=embeds[:1], prompt_attention_mask=mask[:1],
+                negative_prompt_embeds=embeds[1:], negative_prompt_attention_mask=mask[1:])
+
+
+def _write_video(frames, path_stem: str) -> str:
+    """mp4 when imageio can write one, else the frames as .npy."""
+    import numpy as np
+
+    try:
+        from diffusers.utils import export_to_video
+
+        return export_to_video(list(frames), path_stem + ".mp4", fps=25)
+    except Exception:  # noqa: BLE001  (no imageio/ffmpeg)
+        np.save(path_stem + ".npy", frames)
+        return path_stem + ".npy"
+
+
+def run_pipeline(name: str, args, rec: dict) -> None:
+    """Full LTX-Video pipeline (text encoder, denoising loop with batched CFG, VAE decode),
+    unpatched then patched; writes the patched run's video next to the results."""
+    import os
+
+    import fusebox
+
+    if name not in PIPELINE_VIDEO:
+        rec["summary"]["pipeline"] = "pipeline mode covers LTX-Video (ltx-video, tiny)"
+        return
+    spec, device, dtype = SPECS[name], torch.device(args.device), DTYPES[args.dtype]
+    frames, height, width = PIPELINE_VIDEO[name]
+    steps = 4 if args.quick else spec.steps
+    pipe = _ltx_pipeline(spec, device, dtype)
+    prompt = _prompt_embeds(pipe, device)
+    out_dir = args.out or common.default_out_dir()
+    os.makedirs(out_dir, exist_ok=True)
+    for variant in ("eager", "patched"):
+        if variant == "patched":
+            fusebox.patch(pipe)
+        call = lambda: pipe(**prompt, height=height, width=width, num_frames=frames,  # noqa: E731
+                            num_inference_steps=steps, guidance_scale=3.0, output_type="np",
+                            generator=torch.Generator().manual_seed(0)).frames[0]
+        call()                                           # warm-up
+        common.sync(device)
+        t0 = time.perf_counter()
+        video = call()
+        common.sync(device)
+        rec["variants"][f"pipeline:{variant}"] = {"pipeline_s": time.perf_counter() - t0,
+                                                  "pipeline_steps": steps}
+    rec["summary"]["video"] = _write_video(video, os.path.join(out_dir, f"{name}_patched"))
+    fusebox.unpatch(pipe)
+
+
 # --------------------------------------------------------------------------- run
 
 
@@ -438,4 +531,6 @@ def run(name: str, args) -> dict:
     del model
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    if args.pipeline:
+        run_pipeline(name, args, rec)
     return rec
