@@ -352,6 +352,31 @@ def test_compiled_patched_block_fullgraph(case, device):
     assert rel_err(out, eager) < FP32_TOL
 
 
+@pytest.mark.parametrize("case", ["ltx-i2v", "wan-ti2v"])
+def test_compiled_patched_model_fullgraph(case):
+    model, kw = build(case, "cpu")
+    ref = run(model, kw)
+    fusebox.patch(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    assert rel_err(run(compiled, kw), ref) < FP32_TOL
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def test_wan_fused_qkv_projections():
+    """``fuse_qkv_projections`` gives q/k as strided chunks of one projection: read in place."""
+    model, kw = build("wan-t2v", "cpu")
+    ref = run(model, kw)
+    model.fuse_qkv_projections()
+    fusebox.patch(model)
+    with FuseboxOps() as ops:
+        out = run(model, kw)
+    assert ops.counts.get("rotary", 0) == 2
+    assert rel_err(out, ref) < FP32_TOL
+
+
 # --------------------------------------------------------------------------- bench CLI
 
 

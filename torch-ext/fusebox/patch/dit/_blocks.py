@@ -128,6 +128,19 @@ def install_processor(attn: torch.nn.Module, processor: FusedAttnProcessor) -> N
     attn.__dict__["_fusebox_undo"] = lambda: attn.set_processor(processor.original)
 
 
+def attention_unfusable(attn: torch.nn.Module, processor_class: str) -> str:
+    """Why an attention module keeps its processor ("" when the fused one can replace it)."""
+    processor = original_processor(attn)
+    if type(processor).__name__ != processor_class:
+        return f"custom processor {type(processor).__name__}"
+    norms = (getattr(attn, "norm_q", None), getattr(attn, "norm_k", None))
+    if not all(isinstance(n, torch.nn.RMSNorm) for n in norms):
+        return "q/k norms are not torch.nn.RMSNorm"
+    if rms_eps(norms[0]) != rms_eps(norms[1]):
+        return "q and k norms have different eps"     # one eps per fused q/k launch
+    return ""
+
+
 def rms_norm_module(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``norm(x)`` for a ``torch.nn.RMSNorm`` on fusebox (fp32 math, x's dtype out)."""
     return fb.rms_norm(x, norm.weight, rms_eps(norm))

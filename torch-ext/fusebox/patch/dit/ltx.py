@@ -25,8 +25,8 @@ from diffusers.utils import apply_lora_scale
 from ... import functional as fb
 from .._common import original_forward, replace_forward
 from ._blocks import (
-    FusedAttnProcessor, absorb, feed_forward, fusable, gelu_tanh_projection, grad_needed,
-    forward_parameters, install_processor, original_processor, rms_eps,
+    FusedAttnProcessor, absorb, attention_unfusable, feed_forward, forward_parameters, fusable,
+    gelu_tanh_projection, grad_needed, install_processor, original_processor, rms_eps,
     rms_norm_module,
 )
 
@@ -235,16 +235,16 @@ def patch(model: torch.nn.Module, report, **options) -> None:
             replace_forward(module, _block_forward, "ltx block")
             for child in ("norm1", "norm2"):
                 absorb(getattr(module, child), path)
-            report.add(path, module, "adaln(rms) + gated_residual + gated_residual_norm(rms) + "
-                                     "gelu_tanh(bias) + gated_residual")
             if gelu_tanh_projection(module.ff) is not None:
                 absorb(module.ff.net[0], path)
+            report.add(path, module, "adaln(rms) + gated_residual + gated_residual_norm(rms) + "
+                                     "gelu_tanh(bias) + gated_residual")
         elif kind == ATTENTION:
-            processor = original_processor(module)
-            if type(processor).__name__ != "LTXVideoAttnProcessor":
-                report.skip(path, module, f"custom processor {type(processor).__name__}")
+            why = attention_unfusable(module, "LTXVideoAttnProcessor")
+            if why:
+                report.skip(path, module, why)
                 continue
-            install_processor(module, LTXFusedAttnProcessor(processor))
+            install_processor(module, LTXFusedAttnProcessor(original_processor(module)))
             for child in ("norm_q", "norm_k"):
                 absorb(getattr(module, child), path)
             report.add(path, module, "processor: qk_norm_rope(across heads, interleaved)")

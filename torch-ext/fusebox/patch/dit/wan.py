@@ -28,8 +28,9 @@ from diffusers.utils import apply_lora_scale
 from ... import functional as fb
 from .._common import original_forward, replace_forward
 from ._blocks import (
-    FusedAttnProcessor, absorb, feed_forward, fusable, gelu_tanh_projection, grad_needed,
-    forward_parameters, install_processor, original_processor, rms_eps, rms_norm_module,
+    FusedAttnProcessor, absorb, attention_unfusable, feed_forward, forward_parameters, fusable,
+    gelu_tanh_projection, grad_needed, install_processor, original_processor, rms_eps,
+    rms_norm_module,
 )
 
 MODEL = "WanTransformer3DModel"
@@ -57,8 +58,7 @@ class WanFusedAttnProcessor(FusedAttnProcessor):
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         cos, sin = rotary_emb if rotary_emb is not None else (None, None)
-        if (attn.add_k_proj is not None
-                or grad_needed(attn, hidden_states, encoder_hidden_states)
+        if (grad_needed(attn, hidden_states, encoder_hidden_states)
                 or not fusable(hidden_states, attn.norm_q.weight, attn.norm_k.weight, cos, sin)):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
         from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -255,15 +255,14 @@ def patch(model: torch.nn.Module, report, **options) -> None:
             report.add(path, module, "adaln(layer, fp32 modulation) + gated_residual_norm(layer) x2 "
                                      "+ gelu_tanh(bias) + gated_residual")
         elif kind == ATTENTION:
-            processor = original_processor(module)
-            if type(processor).__name__ != "WanAttnProcessor":
-                report.skip(path, module, f"custom processor {type(processor).__name__}")
-                continue
-            if module.add_k_proj is not None:
+            why = attention_unfusable(module, "WanAttnProcessor")
+            if not why and module.add_k_proj is not None:
                 image_cross_attention += 1
-                report.skip(path, module, "image cross-attention (I2V) keeps diffusers' processor")
+                why = "image cross-attention (I2V) keeps diffusers' processor"
+            if why:
+                report.skip(path, module, why)
                 continue
-            install_processor(module, WanFusedAttnProcessor(processor))
+            install_processor(module, WanFusedAttnProcessor(original_processor(module)))
             for child in ("norm_q", "norm_k"):
                 absorb(getattr(module, child), path)
             rope = "qk_norm_rope(across heads, interleaved)"
