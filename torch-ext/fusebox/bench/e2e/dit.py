@@ -284,12 +284,12 @@ def _compiled(model, mode: str, fullgraph: bool):
     if mode == "compile":
         yield torch.compile(model, fullgraph=fullgraph)
         return
-    if getattr(model, "_repeated_blocks", None):
-        model.compile_repeated_blocks(fullgraph=fullgraph)
-    else:
-        for block in _block_modules(model):
-            block.compile(fullgraph=fullgraph)
     try:
+        if getattr(model, "_repeated_blocks", None):
+            model.compile_repeated_blocks(fullgraph=fullgraph)
+        else:
+            for block in _block_modules(model):
+                block.compile(fullgraph=fullgraph)
         yield model
     finally:
         for module in model.modules():

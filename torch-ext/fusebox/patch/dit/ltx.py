@@ -13,7 +13,9 @@ Per ``LTXVideoTransformerBlock``, in the order the block runs:
 
 The modulation is per sample (``temb`` [B, 1, 6D], text-to-video) or per token ([B, S, 6D],
 image-to-video with a per-token timestep); both are strided views of one table, read in place.
-The model's final ``norm_out`` + modulation (LayerNorm without affine) -> :func:`adaln`.
+The model's forward is replaced too (a mirror of diffusers 0.42's, installed only where the
+signature still matches): it builds one cos/sin table for the whole batch instead of one per
+sample, and its final ``norm_out`` + modulation (LayerNorm without affine) -> :func:`adaln`.
 """
 
 from __future__ import annotations
@@ -174,7 +176,10 @@ def _fused_model_forward(model, hidden_states, encoder_hidden_states, timestep, 
                          attention_kwargs=None, return_dict=True):
     """``LTXVideoTransformer3DModel.forward`` (diffusers 0.42) with the output norm and its
     modulation in one :func:`adaln` (the blocks are patched on their own)."""
-    image_rotary_emb = model.rope(hidden_states, num_frames, height, width, rope_interpolation_scale,
+    # Without per-sample video_coords every sample has the same grid: a [1, S, D] cos/sin table
+    # (broadcast over the batch by the kernel) halves the table bytes every block reads.
+    rope_input = hidden_states if video_coords is not None else hidden_states[:1]
+    image_rotary_emb = model.rope(rope_input, num_frames, height, width, rope_interpolation_scale,
                                   video_coords)
     if encoder_attention_mask is not None and encoder_attention_mask.ndim == 2:
         encoder_attention_mask = (1 - encoder_attention_mask.to(hidden_states.dtype)) * -10000.0
