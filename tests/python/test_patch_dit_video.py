@@ -2,8 +2,6 @@
 patched vs unpatched outputs, the fused ops actually running, unpatch, the report, offload
 hooks, autograd fallback, torch.compile of a patched block, and the e2e bench CLI."""
 
-import copy
-
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -216,7 +214,8 @@ def test_report_ltx():
     assert "norm_out" in patched
     # the children a block fuses are marked, so the generic module pass leaves them alone
     block = model.transformer_blocks[0]
-    for child in (block.norm1, block.norm2, block.ff.net[0], block.attn1.norm_q, block.attn1.norm_k):
+    attn = block.attn1
+    for child in (block.norm1, block.norm2, block.ff.net[0], attn.norm_q, attn.norm_k):
         assert _common.is_patched(child)
     assert "LTXVideoTransformerBlock" in str(report)
 

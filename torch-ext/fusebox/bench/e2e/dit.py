@@ -17,8 +17,8 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from dataclasses import dataclass
+from typing import Callable, Dict, List
 
 import torch
 
@@ -36,12 +36,11 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 class Spec:
     description: str
     cls: str                                  # diffusers class name
-    config: Dict[str, object]                 # published transformer/config.json (minus _class_name)
-    inputs: Callable[..., dict]               # (device, dtype, quick) -> forward kwargs
+    config: Dict[str, object]                 # the published transformer/config.json
+    inputs: Callable[..., dict]               # (device, dtype) -> forward kwargs
     workload: str
     steps: int = 30
     forwards_per_step: int = 1
-    extra: Dict[str, object] = field(default_factory=dict)
 
 
 def _randn(*shape, device, dtype, gen):
@@ -57,7 +56,7 @@ def _gen():
 
 def _ltx_inputs(frames, height, width, batch=2, text=128, channels=128, caption=4096):
     """LTX-Video latents: 8x temporal / 32x spatial VAE, batched CFG (batch 2)."""
-    def make(device, dtype, quick):
+    def make(device, dtype):
         g = _gen()
         f, h, w = (frames - 1) // 8 + 1, height // 32, width // 32
         return dict(
@@ -71,7 +70,7 @@ def _ltx_inputs(frames, height, width, batch=2, text=128, channels=128, caption=
 
 
 def _flux_inputs(size=1024, text=512):
-    def make(device, dtype, quick):
+    def make(device, dtype):
         g = _gen()
         h = w = size // 16                     # 8x VAE, 2x2 packing
         rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
@@ -90,7 +89,7 @@ def _flux_inputs(size=1024, text=512):
 
 def _wan_inputs(frames, height, width, text=512):
     """Wan 2.1 latents: 4x temporal / 8x spatial VAE, 16 channels, one CFG branch per forward."""
-    def make(device, dtype, quick):
+    def make(device, dtype):
         g = _gen()
         f, h, w = (frames - 1) // 4 + 1, height // 8, width // 8
         return dict(
@@ -102,7 +101,7 @@ def _wan_inputs(frames, height, width, text=512):
 
 
 def _hunyuan_inputs(frames, height, width, text=256):
-    def make(device, dtype, quick):
+    def make(device, dtype):
         g = _gen()
         f, h, w = (frames - 1) // 4 + 1, height // 8, width // 8
         return dict(
@@ -118,7 +117,7 @@ def _hunyuan_inputs(frames, height, width, text=256):
 
 def _sd3_inputs(size=1024, text=333):
     """SD3.5: 16-channel latents at 1/8, batched CFG, 77 CLIP + 256 T5 tokens."""
-    def make(device, dtype, quick):
+    def make(device, dtype):
         g = _gen()
         return dict(
             hidden_states=_randn(2, 16, size // 8, size // 8, device=device, dtype=dtype, gen=g),
@@ -130,7 +129,7 @@ def _sd3_inputs(size=1024, text=333):
 
 
 def _pixart_inputs(size=1024, text=300):
-    def make(device, dtype, quick):
+    def make(device, dtype):
         g = _gen()
         return dict(
             hidden_states=_randn(2, 4, size // 8, size // 8, device=device, dtype=dtype, gen=g),
@@ -146,7 +145,8 @@ def _pixart_inputs(size=1024, text=300):
 
 LTX_CONFIG = dict(  # Lightricks/LTX-Video (0.9.x, 2B)
     in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
-    attention_head_dim=64, cross_attention_dim=2048, num_layers=28, activation_fn="gelu-approximate",
+    attention_head_dim=64, cross_attention_dim=2048, num_layers=28,
+    activation_fn="gelu-approximate",
     qk_norm="rms_norm_across_heads", norm_elementwise_affine=False, norm_eps=1e-6,
     caption_channels=4096, attention_bias=True, attention_out_bias=True)
 WAN_BASE = dict(  # Wan-AI/Wan2.1-T2V-{1.3B,14B}-Diffusers
@@ -172,7 +172,8 @@ SPECS: Dict[str, Spec] = {
         "Wan2.1-T2V-1.3B, 81x480x832 (32760 tokens), CFG as 2 forwards, 50 steps",
         "WanTransformer3DModel",
         dict(WAN_BASE, num_attention_heads=12, ffn_dim=8960, num_layers=30),
-        _wan_inputs(81, 480, 832), "81 frames 480x832 -> latent 21x60x104 -> 32760 tokens, text 512",
+        _wan_inputs(81, 480, 832),
+        "81 frames 480x832 -> latent 21x60x104 -> 32760 tokens, text 512",
         steps=50, forwards_per_step=2),
     "wan-14b": Spec(
         "Wan2.1-T2V-14B, 81x480x832 (32760 tokens), CFG as 2 forwards, 50 steps",
@@ -216,8 +217,8 @@ SPECS: Dict[str, Spec] = {
     "tiny": Spec(
         "tiny LTX-Video (2 layers, width 32): a functional run, CPU included",
         "LTXVideoTransformer3DModel",
-        dict(LTX_CONFIG, in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16,
-             cross_attention_dim=32, caption_channels=32, num_layers=2),
+        dict(LTX_CONFIG, in_channels=8, out_channels=8, num_attention_heads=2,
+             attention_head_dim=16, cross_attention_dim=32, caption_channels=32, num_layers=2),
         _ltx_inputs(17, 96, 128, text=8, channels=8, caption=32),
         "17 frames 96x128 -> latent 3x3x4 = 36 tokens, batch 2, text 8", steps=4),
 }
@@ -310,6 +311,7 @@ def _run_variant(model, inputs, variant, spec, device, quick, eager_out):
     if patched:
         report = fusebox.patch(model)
         rec["modules_patched"] = report.num_patched
+        rec["patch_summary"] = report.summary()
     try:
         for fullgraph in ((True, False) if mode else (True,)):
             try:
@@ -322,25 +324,31 @@ def _run_variant(model, inputs, variant, spec, device, quick, eager_out):
                         rec["compile_s"] = time.perf_counter() - t0
                         rec["fullgraph"] = int(fullgraph)
                     warmup, iters = (1, 3) if quick else (3, 10)
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
                     t = common.time_ms(call, device, warmup=warmup, iters=iters)
-                    peak = common.peak_memory_mb(call, device)
+                    if device.type == "cuda":
+                        rec["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
                 break
             except Exception as e:  # noqa: BLE001  (a graph break under fullgraph: retry without)
                 if not fullgraph or not mode:
                     raise
-                rec["fullgraph_error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200]}"
+                rec["fullgraph_error"] = _error(e)
                 torch._dynamo.reset()
         step_ms = t["median_ms"] * spec.forwards_per_step
         rec.update(forward_ms=t["median_ms"], step_ms=step_ms, run_s=step_ms * spec.steps / 1e3,
                    steps_per_s=1e3 / step_ms)
-        if peak is not None:
-            rec["peak_mb"] = peak
         if eager_out is not None:
             rec["rel_diff_vs_eager"] = common.rel_diff(out.float(), eager_out.float())
         return rec, out
     finally:
         if patched:
             fusebox.unpatch(model)
+
+
+def _error(e: BaseException) -> str:
+    first = str(e).splitlines()[0][:300] if str(e) else ""
+    return f"{type(e).__name__}: {first}"
 
 
 def _variants(args) -> List[str]:
@@ -505,7 +513,7 @@ def run(name: str, args) -> dict:
            "summary": {"workload": spec.workload, "dtype": args.dtype, "steps": spec.steps,
                        "forwards_per_step": spec.forwards_per_step}}
     model = build(spec, device, dtype)
-    inputs = spec.inputs(device, dtype, args.quick)
+    inputs = spec.inputs(device, dtype)
     rec["summary"]["params_b"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 3)
     eager_out = None
     for variant in _variants(args):
@@ -514,7 +522,7 @@ def run(name: str, args) -> dict:
             if variant == "eager":
                 eager_out = out
         except Exception as e:  # noqa: BLE001  (one failing variant must not end the run)
-            vrec = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"}
+            vrec = {"error": _error(e)}
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         rec["variants"][variant] = vrec
@@ -523,7 +531,7 @@ def run(name: str, args) -> dict:
         try:
             rec["summary"].update(bf16_spread(model, inputs, eager_out, device))
         except Exception as e:  # noqa: BLE001
-            rec["summary"]["bf16_spread_error"] = f"{type(e).__name__}: {e}"
+            rec["summary"]["bf16_spread_error"] = _error(e)
     eager = rec["variants"].get("eager", {})
     for variant, v in rec["variants"].items():
         if variant != "eager" and v.get("step_ms") and eager.get("step_ms"):

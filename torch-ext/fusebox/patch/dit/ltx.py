@@ -63,22 +63,22 @@ class LTXFusedAttnProcessor(FusedAttnProcessor):
                                  image_rotary_emb)
         from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-        batch_size, sequence_length, _ = (
-            hidden_states.shape if encoder_hidden_states is None else encoder_hidden_states.shape)
+        context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
+        batch_size, sequence_length, _ = context.shape
         if attention_mask is not None:
-            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length, batch_size)
-            attention_mask = attention_mask.view(batch_size, attn.heads, -1, attention_mask.shape[-1])
-        if encoder_hidden_states is None:
-            encoder_hidden_states = hidden_states
+            attention_mask = attn.prepare_attention_mask(attention_mask, sequence_length,
+                                                         batch_size)
+            attention_mask = attention_mask.view(batch_size, attn.heads, -1,
+                                                 attention_mask.shape[-1])
 
         query = attn.to_q(hidden_states)
-        key = attn.to_k(encoder_hidden_states)
-        value = attn.to_v(encoder_hidden_states)
+        key = attn.to_k(context)
+        value = attn.to_v(context)
         if cos is not None:
             # one "head" of width heads * head_dim: the norm spans all heads and the tables
             # hold a frequency per channel
-            query, key = fb.qk_norm_rope(query, key, attn.norm_q.weight, attn.norm_k.weight, cos, sin,
-                                         eps=rms_eps(attn.norm_q), across_heads=True,
+            query, key = fb.qk_norm_rope(query, key, attn.norm_q.weight, attn.norm_k.weight, cos,
+                                         sin, eps=rms_eps(attn.norm_q), across_heads=True,
                                          interleaved=True)
         else:
             query = rms_norm_module(attn.norm_q, query)
@@ -113,7 +113,8 @@ def _block_forward(
                                        encoder_attention_mask)
     batch_size = hidden_states.size(0)
     # [B, T, 6, D] with T = 1 (per sample) or T = S (per token); the six terms stay views
-    ada = table[None, None].to(temb.device) + temb.reshape(batch_size, temb.size(1), table.shape[0], -1)
+    ada = (table[None, None].to(temb.device)
+           + temb.reshape(batch_size, temb.size(1), table.shape[0], -1))
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = ada.unbind(dim=2)
 
     norm_hidden_states = fb.adaln(hidden_states, scale_msa, shift_msa, block.norm1.weight,
@@ -162,18 +163,20 @@ def _model_forward(
     attention_kwargs: dict | None = None,
     return_dict: bool = True,
 ):
-    args = (hidden_states, encoder_hidden_states, timestep, encoder_attention_mask, num_frames, height,
-            width, rope_interpolation_scale, video_coords)
+    args = (hidden_states, encoder_hidden_states, timestep, encoder_attention_mask, num_frames,
+            height, width, rope_interpolation_scale, video_coords)
+    kwargs = dict(attention_kwargs=attention_kwargs, return_dict=return_dict)
     if (grad_needed(model, hidden_states, encoder_hidden_states)
             or not fusable(hidden_states, model.scale_shift_table)):
-        return original_forward(model)(*args, attention_kwargs=attention_kwargs, return_dict=return_dict)
-    return _fused_model_forward(model, *args, attention_kwargs=attention_kwargs, return_dict=return_dict)
+        return original_forward(model)(*args, **kwargs)
+    return _fused_model_forward(model, *args, **kwargs)
 
 
 @apply_lora_scale("attention_kwargs")
-def _fused_model_forward(model, hidden_states, encoder_hidden_states, timestep, encoder_attention_mask,
-                         num_frames, height, width, rope_interpolation_scale, video_coords,
-                         attention_kwargs=None, return_dict=True):
+def _fused_model_forward(model, hidden_states, encoder_hidden_states, timestep,
+                         encoder_attention_mask, num_frames, height, width,
+                         rope_interpolation_scale, video_coords, attention_kwargs=None,
+                         return_dict=True):
     """``LTXVideoTransformer3DModel.forward`` (diffusers 0.42) with the output norm and its
     modulation in one :func:`adaln` (the blocks are patched on their own)."""
     # Without per-sample video_coords every sample has the same grid: a [1, S, D] cos/sin table
@@ -195,8 +198,9 @@ def _fused_model_forward(model, hidden_states, encoder_hidden_states, timestep, 
     encoder_hidden_states = encoder_hidden_states.view(batch_size, -1, hidden_states.size(-1))
 
     for block in model.transformer_blocks:
-        hidden_states = block(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
-                              temb=temb, image_rotary_emb=image_rotary_emb,
+        hidden_states = block(hidden_states=hidden_states,
+                              encoder_hidden_states=encoder_hidden_states, temb=temb,
+                              image_rotary_emb=image_rotary_emb,
                               encoder_attention_mask=encoder_attention_mask)
 
     scale_shift_values = model.scale_shift_table[None, None] + embedded_timestep[:, :, None]

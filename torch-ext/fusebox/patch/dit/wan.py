@@ -60,7 +60,8 @@ class WanFusedAttnProcessor(FusedAttnProcessor):
         cos, sin = rotary_emb if rotary_emb is not None else (None, None)
         if (grad_needed(attn, hidden_states, encoder_hidden_states)
                 or not fusable(hidden_states, attn.norm_q.weight, attn.norm_k.weight, cos, sin)):
-            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                 rotary_emb)
         from diffusers.models.attention_dispatch import dispatch_attention_fn
         from diffusers.models.transformers.transformer_wan import _get_qkv_projections
 
@@ -73,8 +74,8 @@ class WanFusedAttnProcessor(FusedAttnProcessor):
         value = value.unflatten(2, (attn.heads, -1))
         if cos is not None:
             # the norm spans all heads of a token; the [1, S, 1, D] table is shared by the heads
-            query, key = fb.qk_norm_rope(query, key, attn.norm_q.weight, attn.norm_k.weight, cos, sin,
-                                         eps=rms_eps(attn.norm_q), across_heads=True,
+            query, key = fb.qk_norm_rope(query, key, attn.norm_q.weight, attn.norm_k.weight, cos,
+                                         sin, eps=rms_eps(attn.norm_q), across_heads=True,
                                          interleaved=True)
 
         hidden_states = dispatch_attention_fn(
@@ -157,10 +158,11 @@ def _model_forward(
     attention_kwargs: dict | None = None,
 ):
     args = (hidden_states, timestep, encoder_hidden_states, encoder_hidden_states_image)
+    kwargs = dict(return_dict=return_dict, attention_kwargs=attention_kwargs)
     if (grad_needed(model, hidden_states, encoder_hidden_states)
             or not fusable(hidden_states, model.scale_shift_table)):
-        return original_forward(model)(*args, return_dict=return_dict, attention_kwargs=attention_kwargs)
-    return _fused_model_forward(model, *args, return_dict=return_dict, attention_kwargs=attention_kwargs)
+        return original_forward(model)(*args, **kwargs)
+    return _fused_model_forward(model, *args, **kwargs)
 
 
 @apply_lora_scale("attention_kwargs")
@@ -183,14 +185,16 @@ def _fused_model_forward(model, hidden_states, timestep, encoder_hidden_states,
         timestep = timestep.flatten()
     else:
         ts_seq_len = None
-    temb, timestep_proj, encoder_hidden_states, encoder_hidden_states_image = model.condition_embedder(
-        timestep, encoder_hidden_states, encoder_hidden_states_image, timestep_seq_len=ts_seq_len)
+    embedded = model.condition_embedder(timestep, encoder_hidden_states,
+                                        encoder_hidden_states_image, timestep_seq_len=ts_seq_len)
+    temb, timestep_proj, encoder_hidden_states, encoder_hidden_states_image = embedded
     if ts_seq_len is not None:
         timestep_proj = timestep_proj.unflatten(2, (6, -1))
     else:
         timestep_proj = timestep_proj.unflatten(1, (6, -1))
     if encoder_hidden_states_image is not None:
-        encoder_hidden_states = torch.concat([encoder_hidden_states_image, encoder_hidden_states], dim=1)
+        encoder_hidden_states = torch.concat([encoder_hidden_states_image, encoder_hidden_states],
+                                             dim=1)
 
     for block in model.blocks:
         hidden_states = block(hidden_states, encoder_hidden_states, timestep_proj, rotary_emb)
@@ -252,8 +256,8 @@ def patch(model: torch.nn.Module, report, **options) -> None:
                     absorb(getattr(module, child), path)
             if gelu_tanh_projection(module.ffn) is not None:
                 absorb(module.ffn.net[0], path)
-            report.add(path, module, "adaln(layer, fp32 modulation) + gated_residual_norm(layer) x2 "
-                                     "+ gelu_tanh(bias) + gated_residual")
+            report.add(path, module, "adaln(layer, fp32 modulation) + gated_residual_norm(layer) "
+                                     "x2 + gelu_tanh(bias) + gated_residual")
         elif kind == ATTENTION:
             why = attention_unfusable(module, "WanAttnProcessor")
             if not why and module.add_k_proj is not None:
