@@ -364,6 +364,17 @@ def test_compiled_patched_model_fullgraph(case):
 # --------------------------------------------------------------------------- layouts
 
 
+def test_ltx_video_coords():
+    """Per-sample coordinates (LTX condition pipeline) keep one cos/sin table per sample."""
+    model, kw = build("ltx-i2v", "cpu")
+    b, s = kw["hidden_states"].shape[:2]
+    g = torch.Generator().manual_seed(2)
+    kw["video_coords"] = torch.rand(b, 3, s, generator=g) * torch.tensor([20.0, 2048, 2048])[:, None]
+    ref = run(model, kw)
+    fusebox.patch(model)
+    assert rel_err(run(model, kw), ref) < FP32_TOL
+
+
 def test_wan_fused_qkv_projections():
     """``fuse_qkv_projections`` gives q/k as strided chunks of one projection: read in place."""
     model, kw = build("wan-t2v", "cpu")
