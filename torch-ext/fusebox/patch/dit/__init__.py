@@ -5,7 +5,8 @@ knows) and ``patch(model, report, **options)`` (fuses that family's block chain:
 modulation, gated residual + next norm, q/k norm + RoPE, feed-forward activation). After the
 family patcher, :mod:`._modules` replaces the forwards of generic diffusers modules (RMSNorm,
 AdaLayerNorm variants, GELU) that the family patcher did not already cover, so a model of an
-unknown family still gets its norms and activations fused.
+unknown family still gets its norms and activations fused. A family patcher marks the modules
+its fused block forward absorbs (``_blocks.absorb``), so the generic pass leaves them alone.
 """
 
 from __future__ import annotations

@@ -1,0 +1,410 @@
+"""fusebox.patch on the diffusers video transformers (LTX-Video, Wan): tiny random models,
+patched vs unpatched outputs, the fused ops actually running, unpatch, the report, offload
+hooks, autograd fallback, torch.compile of a patched block, and the e2e bench CLI."""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from helpers import DEVICES, rel_err
+
+diffusers = pytest.importorskip("diffusers")
+
+import fusebox  # noqa: E402
+from fusebox.patch import _common  # noqa: E402
+
+# fp32: every fused op rounds once where diffusers rounds after each elementwise op, so the two
+# differ by fp32 rounding only; over 2 blocks of attention + FFN that stays near 1e-7.
+FP32_TOL = 1e-5
+
+
+# --------------------------------------------------------------------------- models
+
+
+def tiny_ltx(device="cpu", dtype=torch.float32):
+    torch.manual_seed(0)
+    model = diffusers.LTXVideoTransformer3DModel(
+        in_channels=8, out_channels=8, num_attention_heads=2, attention_head_dim=16,
+        cross_attention_dim=32, caption_channels=32, num_layers=2)
+    return keep_fp32(model.to(device).eval(), dtype)
+
+
+def ltx_inputs(device="cpu", dtype=torch.float32, per_token=False):
+    g = torch.Generator().manual_seed(1)
+    b, f, h, w, text = 2, 2, 3, 4, 5
+    s = f * h * w
+    mask = torch.ones(b, text)
+    mask[0, -2:] = 0
+    timestep = torch.rand(b, s, generator=g) * 1000 if per_token else torch.tensor([300.0, 700.0])
+    tensors = dict(hidden_states=torch.randn(b, s, 8, generator=g),
+                   encoder_hidden_states=torch.randn(b, text, 32, generator=g))
+    kw = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+    kw.update(timestep=timestep.to(device), encoder_attention_mask=mask.to(device), num_frames=f,
+              height=h, width=w, rope_interpolation_scale=(8 / 25, 32, 32), return_dict=False)
+    return kw
+
+
+def tiny_wan(device="cpu", dtype=torch.float32, **config):
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=24, in_channels=4,
+        out_channels=4, text_dim=32, freq_dim=32, ffn_dim=96, num_layers=2, rope_max_seq_len=64,
+        **config)
+    model = model.to(device=device).eval()
+    return keep_fp32(model, dtype)
+
+
+def keep_fp32(model, dtype):
+    """``model`` in ``dtype`` with its ``_keep_in_fp32_modules`` in fp32, as from_pretrained
+    loads it."""
+    if dtype == torch.float32:
+        return model
+    model = model.to(dtype)
+    keep = getattr(model, "_keep_in_fp32_modules", None) or []
+    for name, module in model.named_modules():
+        if any(k in name.split(".") for k in keep):
+            module.float()
+    for name, param in model.named_parameters():
+        if name.split(".")[-1] in keep:
+            param.data = param.data.float()
+    return model
+
+
+def wan_inputs(device="cpu", dtype=torch.float32, per_token=False, image=False):
+    g = torch.Generator().manual_seed(1)
+    b, f, h, w = 2, 3, 4, 6
+    s = f * (h // 2) * (w // 2)
+    timestep = torch.rand(b, s, generator=g) * 1000 if per_token else torch.tensor([300.0, 700.0])
+    tensors = dict(hidden_states=torch.randn(b, 4, f, h, w, generator=g),
+                   encoder_hidden_states=torch.randn(b, 512 if image else 7, 32, generator=g))
+    if image:
+        tensors["encoder_hidden_states_image"] = torch.randn(b, 5, 16, generator=g)
+    kw = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+    kw.update(timestep=timestep.to(device), return_dict=False)
+    return kw
+
+
+CASES = {
+    "ltx-t2v": (tiny_ltx, {}, dict(per_token=False)),
+    "ltx-i2v": (tiny_ltx, {}, dict(per_token=True)),
+    "wan-t2v": (tiny_wan, {}, dict(per_token=False)),
+    "wan-ti2v": (tiny_wan, {}, dict(per_token=True)),
+    "wan-i2v": (tiny_wan, dict(image_dim=16, added_kv_proj_dim=48), dict(image=True)),
+}
+
+
+def build(case, device, dtype=torch.float32):
+    make, config, inputs = CASES[case]
+    model = make(device, dtype, **config)
+    feed = ltx_inputs if make is tiny_ltx else wan_inputs
+    return model, feed(device, dtype, **inputs)
+
+
+class FuseboxOps(TorchDispatchMode):
+    """Counts the fusebox operators a region runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func._schema.name
+        if name.startswith("fusebox::"):
+            op = name.split("::")[1]
+            self.counts[op] = self.counts.get(op, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def run(model, kw):
+    with torch.no_grad():
+        return model(**kw)[0]
+
+
+# Per block: LTX runs fused_norm x2 (adaln, residual+norm), gated_residual x2, rotary x1
+# (attn1; attn2 norms q and k with rms_norm), act x1. Wan: fused_norm x3, gated_residual x1.
+EXPECTED_OPS = {
+    "ltx": {"fused_norm": 4, "gated_residual": 4, "rotary": 2, "rms_norm": 4, "act": 2},
+    "wan": {"fused_norm": 6, "gated_residual": 2, "rotary": 2, "rms_norm": 4, "act": 2},
+}
+
+
+# --------------------------------------------------------------------------- numerics
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(CASES))
+def test_fp32_patched_matches_unpatched(case, device):
+    model, kw = build(case, device)
+    ref = run(model, kw)
+    report = fusebox.patch(model)
+    assert report.family == {"ltx": "ltx-video", "wan": "wan"}[case.split("-")[0]]
+    with FuseboxOps() as ops:
+        out = run(model, kw)
+    expected = dict(EXPECTED_OPS[case.split("-")[0]])
+    if case == "wan-i2v":   # the image cross-attention keeps diffusers' processor
+        expected.pop("rms_norm")
+    for op, n in expected.items():
+        assert ops.counts.get(op, 0) >= n, f"{op}: ran {ops.counts.get(op, 0)} times, expected {n}"
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert rel_err(out, ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["ltx-t2v", "ltx-i2v", "wan-t2v", "wan-ti2v"])
+def test_bf16_within_bf16_spread(case, device):
+    """bf16 patched output is as close to the fp32 model as bf16 eager is (same weights)."""
+    model, kw = build(case, device)
+    ref32 = run(model, kw)
+    model, kw16 = build(case, device, torch.bfloat16)
+    eager16 = run(model, kw16)
+    fusebox.patch(model)
+    patched16 = run(model, kw16)
+    assert patched16.dtype == torch.bfloat16 and bool(torch.isfinite(patched16).all())
+    spread = rel_err(eager16, ref32)
+    assert 1e-4 < spread < 5e-2, spread      # bf16 really ran, and not broken
+    # fusebox rounds once where diffusers rounds after every op: never farther from fp32
+    # than bf16 eager beyond noise, and patched-vs-eager within the spread
+    assert rel_err(patched16, ref32) < 1.25 * spread
+    assert rel_err(patched16, eager16) < 1.5 * spread
+
+
+# --------------------------------------------------------------------------- patch lifecycle
+
+
+def _state(model):
+    return {name: (type(getattr(m, "processor", None)).__name__, "forward" in m.__dict__)
+            for name, m in model.named_modules()}
+
+
+@pytest.mark.parametrize("case", ["ltx-t2v", "wan-i2v"])
+def test_unpatch_restores(case):
+    model, kw = build(case, "cpu")
+    before = _state(model)
+    ref = run(model, kw)
+    fusebox.patch(model)
+    assert fusebox.is_patched(model)
+    n = fusebox.unpatch(model)
+    assert n > 0 and not fusebox.is_patched(model)
+    assert _state(model) == before
+    assert not any("_fusebox_undo" in m.__dict__ for m in model.modules())
+    assert torch.equal(run(model, kw), ref)
+
+
+def test_patch_twice_is_one_patch():
+    model, kw = build("ltx-t2v", "cpu")
+    fusebox.patch(model)
+    out = run(model, kw)
+    fusebox.patch(model)
+    attn = model.transformer_blocks[0].attn1
+    assert type(attn.processor.original).__name__ == "LTXVideoAttnProcessor"
+    assert torch.equal(run(model, kw), out)
+    fusebox.unpatch(model)
+    assert type(attn.processor).__name__ == "LTXVideoAttnProcessor"
+
+
+def test_report_ltx():
+    model, _ = build("ltx-t2v", "cpu")
+    report = fusebox.patch(model)
+    patched = {e.path: e for e in report.patched}
+    assert report.family == "ltx-video"
+    for i in range(2):
+        assert "adaln" in patched[f"transformer_blocks.{i}"].what
+        assert "qk_norm_rope" in patched[f"transformer_blocks.{i}.attn1"].what
+        assert f"transformer_blocks.{i}.attn2" in patched
+    assert "norm_out" in patched
+    # the children a block fuses are marked, so the generic module pass leaves them alone
+    block = model.transformer_blocks[0]
+    attn = block.attn1
+    for child in (block.norm1, block.norm2, block.ff.net[0], attn.norm_q, attn.norm_k):
+        assert _common.is_patched(child)
+    assert "LTXVideoTransformerBlock" in str(report)
+
+
+def test_report_wan_i2v_note():
+    model, _ = build("wan-i2v", "cpu")
+    report = fusebox.patch(model)
+    assert report.family == "wan"
+    skipped = {e.path: e.what for e in report.skipped}
+    assert all("I2V" in skipped[f"blocks.{i}.attn2"] for i in range(2))
+    assert any("image" in n for n in report.notes)
+    assert sum(e.kind == "WanTransformerBlock" for e in report.patched) == 2
+
+
+def test_custom_processor_left_alone():
+    model, kw = build("wan-t2v", "cpu")
+    from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+    class Custom(WanAttnProcessor):
+        pass
+
+    model.blocks[0].attn1.set_processor(Custom())
+    report = fusebox.patch(model)
+    assert any(e.path == "blocks.0.attn1" and "custom" in e.what for e in report.skipped)
+    assert type(model.blocks[0].attn1.processor) is Custom
+
+
+def test_attention_backend_reaches_the_replaced_processor():
+    model, _ = build("ltx-t2v", "cpu")
+    fusebox.patch(model)
+    model.set_attention_backend("native")
+    processor = model.transformer_blocks[0].attn1.processor
+    assert processor.original._attention_backend == processor._attention_backend
+    assert processor._attention_backend.value == "native"
+
+
+# --------------------------------------------------------------------------- fallbacks
+
+
+@pytest.mark.parametrize("case", ["ltx-t2v", "wan-t2v"])
+def test_autograd_falls_back(case):
+    model, kw = build(case, "cpu")
+    ref = model(**kw)[0]
+    fusebox.patch(model)
+    with FuseboxOps() as ops:
+        out = model(**kw)[0]
+    assert not ops.counts, ops.counts        # every fused forward fell back
+    assert torch.equal(out, ref)
+    out.sum().backward()
+    assert all(p.grad is not None for p in model.transformer_blocks[0].parameters()) \
+        if case.startswith("ltx") else model.blocks[0].scale_shift_table.grad is not None
+
+
+def test_float64_falls_back():
+    model, kw = build("ltx-i2v", "cpu", torch.float64)
+    ref = run(model, kw)
+    fusebox.patch(model)
+    with FuseboxOps() as ops:
+        out = run(model, kw)
+    assert not ops.counts
+    assert torch.equal(out, ref)
+
+
+# --------------------------------------------------------------------------- hooks
+
+
+@pytest.mark.parametrize("case", ["ltx-t2v", "wan-t2v"])
+@pytest.mark.parametrize("order", ["patch-then-offload", "offload-then-patch"])
+def test_accelerate_cpu_offload(case, order):
+    accelerate = pytest.importorskip("accelerate")
+    model, kw = build(case, "cpu")
+    ref = run(model, kw)
+    if order == "patch-then-offload":
+        fusebox.patch(model)
+        accelerate.cpu_offload(model, execution_device="cpu")
+    else:
+        accelerate.cpu_offload(model, execution_device="cpu")
+        fusebox.patch(model)
+    blocks = model.transformer_blocks if case.startswith("ltx") else model.blocks
+    assert _common.has_hooks(blocks[0])
+    with FuseboxOps() as ops:
+        out = run(model, kw)
+    assert ops.counts.get("gated_residual", 0) >= 2 * len(blocks)   # the fused blocks ran
+    assert rel_err(out, ref) < FP32_TOL
+    if order == "offload-then-patch":
+        # (unpatching a model whose hooks were added after the patch is a _common limitation:
+        # the class forward is put back where the hook wrapper now sits)
+        fusebox.unpatch(model)
+        assert _common.has_hooks(blocks[0])
+        assert rel_err(run(model, kw), ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
+def test_diffusers_group_offload(offload_type):
+    model, kw = build("ltx-i2v", "cpu")
+    ref = run(model, kw)
+    fusebox.patch(model)
+    options = dict(num_blocks_per_group=1) if offload_type == "block_level" else {}
+    model.enable_group_offload(onload_device=torch.device("cpu"), offload_type=offload_type,
+                               **options)
+    with FuseboxOps() as ops:
+        out = run(model, kw)
+    assert ops.counts.get("gated_residual", 0) >= 4     # the fused blocks ran
+    assert rel_err(out, ref) < FP32_TOL
+
+
+# --------------------------------------------------------------------------- torch.compile
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["ltx-i2v", "wan-t2v"])
+def test_compiled_patched_block_fullgraph(case, device):
+    model, kw = build(case, device)
+    captured = {}
+
+    def grab(module, args, kwargs):
+        captured.setdefault("args", (args, kwargs))
+
+    blocks = model.transformer_blocks if case.startswith("ltx") else model.blocks
+    handle = blocks[0].register_forward_pre_hook(grab, with_kwargs=True)
+    run(model, kw)
+    handle.remove()
+    args, kwargs = captured["args"]
+    block = blocks[0]
+    fusebox.patch(model)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        eager = block(*args, **kwargs)
+        compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+        with FuseboxOps() as ops:
+            out = compiled(*args, **kwargs)
+    assert ops.counts.get("rotary", 0) >= 1
+    assert rel_err(out, eager) < FP32_TOL
+
+
+@pytest.mark.parametrize("case", ["ltx-i2v", "wan-ti2v"])
+def test_compiled_patched_model_fullgraph(case):
+    model, kw = build(case, "cpu")
+    ref = run(model, kw)
+    fusebox.patch(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    assert rel_err(run(compiled, kw), ref) < FP32_TOL
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+def test_ltx_video_coords():
+    """Per-sample coordinates (LTX condition pipeline) keep one cos/sin table per sample."""
+    model, kw = build("ltx-i2v", "cpu")
+    b, s = kw["hidden_states"].shape[:2]
+    g = torch.Generator().manual_seed(2)
+    kw["video_coords"] = torch.rand(b, 3, s, generator=g) * torch.tensor([20.0, 2048, 2048])[:, None]
+    ref = run(model, kw)
+    fusebox.patch(model)
+    assert rel_err(run(model, kw), ref) < FP32_TOL
+
+
+def test_wan_fused_qkv_projections():
+    """``fuse_qkv_projections`` gives q/k as strided chunks of one projection: read in place."""
+    model, kw = build("wan-t2v", "cpu")
+    ref = run(model, kw)
+    model.fuse_qkv_projections()
+    fusebox.patch(model)
+    with FuseboxOps() as ops:
+        out = run(model, kw)
+    assert ops.counts.get("rotary", 0) == 2
+    assert rel_err(out, ref) < FP32_TOL
+
+
+# --------------------------------------------------------------------------- bench CLI
+
+
+def test_bench_tiny_cli(tmp_path, capsys):
+    from fusebox.bench.e2e import main
+
+    rc = main(["--model", "tiny", "--device", "cpu", "--quick", "--dtype", "fp32",
+               "--variants", "eager,patched", "--pipeline", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "tiny" in out
+    import json
+
+    doc = json.loads((tmp_path / "results_e2e.json").read_text())
+    rec = doc["models"]["tiny"]
+    for variant in ("eager", "patched"):
+        assert not rec["variants"][variant].get("error"), rec["variants"][variant]
+        assert rec["variants"][variant]["step_ms"] > 0
+    assert rec["variants"]["patched"]["rel_diff_vs_eager"] < 1e-4
+    assert rec["variants"]["pipeline:patched"]["pipeline_s"] > 0
+    assert (tmp_path / rec["summary"]["video"].split("/")[-1]).exists()

@@ -1,0 +1,544 @@
+"""End-to-end timing of diffusers transformers (video and image DiTs).
+
+Each model is built from its published ``transformer/config.json`` with random weights in the
+benchmark dtype (``_keep_in_fp32_modules`` kept in fp32, as ``from_pretrained`` loads them) and
+fed the inputs of one denoising step of a typical generation. One step is one transformer forward
+under ``torch.inference_mode`` (two for Wan, whose pipeline runs the two CFG branches as separate
+forwards); the run is ``steps`` of them.
+
+Variants: ``eager``, ``patched`` (:func:`fusebox.patch`), ``compile`` (whole model),
+``compile-regional`` (``compile_repeated_blocks``, else each block), and ``patched+`` each compile.
+Every variant's output is compared with eager's; the bf16 spread (bf16 eager vs the fp32 model of
+the same weights) says how large a difference bf16 itself makes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+from dataclasses import dataclass
+from typing import Callable, Dict, List
+
+import torch
+
+from . import common
+
+ALL_VARIANTS = ("eager", "patched", "compile", "compile-regional", "patched+compile",
+                "patched+compile-regional")
+# whole-model compiles of 30-60 block models take minutes each: --quick keeps the regional ones
+QUICK_VARIANTS = ("eager", "patched", "compile-regional", "patched+compile-regional")
+BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+@dataclass
+class Spec:
+    description: str
+    cls: str                                  # diffusers class name
+    config: Dict[str, object]                 # the published transformer/config.json
+    inputs: Callable[..., dict]               # (device, dtype) -> forward kwargs
+    workload: str
+    steps: int = 30
+    forwards_per_step: int = 1
+
+
+def _randn(*shape, device, dtype, gen):
+    return torch.randn(*shape, generator=gen, dtype=torch.float32).to(device=device, dtype=dtype)
+
+
+def _gen():
+    return torch.Generator().manual_seed(0)
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _ltx_inputs(frames, height, width, batch=2, text=128, channels=128, caption=4096):
+    """LTX-Video latents: 8x temporal / 32x spatial VAE, batched CFG (batch 2)."""
+    def make(device, dtype):
+        g = _gen()
+        f, h, w = (frames - 1) // 8 + 1, height // 32, width // 32
+        return dict(
+            hidden_states=_randn(batch, f * h * w, channels, device=device, dtype=dtype, gen=g),
+            encoder_hidden_states=_randn(batch, text, caption, device=device, dtype=dtype, gen=g),
+            timestep=torch.full((batch,), 500.0, device=device),
+            encoder_attention_mask=torch.ones(batch, text, device=device),
+            num_frames=f, height=h, width=w, rope_interpolation_scale=(8 / 25, 32, 32),
+            return_dict=False)
+    return make
+
+
+def _flux_inputs(size=1024, text=512):
+    def make(device, dtype):
+        g = _gen()
+        h = w = size // 16                     # 8x VAE, 2x2 packing
+        rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3)
+        return dict(
+            hidden_states=_randn(1, h * w, 64, device=device, dtype=dtype, gen=g),
+            encoder_hidden_states=_randn(1, text, 4096, device=device, dtype=dtype, gen=g),
+            pooled_projections=_randn(1, 768, device=device, dtype=dtype, gen=g),
+            timestep=torch.full((1,), 0.5, device=device, dtype=dtype),
+            img_ids=img_ids.to(device=device, dtype=dtype),
+            txt_ids=torch.zeros(text, 3, device=device, dtype=dtype),
+            guidance=torch.full((1,), 3.5, device=device, dtype=dtype),
+            return_dict=False)
+    return make
+
+
+def _wan_inputs(frames, height, width, text=512):
+    """Wan 2.1 latents: 4x temporal / 8x spatial VAE, 16 channels, one CFG branch per forward."""
+    def make(device, dtype):
+        g = _gen()
+        f, h, w = (frames - 1) // 4 + 1, height // 8, width // 8
+        return dict(
+            hidden_states=_randn(1, 16, f, h, w, device=device, dtype=dtype, gen=g),
+            timestep=torch.full((1,), 500.0, device=device),
+            encoder_hidden_states=_randn(1, text, 4096, device=device, dtype=dtype, gen=g),
+            return_dict=False)
+    return make
+
+
+def _hunyuan_inputs(frames, height, width, text=256):
+    def make(device, dtype):
+        g = _gen()
+        f, h, w = (frames - 1) // 4 + 1, height // 8, width // 8
+        return dict(
+            hidden_states=_randn(1, 16, f, h, w, device=device, dtype=dtype, gen=g),
+            timestep=torch.full((1,), 500.0, device=device),
+            encoder_hidden_states=_randn(1, text, 4096, device=device, dtype=dtype, gen=g),
+            encoder_attention_mask=torch.ones(1, text, device=device),
+            pooled_projections=_randn(1, 768, device=device, dtype=dtype, gen=g),
+            guidance=torch.full((1,), 6000.0, device=device, dtype=dtype),
+            return_dict=False)
+    return make
+
+
+def _sd3_inputs(size=1024, text=333):
+    """SD3.5: 16-channel latents at 1/8, batched CFG, 77 CLIP + 256 T5 tokens."""
+    def make(device, dtype):
+        g = _gen()
+        return dict(
+            hidden_states=_randn(2, 16, size // 8, size // 8, device=device, dtype=dtype, gen=g),
+            encoder_hidden_states=_randn(2, text, 4096, device=device, dtype=dtype, gen=g),
+            pooled_projections=_randn(2, 2048, device=device, dtype=dtype, gen=g),
+            timestep=torch.full((2,), 500.0, device=device),
+            return_dict=False)
+    return make
+
+
+def _pixart_inputs(size=1024, text=300):
+    def make(device, dtype):
+        g = _gen()
+        return dict(
+            hidden_states=_randn(2, 4, size // 8, size // 8, device=device, dtype=dtype, gen=g),
+            encoder_hidden_states=_randn(2, text, 4096, device=device, dtype=dtype, gen=g),
+            timestep=torch.full((2,), 500, device=device, dtype=torch.long),
+            added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+            encoder_attention_mask=torch.ones(2, text, device=device),
+            return_dict=False)
+    return make
+
+
+# --------------------------------------------------------------------------- models
+
+LTX_CONFIG = dict(  # Lightricks/LTX-Video (0.9.x, 2B)
+    in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
+    attention_head_dim=64, cross_attention_dim=2048, num_layers=28,
+    activation_fn="gelu-approximate",
+    qk_norm="rms_norm_across_heads", norm_elementwise_affine=False, norm_eps=1e-6,
+    caption_channels=4096, attention_bias=True, attention_out_bias=True)
+WAN_BASE = dict(  # Wan-AI/Wan2.1-T2V-{1.3B,14B}-Diffusers
+    patch_size=[1, 2, 2], attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
+    freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
+    image_dim=None, added_kv_proj_dim=None, rope_max_seq_len=1024)
+
+SPECS: Dict[str, Spec] = {
+    "ltx-video": Spec(
+        "LTX-Video 0.9 2B, 49x512x768 (2688 tokens), CFG batch 2, 30 steps",
+        "LTXVideoTransformer3DModel", LTX_CONFIG, _ltx_inputs(49, 512, 768),
+        "49 frames 512x768 -> latent 7x16x24 = 2688 tokens x 128 ch, batch 2 (CFG), text 128",
+        steps=30),
+    "flux-dev": Spec(
+        "FLUX.1-dev 12B, 1024x1024 (4096 image + 512 text tokens), 28 steps",
+        "FluxTransformer2DModel",
+        dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
+             attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+             pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=[16, 56, 56]),
+        _flux_inputs(), "1024x1024 -> 4096 image tokens + 512 text, guidance 3.5, batch 1",
+        steps=28),
+    "wan-1.3b": Spec(
+        "Wan2.1-T2V-1.3B, 81x480x832 (32760 tokens), CFG as 2 forwards, 50 steps",
+        "WanTransformer3DModel",
+        dict(WAN_BASE, num_attention_heads=12, ffn_dim=8960, num_layers=30),
+        _wan_inputs(81, 480, 832),
+        "81 frames 480x832 -> latent 21x60x104 -> 32760 tokens, text 512",
+        steps=50, forwards_per_step=2),
+    "wan-14b": Spec(
+        "Wan2.1-T2V-14B, 81x480x832 (32760 tokens), CFG as 2 forwards, 50 steps",
+        "WanTransformer3DModel",
+        dict(WAN_BASE, num_attention_heads=40, ffn_dim=13824, num_layers=40),
+        _wan_inputs(81, 480, 832), "81 frames 480x832 (480p) -> 32760 tokens, text 512",
+        steps=50, forwards_per_step=2),
+    "hunyuan-video": Spec(
+        "HunyuanVideo 13B, 17x720x1280 (18000 tokens), 50 steps",
+        "HunyuanVideoTransformer3DModel",
+        dict(in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128,
+             num_layers=20, num_single_layers=40, num_refiner_layers=2, mlp_ratio=4.0,
+             patch_size=2, patch_size_t=1, qk_norm="rms_norm", guidance_embeds=True,
+             text_embed_dim=4096, pooled_projection_dim=768, rope_theta=256.0,
+             rope_axes_dim=[16, 56, 56]),
+        _hunyuan_inputs(17, 720, 1280),
+        "17 frames 720x1280 -> latent 5x90x160 -> 18000 tokens + 256 text (129 frames, 118800 "
+        "tokens, is the pipeline default; fewer frames keep a step near a second)",
+        steps=50),
+    "sd3.5-large": Spec(
+        "Stable Diffusion 3.5 Large 8B, 1024x1024 (4096 tokens), CFG batch 2, 28 steps",
+        "SD3Transformer2DModel",
+        dict(sample_size=128, patch_size=2, in_channels=16, num_layers=38, attention_head_dim=64,
+             num_attention_heads=38, joint_attention_dim=4096, caption_projection_dim=2432,
+             pooled_projection_dim=2048, out_channels=16, pos_embed_max_size=192,
+             dual_attention_layers=[], qk_norm="rms_norm"),
+        _sd3_inputs(), "1024x1024 -> 4096 tokens + 333 text (77 CLIP + 256 T5), batch 2 (CFG)",
+        steps=28),
+    "pixart-sigma": Spec(
+        "PixArt-Sigma XL-2 1024 (0.6B), 1024x1024 (4096 tokens), CFG batch 2, 20 steps",
+        "PixArtTransformer2DModel",
+        dict(activation_fn="gelu-approximate", attention_bias=True, attention_head_dim=72,
+             attention_type="default", caption_channels=4096, cross_attention_dim=1152,
+             double_self_attention=False, dropout=0.0, in_channels=4, interpolation_scale=2,
+             norm_elementwise_affine=False, norm_eps=1e-6, norm_num_groups=32,
+             norm_type="ada_norm_single", num_attention_heads=16, num_embeds_ada_norm=1000,
+             num_layers=28, only_cross_attention=False, out_channels=8, patch_size=2,
+             sample_size=128, upcast_attention=False, use_additional_conditions=False,
+             use_linear_projection=False),
+        _pixart_inputs(), "1024x1024 -> 4096 tokens, text 300, batch 2 (CFG)", steps=20),
+    "tiny": Spec(
+        "tiny LTX-Video (2 layers, width 32): a functional run, CPU included",
+        "LTXVideoTransformer3DModel",
+        dict(LTX_CONFIG, in_channels=8, out_channels=8, num_attention_heads=2,
+             attention_head_dim=16, cross_attention_dim=32, caption_channels=32, num_layers=2),
+        _ltx_inputs(17, 96, 128, text=8, channels=8, caption=32),
+        "17 frames 96x128 -> latent 3x3x4 = 36 tokens, batch 2, text 8", steps=4),
+}
+
+MODELS = {name: spec.description for name, spec in SPECS.items()}
+
+
+# --------------------------------------------------------------------------- building
+
+
+def keep_fp32_modules(model: torch.nn.Module) -> torch.nn.Module:
+    """Puts the modules and parameters a model names in ``_keep_in_fp32_modules`` back in fp32,
+    as ``from_pretrained(torch_dtype=...)`` leaves them."""
+    keep = set(getattr(model, "_keep_in_fp32_modules", None) or [])
+    for name, module in model.named_modules():
+        if keep & set(name.split(".")):
+            module.float()
+    for name, param in model.named_parameters():
+        if name.split(".")[-1] in keep:
+            param.data = param.data.float()
+    return model
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype):
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
+def build(spec: Spec, device, dtype) -> torch.nn.Module:
+    """The model with random weights created in ``dtype`` on ``device`` (a 14B model never
+    exists in fp32)."""
+    import diffusers
+
+    cls = getattr(diffusers, spec.cls)
+    # config.json keys the class does not take are ignored, as from_pretrained ignores them
+    accepted = inspect.signature(cls.__init__).parameters
+    config = {k: v for k, v in spec.config.items() if k in accepted}
+    torch.manual_seed(0)
+    with _default_dtype(dtype), torch.device(device):
+        model = cls(**config)
+    return keep_fp32_modules(model.to(device=device, dtype=dtype).eval())
+
+
+def _output(out):
+    return out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
+
+
+def _block_modules(model) -> List[torch.nn.Module]:
+    return [b for name in BLOCK_LISTS for b in getattr(model, name, None) or []]
+
+
+@contextlib.contextmanager
+def _compiled(model, mode: str, fullgraph: bool):
+    """Yields the callable of a compile mode ("" eager, "compile", "compile-regional"), undoing
+    regional compilation afterwards."""
+    if not mode:
+        yield model
+        return
+    if mode == "compile":
+        yield torch.compile(model, fullgraph=fullgraph)
+        return
+    try:
+        if getattr(model, "_repeated_blocks", None):
+            model.compile_repeated_blocks(fullgraph=fullgraph)
+        else:
+            for block in _block_modules(model):
+                block.compile(fullgraph=fullgraph)
+        yield model
+    finally:
+        for module in model.modules():
+            module._compiled_call_impl = None
+
+
+# --------------------------------------------------------------------------- variants
+
+
+def _run_variant(model, inputs, variant, spec, device, quick, eager_out):
+    import fusebox
+
+    patched = variant.startswith("patched")
+    mode = variant.split("+", 1)[1] if "+" in variant else ("" if variant in ("eager", "patched")
+                                                           else variant)
+    rec: Dict[str, object] = {}
+    torch._dynamo.reset()
+    if patched:
+        report = fusebox.patch(model)
+        rec["modules_patched"] = report.num_patched
+        rec["patch_summary"] = report.summary()
+    try:
+        for fullgraph in ((True, False) if mode else (True,)):
+            try:
+                with _compiled(model, mode, fullgraph) as fn, torch.inference_mode():
+                    call = lambda: _output(fn(**inputs))  # noqa: E731
+                    t0 = time.perf_counter()
+                    out = call()
+                    common.sync(device)
+                    if mode:
+                        rec["compile_s"] = time.perf_counter() - t0
+                        rec["fullgraph"] = int(fullgraph)
+                    warmup, iters = (1, 3) if quick else (3, 10)
+                    if device.type == "cuda":
+                        torch.cuda.reset_peak_memory_stats()
+                    t = common.time_ms(call, device, warmup=warmup, iters=iters)
+                    if device.type == "cuda":
+                        rec["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+                break
+            except Exception as e:  # noqa: BLE001  (a graph break under fullgraph: retry without)
+                if not fullgraph or not mode:
+                    raise
+                rec["fullgraph_error"] = _error(e)
+                torch._dynamo.reset()
+        step_ms = t["median_ms"] * spec.forwards_per_step
+        rec.update(forward_ms=t["median_ms"], step_ms=step_ms, run_s=step_ms * spec.steps / 1e3,
+                   steps_per_s=1e3 / step_ms)
+        if eager_out is not None:
+            rec["rel_diff_vs_eager"] = common.rel_diff(out.float(), eager_out.float())
+        return rec, out
+    finally:
+        if patched:
+            fusebox.unpatch(model)
+
+
+def _error(e: BaseException) -> str:
+    first = str(e).splitlines()[0][:300] if str(e) else ""
+    return f"{type(e).__name__}: {first}"
+
+
+def _variants(args) -> List[str]:
+    from . import build_parser
+
+    if args.variants == build_parser({}).get_default("variants"):
+        return list(QUICK_VARIANTS if args.quick else ALL_VARIANTS)
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in names if v not in ALL_VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; choose from {list(ALL_VARIANTS)}")
+    if "eager" in names:      # eager first: the others are compared with it
+        names.remove("eager")
+    return ["eager"] + names
+
+
+# --------------------------------------------------------------------------- bf16 spread
+
+
+def _truncate_blocks(model, keep: float) -> int:
+    """Keeps the first ``keep`` fraction of every block list; returns the blocks left."""
+    left = 0
+    for name in BLOCK_LISTS:
+        blocks = getattr(model, name, None)
+        if blocks is None or len(blocks) == 0:
+            continue
+        n = max(1, int(len(blocks) * keep))
+        setattr(model, name, torch.nn.ModuleList(list(blocks)[:n]))
+        left += n
+    return left
+
+
+def _to_float(value):
+    if isinstance(value, torch.Tensor) and value.is_floating_point():
+        return value.float()
+    return value
+
+
+def bf16_spread(model, inputs, eager_out, device) -> Dict[str, object]:
+    """``rel_diff(bf16 eager, fp32 eager)`` with the same weights (bf16 values are exact in
+    fp32). Converts ``model`` to fp32 in place; where that does not fit in GPU memory the spread
+    is measured on the first blocks only, and the result says how many."""
+    total = len(_block_modules(model))
+    out: Dict[str, object] = {"spread_blocks": total, "blocks": total}
+    if torch.device(device).type == "cuda":
+        params = sum(p.numel() for p in model.parameters())
+        free, _ = torch.cuda.mem_get_info()
+        extra_needed = params * 2 + (4 << 30)       # bf16 -> fp32 doubles the weights, + margin
+        if extra_needed > free:
+            keep = max(0.05, (free - (4 << 30)) / (params * 4))
+            out["spread_blocks"] = _truncate_blocks(model, min(keep, 1.0))
+            with torch.inference_mode():
+                eager_out = _output(model(**inputs))
+    model.float()
+    with torch.inference_mode():
+        ref = _output(model(**{k: _to_float(v) for k, v in inputs.items()}))
+    out["bf16_spread"] = common.rel_diff(eager_out.float(), ref)
+    return out
+
+
+# --------------------------------------------------------------------------- pipeline
+
+LTX_SCHEDULER = dict(  # Lightricks/LTX-Video scheduler/scheduler_config.json
+    base_image_seq_len=1024, base_shift=0.95, invert_sigmas=False, max_image_seq_len=4096,
+    max_shift=2.05, num_train_timesteps=1000, shift=1.0, shift_terminal=0.1,
+    use_dynamic_shifting=True)
+PIPELINE_VIDEO = {"ltx-video": (49, 512, 768), "tiny": (17, 96, 128)}
+
+
+def _ltx_pipeline(spec: Spec, device, dtype):
+    """LTXPipeline with the benchmark transformer, a random-weight VAE of the released layout (a
+    narrow one for ``tiny``) and a 2-layer random T5 encoder (no tokenizer: prompts are random
+    token ids, encoded by the pipeline's text encoder outside the timed denoising loop)."""
+    import diffusers
+    from transformers import T5Config, T5EncoderModel
+
+    transformer = build(spec, device, dtype)
+    width = spec.config["caption_channels"]
+    vae_config = {} if spec.config["in_channels"] == 128 else dict(
+        latent_channels=spec.config["in_channels"], block_out_channels=(8, 8, 8, 8),
+        decoder_block_out_channels=(8, 8, 8, 8), layers_per_block=(1, 1, 1, 1, 1),
+        decoder_layers_per_block=(1, 1, 1, 1, 1))
+    torch.manual_seed(0)
+    with _default_dtype(dtype), torch.device(device):
+        vae = diffusers.AutoencoderKLLTXVideo(**vae_config)
+        text_encoder = T5EncoderModel(T5Config(vocab_size=32128, d_model=width, d_kv=64, d_ff=1024,
+                                               num_layers=2, num_heads=8))
+    pipe = diffusers.LTXPipeline(
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler(**LTX_SCHEDULER),
+        vae=vae.to(device=device, dtype=dtype).eval(),
+        text_encoder=text_encoder.to(device=device, dtype=dtype).eval(), tokenizer=None,
+        transformer=transformer)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _prompt_embeds(pipe, device, text=128):
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 32128, (2, text), generator=g).to(device)
+    mask = torch.ones(2, text, dtype=torch.long, device=device)
+    with torch.inference_mode():
+        embeds = pipe.text_encoder(ids, attention_mask=mask)[0]
+    return dict(prompt_embeds=embeds[:1], prompt_attention_mask=mask[:1],
+                negative_prompt_embeds=embeds[1:], negative_prompt_attention_mask=mask[1:])
+
+
+def _write_video(frames, path_stem: str) -> str:
+    """mp4 when imageio can write one, else the frames as .npy."""
+    import numpy as np
+
+    try:
+        from diffusers.utils import export_to_video
+
+        return export_to_video(list(frames), path_stem + ".mp4", fps=25)
+    except Exception:  # noqa: BLE001  (no imageio/ffmpeg)
+        np.save(path_stem + ".npy", frames)
+        return path_stem + ".npy"
+
+
+def run_pipeline(name: str, args, rec: dict) -> None:
+    """Full LTX-Video pipeline (text encoder, denoising loop with batched CFG, VAE decode),
+    unpatched then patched; writes the patched run's video next to the results."""
+    import os
+
+    import fusebox
+
+    if name not in PIPELINE_VIDEO:
+        rec["summary"]["pipeline"] = "pipeline mode covers LTX-Video (ltx-video, tiny)"
+        return
+    spec, device, dtype = SPECS[name], torch.device(args.device), DTYPES[args.dtype]
+    frames, height, width = PIPELINE_VIDEO[name]
+    steps = 4 if args.quick else spec.steps
+    pipe = _ltx_pipeline(spec, device, dtype)
+    prompt = _prompt_embeds(pipe, device)
+    out_dir = args.out or common.default_out_dir()
+    os.makedirs(out_dir, exist_ok=True)
+    for variant in ("eager", "patched"):
+        if variant == "patched":
+            fusebox.patch(pipe)
+        call = lambda: pipe(**prompt, height=height, width=width, num_frames=frames,  # noqa: E731
+                            num_inference_steps=steps, guidance_scale=3.0, output_type="np",
+                            generator=torch.Generator().manual_seed(0)).frames[0]
+        call()                                           # warm-up
+        common.sync(device)
+        t0 = time.perf_counter()
+        video = call()
+        common.sync(device)
+        rec["variants"][f"pipeline:{variant}"] = {"pipeline_s": time.perf_counter() - t0,
+                                                  "pipeline_steps": steps}
+    rec["summary"]["video"] = _write_video(video, os.path.join(out_dir, f"{name}_patched"))
+    fusebox.unpatch(pipe)
+
+
+# --------------------------------------------------------------------------- run
+
+
+def run(name: str, args) -> dict:
+    spec = SPECS[name]
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    rec = {"model": name, "description": spec.description, "variants": {},
+           "summary": {"workload": spec.workload, "dtype": args.dtype, "steps": spec.steps,
+                       "forwards_per_step": spec.forwards_per_step}}
+    model = build(spec, device, dtype)
+    inputs = spec.inputs(device, dtype)
+    rec["summary"]["params_b"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 3)
+    eager_out = None
+    for variant in _variants(args):
+        try:
+            vrec, out = _run_variant(model, inputs, variant, spec, device, args.quick, eager_out)
+            if variant == "eager":
+                eager_out = out
+        except Exception as e:  # noqa: BLE001  (one failing variant must not end the run)
+            vrec = {"error": _error(e)}
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        rec["variants"][variant] = vrec
+    torch._dynamo.reset()
+    if eager_out is not None and dtype != torch.float32:
+        try:
+            rec["summary"].update(bf16_spread(model, inputs, eager_out, device))
+        except Exception as e:  # noqa: BLE001
+            rec["summary"]["bf16_spread_error"] = _error(e)
+    eager = rec["variants"].get("eager", {})
+    for variant, v in rec["variants"].items():
+        if variant != "eager" and v.get("step_ms") and eager.get("step_ms"):
+            v["speedup_vs_eager"] = eager["step_ms"] / v["step_ms"]
+    del model
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if args.pipeline:
+        run_pipeline(name, args, rec)
+    return rec
