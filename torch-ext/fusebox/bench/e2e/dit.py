@@ -542,3 +542,12 @@ def run(name: str, args) -> dict:
     if args.pipeline:
         run_pipeline(name, args, rec)
     return rec
+
+
+def profile_target(name: str, device, dtype):
+    """(model, call) for scripts/profile_e2e.py: the benchmark model and one forward on its
+    inputs."""
+    spec = SPECS[name]
+    model = build(spec, device, dtype)
+    inputs = spec.inputs(device, dtype)
+    return model, lambda: _output(model(**inputs))
