@@ -29,7 +29,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .. import functional as F
-from ._common import needs_autograd, original_forward, replace_forward
+from ._common import has_hooks, needs_autograd, original_forward, replace_forward
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -107,9 +107,23 @@ def _make_rms_norm_forward(style: NormStyle) -> Callable:
     return forward
 
 
-def _keeps_dtype(style: NormStyle, x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Does the norm return x's dtype (what the fused residual and q/k paths write)?"""
-    return style.out_dtype(x, weight) == x.dtype
+def _weight_readable(norm: torch.nn.Module, style: Optional[NormStyle], x: torch.Tensor) -> bool:
+    """Can a parent's fused op use this norm's weight in place of calling it?
+
+    Not when the norm has hooks of its own (accelerate's CPU offload brings the weight in only
+    around the norm's forward), when the weight needs a gradient, or when the norm would not
+    return x's dtype (what the fused ops write)."""
+    return (style is not None and not has_hooks(norm) and _fusable(norm.weight)
+            and style.out_dtype(x, norm.weight) == x.dtype)
+
+
+def _add_norm(norm: torch.nn.Module, style: Optional[NormStyle], x: torch.Tensor,
+              residual: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + x`` and ``norm(h)``, one fused op where possible. Returns (normed, h)."""
+    if x.dtype == residual.dtype and _weight_readable(norm, style, x):
+        return F.fused_add_rms_norm(x, residual, norm.weight, style.eps, style.weight_offset)
+    h = residual + x
+    return norm(h), h
 
 
 # --------------------------------------------------------------------------- MLP
@@ -187,10 +201,7 @@ def _make_attention_forward(spec: AttentionSpec, q_style: Optional[NormStyle],
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
         cos, sin = position_embeddings
-        if not _fusable(hidden_states, self.q_proj.weight, cos, sin) or (
-                q_style is not None and not (
-                    _keeps_dtype(q_style, hidden_states, self.q_norm.weight)
-                    and _keeps_dtype(k_style, hidden_states, self.k_norm.weight))):
+        if not _fusable(hidden_states, self.q_proj.weight, cos, sin):
             return original_forward(self)(hidden_states, position_embeddings, attention_mask,
                                           past_key_values, **kwargs)
         input_shape = hidden_states.shape[:-1]
@@ -200,11 +211,14 @@ def _make_attention_forward(spec: AttentionSpec, q_style: Optional[NormStyle],
         query = self.q_proj(hidden_states).view(hidden_shape)
         key = self.k_proj(hidden_states).view(hidden_shape)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        if q_style is not None:
+        if q_style is not None and _weight_readable(self.q_norm, q_style, query) and \
+                _weight_readable(self.k_norm, k_style, key):
             query, key = F.qk_norm_rope(
                 query, key, self.q_norm.weight, self.k_norm.weight, cos, sin, eps=q_style.eps,
                 weight_offset=q_style.weight_offset)
         else:
+            if q_style is not None:
+                query, key = self.q_norm(query), self.k_norm(key)
             query, key = F.rope(query, key, cos, sin)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
 
@@ -255,9 +269,7 @@ def _make_prenorm_layer_forward(style: NormStyle) -> Callable:
     attention add and norm2 fused."""
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=False, position_embeddings=None, **kwargs):
-        norm = self.post_attention_layernorm
-        if not _fusable(hidden_states, norm.weight) or not _keeps_dtype(style, hidden_states,
-                                                                         norm.weight):
+        if not _fusable(hidden_states, self.post_attention_layernorm.weight):
             return original_forward(self)(hidden_states, attention_mask, position_ids,
                                           past_key_values, use_cache, position_embeddings,
                                           **kwargs)
@@ -271,11 +283,8 @@ def _make_prenorm_layer_forward(style: NormStyle) -> Callable:
             position_embeddings=position_embeddings,
             **kwargs,
         )
-        if hidden_states.dtype != residual.dtype:
-            hidden_states = residual + hidden_states
-            return hidden_states + self.mlp(norm(hidden_states))
-        normed, hidden_states = F.fused_add_rms_norm(hidden_states, residual, norm.weight,
-                                                     style.eps, style.weight_offset)
+        normed, hidden_states = _add_norm(self.post_attention_layernorm, style, hidden_states,
+                                          residual)
         return hidden_states + self.mlp(normed)
     return forward
 
@@ -285,8 +294,7 @@ def _make_sandwich_layer_forward(style: NormStyle) -> Callable:
     the attention add and norm3 fused."""
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 position_ids=None, past_key_values=None, **kwargs):
-        norm = self.pre_feedforward_layernorm
-        if not _fusable(hidden_states, norm.weight):
+        if not _fusable(hidden_states, self.pre_feedforward_layernorm.weight):
             return original_forward(self)(hidden_states, position_embeddings, attention_mask,
                                           position_ids, past_key_values, **kwargs)
         residual = hidden_states
@@ -298,12 +306,8 @@ def _make_sandwich_layer_forward(style: NormStyle) -> Callable:
             past_key_values=past_key_values,
             **kwargs,
         )
-        hidden_states = self.post_attention_layernorm(hidden_states)
-        if hidden_states.dtype != residual.dtype:
-            hidden_states = residual + hidden_states
-            return hidden_states + self.post_feedforward_layernorm(self.mlp(norm(hidden_states)))
-        normed, hidden_states = F.fused_add_rms_norm(hidden_states, residual, norm.weight,
-                                                     style.eps, style.weight_offset)
+        normed, hidden_states = _add_norm(self.pre_feedforward_layernorm, style,
+                                          self.post_attention_layernorm(hidden_states), residual)
         return hidden_states + self.post_feedforward_layernorm(self.mlp(normed))
     return forward
 
