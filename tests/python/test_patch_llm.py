@@ -45,7 +45,8 @@ def tiny_model(family, dtype=torch.float32, device="cpu", **overrides):
 
 
 def token_ids(batch=2, seq=24, device="cpu"):
-    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(1)).to(device)
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, VOCAB, (batch, seq), generator=gen).to(device)
 
 
 def rel(a, b):
@@ -128,7 +129,7 @@ def test_fused_operators_run(monkeypatch):
                      "gated_activation": 2}
 
 
-# --------------------------------------------------------------------------- report, idempotence, unpatch
+# --------------------------------------------------------------------------- report, unpatch
 
 
 def test_report_lists_patched_modules():
@@ -164,7 +165,8 @@ def test_patch_twice_is_idempotent_and_unpatch_restores():
 
 
 def test_unknown_model_untouched():
-    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB, n_positions=64)
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB,
+                                     n_positions=64)
     model = transformers.GPT2LMHeadModel(config).eval()
     ids = token_ids()
     ref = logits(model, ids)

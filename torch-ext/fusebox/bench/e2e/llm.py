@@ -106,7 +106,7 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype):
     with torch.no_grad():
         for p in model.parameters():
             if name == "tiny" and p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))   # norm weights off their init: the check sees them
+                p.add_(0.1 * torch.randn_like(p))   # norms off their init, so the check sees them
             p.copy_(p.to(dtype))
     return model
 
