@@ -9,21 +9,30 @@ Measured per variant:
 
 - ``prefill_ms``: one forward of ``PREFILL_TOKENS`` tokens at batch 1 (last-token logits, as
   ``generate`` asks for), and ``peak_mb`` for it;
-- ``decode_tok_s_b1`` / ``decode_tok_s_b16``: greedy ``generate`` from a short prompt; the time
-  of ``n + 1`` new tokens minus that of 1 new token, over n, so prefill is not counted;
+- ``decode_tok_s_b1`` / ``decode_tok_s_b16``: greedy ``generate`` from a short prompt, each
+  decode step timed on its own (a logits processor stamps the synchronized time after every
+  step; generate synchronizes every step anyway), median over steps and runs;
 - ``rel_diff_vs_fp32``: last-position logits of the prefill against the fp32 model (the
   same weights, every layer, run before the cast).
 
-Variants: ``eager``, ``patched``, ``compile`` and ``patched+compile`` (``torch.compile`` of the
-prefill forward; decode through transformers' compiled decode step on a static cache), and
-``graphs`` / ``patched+graphs``: decode on a static cache with the step compiled with
-``mode="reduce-overhead"`` (CUDA graphs), prefill as eager.
+Variants:
+
+- ``eager``, ``patched``: plain forwards; decode with transformers' dynamic cache;
+- ``compile``, ``patched+compile``: prefill with each decoder layer under
+  ``torch.compile(fullgraph=True)`` (regional compilation: the layers share one graph, so
+  compiling costs one layer, and a graph break in a fused forward fails the variant); decode
+  through transformers' compiled decode step on a static cache (not with ``--quick``);
+- ``graphs``, ``patched+graphs`` (default on CUDA): decode only, on a static cache with the step
+  compiled with ``mode="reduce-overhead"`` (CUDA graphs).
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
-from typing import Callable, Dict, Optional
+import statistics
+import time
+from typing import Callable, Dict, List, Optional
 
 import torch
 
@@ -127,10 +136,18 @@ def _set_variant(model, variant: str) -> None:
     torch._dynamo.reset()
 
 
-def _prefill_fn(model, variant: str) -> Callable:
-    if "compile" in variant:
-        return torch.compile(model)
-    return model
+@contextlib.contextmanager
+def _compiled_layers(model):
+    """Each decoder layer under ``torch.compile(fullgraph=True)`` for the duration."""
+    layers = model.get_decoder().layers
+    originals = list(layers)
+    for i, layer in enumerate(originals):
+        layers[i] = torch.compile(layer, fullgraph=True)
+    try:
+        yield
+    finally:
+        for i, layer in enumerate(originals):
+            layers[i] = layer
 
 
 def _generate_kwargs(model, variant: str, max_cache_len: int) -> Callable[[], dict]:
@@ -148,48 +165,66 @@ def _generate_kwargs(model, variant: str, max_cache_len: int) -> Callable[[], di
                                                     max_cache_len=max_cache_len))
 
 
+def _step_clock(device, stamps: List[float]):
+    """A logits processor that records the synchronized time after each forward of generate."""
+    from transformers import LogitsProcessor
+
+    class StepClock(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            common.sync(device)
+            stamps.append(time.perf_counter())
+            return scores
+
+    return StepClock()
+
+
 def decode_tokens_per_s(model, variant: str, batch: int, work: dict, device) -> float:
+    from transformers import LogitsProcessorList
+
     steps = work["decode_steps"]
     prompt = _tokens(batch, work["prompt_tokens"], model.config.vocab_size, device, seed=2)
-    mask = torch.ones_like(prompt)
     options = _generate_kwargs(model, variant, work["prompt_tokens"] + steps + 1)
-
-    def generate(n):
-        return lambda: model.generate(prompt, attention_mask=mask, max_new_tokens=n,
-                                      min_new_tokens=n, **options())
-
-    kw = dict(warmup=work["warmup"], iters=work["iters"])
-    full = common.time_ms(generate(steps + 1), device, **kw)["median_ms"]
-    first = common.time_ms(generate(1), device, **kw)["median_ms"]
-    per_token_ms = max(full - first, 1e-9) / steps
-    return batch * 1e3 / per_token_ms
+    step_ms: List[float] = []
+    for run in range(work["warmup"] + work["iters"]):
+        stamps: List[float] = []
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=steps + 1,
+                       min_new_tokens=steps + 1,
+                       logits_processor=LogitsProcessorList([_step_clock(device, stamps)]),
+                       **options())
+        if run >= work["warmup"]:   # stamps[0] closes the prefill; the rest are decode steps
+            step_ms += [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+    return batch * 1e3 / statistics.median(step_ms)
 
 
 def _last_logits(forward, ids) -> torch.Tensor:
     return forward(ids, use_cache=False, logits_to_keep=1).logits[:, -1].float()
 
 
-def run_variant(model, variant: str, work: dict, device, ids, ref_logits) -> dict:
+def run_variant(model, variant: str, work: dict, device, ids, ref_logits, quick: bool) -> dict:
     """Times one variant; ``ids`` is the prefill input, ``ref_logits`` its fp32 logits."""
     _set_variant(model, variant)
     out: Dict[str, Optional[float]] = {}
-    with torch.inference_mode():
-        prefill = _prefill_fn(model, variant)
-        logits = _last_logits(prefill, ids)
-        out["rel_diff_vs_fp32"] = common.rel_diff(logits, ref_logits)
+    logits = None
+    if not variant.endswith("graphs"):
+        with torch.inference_mode(), contextlib.ExitStack() as stack:
+            if "compile" in variant:
+                stack.enter_context(_compiled_layers(model))
+            logits = _last_logits(model, ids)
+            out["rel_diff_vs_fp32"] = common.rel_diff(logits, ref_logits)
 
-        def forward():
-            return prefill(ids, use_cache=False, logits_to_keep=1)
+            def forward():
+                return model(ids, use_cache=False, logits_to_keep=1)
 
-        out["prefill_ms"] = common.time_ms(forward, device, warmup=work["warmup"],
-                                           iters=work["iters"])["median_ms"]
-        out["peak_mb"] = common.peak_memory_mb(forward, device)
+            out["prefill_ms"] = common.time_ms(forward, device, warmup=work["warmup"],
+                                               iters=work["iters"])["median_ms"]
+            out["peak_mb"] = common.peak_memory_mb(forward, device)
+    if quick and "compile" in variant:
+        return out, logits
     with torch.no_grad():
         for batch in work["decode_batches"]:
             out[f"decode_tok_s_b{batch}"] = decode_tokens_per_s(model, variant, batch, work,
                                                                 device)
-    out["_logits"] = logits
-    return out
+    return out, logits
 
 
 def _variants(args, device) -> list:
@@ -218,8 +253,8 @@ def run(name: str, args) -> dict:
     logits = {}
     for variant in _variants(args, device):
         try:
-            result = run_variant(model, variant, work, device, ids, ref_logits)
-            logits[variant] = result.pop("_logits")
+            result, logits[variant] = run_variant(model, variant, work, device, ids,
+                                                  ref_logits, args.quick)
         except Exception as error:  # noqa: BLE001  (one failing variant must not end the run)
             result = {"error": f"{type(error).__name__}: {error}"[:500]}
         record["variants"][variant] = result
