@@ -389,10 +389,16 @@ def patch(model: torch.nn.Module, report, **options) -> None:
             plan.append((path, module, fn, what))
         elif candidate:
             report.skip(path, module, what)
+    patched = 0
     for path, module, fn, what in plan:
-        replace_forward(module, fn, what)
+        try:
+            replace_forward(module, fn, what)
+        except RuntimeError as error:   # forward already replaced by something else (kernelize)
+            report.skip(path, module, str(error))
+            continue
         report.add(path, module, what)
-    if not plan:
+        patched += 1
+    if not patched:
         report.note(f"{type(model).__name__}: no module fusebox recognizes; model left untouched")
     elif not any(e.what.startswith("fused_add_rms_norm") for e in report.patched):
         report.note("decoder layers not fused (unknown layer class); norms, MLPs and "
