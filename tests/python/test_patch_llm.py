@@ -109,6 +109,22 @@ def test_greedy_generate_same_tokens(family, device):
     assert torch.equal(out, ref)
 
 
+@pytest.mark.parametrize("family", ["llama", "gemma3"])
+def test_eager_attention_returns_the_same_weights(family):
+    """The attention interface of the config is used, and the patched attention returns what
+    the original returns (attention probabilities with output_attentions)."""
+    model = tiny_model(family)
+    model.set_attn_implementation("eager")
+    ids = token_ids()
+    with torch.no_grad():
+        ref = model(ids, output_attentions=True, output_hidden_states=True)
+        fusebox.patch(model)
+        out = model(ids, output_attentions=True, output_hidden_states=True)
+    assert len(out.attentions) == len(ref.attentions) == 2
+    for a, b in zip(out.attentions + out.hidden_states, ref.attentions + ref.hidden_states):
+        assert rel(a, b) < 1e-5
+
+
 def test_fused_operators_run(monkeypatch):
     """The fused path is taken (not a silent fallback): count the fusebox calls of a forward."""
     from fusebox import functional

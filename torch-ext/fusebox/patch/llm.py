@@ -157,9 +157,11 @@ def mlp_activation(module: torch.nn.Module) -> Tuple[Optional[str], str]:
 
 def _make_mlp_forward(activation: str) -> Callable:
     def forward(self, x):
+        if not _fusable(x, self.gate_proj.weight):
+            return original_forward(self)(x)
         gate = self.gate_proj(x)
         up = self.up_proj(x)
-        if not _fusable(gate, up) or gate.dtype != up.dtype:
+        if gate.dtype != up.dtype:
             return self.down_proj(self.act_fn(gate) * up)
         return self.down_proj(F.gated_activation(gate, up, activation))
     return forward
@@ -201,7 +203,9 @@ def _make_attention_forward(spec: AttentionSpec, q_style: Optional[NormStyle],
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
         cos, sin = position_embeddings
-        if not _fusable(hidden_states, self.q_proj.weight, cos, sin):
+        # transformers rotates in the dtype of q*cos: the fused op writes q's dtype
+        if not _fusable(hidden_states, self.q_proj.weight, cos, sin) or cos.dtype != sin.dtype \
+                or cos.dtype != hidden_states.dtype:
             return original_forward(self)(hidden_states, position_embeddings, attention_mask,
                                           past_key_values, **kwargs)
         input_shape = hidden_states.shape[:-1]
