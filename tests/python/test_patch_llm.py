@@ -3,6 +3,7 @@
 hooks, fall back under autograd, compile without graph breaks, and unpatch exactly."""
 
 import copy
+import json
 
 import pytest
 import torch
@@ -320,20 +321,22 @@ def test_compile_fullgraph_no_graph_break(family):
     with torch.no_grad():
         out = compiled(ids).logits
     assert rel(out, ref) < 1e-5
+
+
 # --------------------------------------------------------------------------- e2e bench smoke
 
 
 def test_e2e_bench_tiny_on_cpu(tmp_path):
-    from fusebox.bench.e2e import main
+    """``fusebox bench e2e --model tiny --device cpu``: the CI smoke run of the LLM bench."""
+    from fusebox.__main__ import main
 
-    rc = main(["--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--quick",
+    rc = main(["bench", "e2e", "--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--quick",
                "--variants", "eager,patched", "--out", str(tmp_path)])
     assert rc == 0
-    import json
-
     doc = json.loads((tmp_path / "results_e2e.json").read_text())
     rec = doc["models"]["tiny"]
     for variant in ("eager", "patched"):
         assert not rec["variants"][variant].get("error"), rec["variants"][variant]
         assert rec["variants"][variant]["prefill_ms"] > 0
+    assert rec["variants"]["patched"]["decode_tok_s_b1"] > 0
     assert rec["summary"]["patched_vs_eager_rel_diff"] < 1e-4
