@@ -229,12 +229,15 @@ def test_non_transformers_module_untouched():
 # --------------------------------------------------------------------------- safe orders and modes
 
 
-def test_dtype_change_after_patch():
+@pytest.mark.parametrize("device", DEVICES)
+def test_move_after_patch(device):
+    """Patched on the CPU in fp32, then moved and cast: the fused forwards read the moved
+    weights."""
     model = tiny_model("qwen2")
-    ids = token_ids()
     fusebox.patch(model)
-    model.to(torch.bfloat16)
-    ref = tiny_model("qwen2", dtype=torch.bfloat16)
+    model.to(device=device, dtype=torch.bfloat16)
+    ids = token_ids(device=device)
+    ref = tiny_model("qwen2", dtype=torch.bfloat16, device=device)
     assert rel(logits(model, ids).float(), logits(ref, ids).float()) < 2e-2
 
 
