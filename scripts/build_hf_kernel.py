@@ -41,9 +41,12 @@ KERNEL_VERSION = 1
 LICENSE = "Apache-2.0"
 
 OPS_PY = '''"""Loads this build's operator library. The operators are registered in the fixed
-``torch.ops.fusebox`` namespace, so when the fusebox package (or another copy of this build)
-has already registered them in this process they are reused instead of loaded twice."""
+``torch.ops.fusebox`` namespace, and a namespace can be registered once per process: when the
+fusebox package (or another copy of this build) has registered it, it is reused; when the
+fusebox package is installed, it is imported first, so that importing it after this build
+does not register the namespace a second time."""
 
+import importlib.util
 import os
 
 import torch
@@ -56,6 +59,9 @@ def _registered() -> bool:
         return False
     return True
 
+
+if not _registered() and importlib.util.find_spec("fusebox") is not None:
+    import fusebox  # noqa: F401
 
 LOADED_HERE = not _registered()
 if LOADED_HERE:

@@ -93,6 +93,24 @@ def test_get_local_kernel_runs_the_operators(kernel, device):
     assert kernel.ops is torch.ops.fusebox
 
 
+def test_kernel_first_then_fusebox_package(repo):
+    """Loading the build before importing fusebox must not register the operator namespace
+    twice (which aborts the process)."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import sys; from pathlib import Path; import kernels, torch; "
+            f"k = kernels.get_local_kernel(Path({str(repo)!r})); import fusebox; "
+            "x = torch.randn(2, 8); w = torch.ones(8); "
+            "assert torch.equal(k.rms_norm(x, w), fusebox.rms_norm(x, w)); print('ok')")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    env.setdefault("FUSEBOX_LIBRARY", fusebox.LIBRARY_PATH)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 def test_layers_are_kernelize_compatible(kernel):
     for name in kernel.layers.__all__:
         cls = getattr(kernel.layers, name)
