@@ -1,0 +1,288 @@
+"""transformers decoder LLMs end to end: prefill and decode, eager vs ``fusebox.patch``.
+
+Each model is built from the values of its published ``config.json`` with random weights
+(std 0.02, no download). The weights are rounded to the benchmark dtype first, so the fp32
+reference and the bf16 runs hold the very same weights and the bf16 spread (eager bf16 vs
+fp32) is the compute error alone.
+
+Measured per variant:
+
+- ``prefill_ms``: one forward of ``PREFILL_TOKENS`` tokens at batch 1 (last-token logits, as
+  ``generate`` asks for), and ``peak_mb`` for it;
+- ``decode_tok_s_b1`` / ``decode_tok_s_b16``: greedy ``generate`` from a short prompt, each
+  decode step timed on its own (a logits processor stamps the synchronized time after every
+  step; generate synchronizes every step anyway), median over steps and runs;
+- ``rel_diff_vs_fp32``: last-position logits of the prefill against the fp32 model (the
+  same weights, every layer, run before the cast).
+
+Variants:
+
+- ``eager``, ``patched``: plain forwards; decode with transformers' dynamic cache;
+- ``compile``, ``patched+compile``: prefill with each decoder layer under
+  ``torch.compile(fullgraph=True)`` (regional compilation: the layers share one graph, so
+  compiling costs one layer, and a graph break in a fused forward fails the variant); decode
+  through transformers' compiled decode step on a static cache (not with ``--quick``);
+- ``graphs``, ``patched+graphs`` (default on CUDA): decode only, on a static cache with the step
+  compiled with ``mode="reduce-overhead"`` (CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from . import common
+
+MODELS = {
+    "qwen3-8b": "Qwen/Qwen3-8B: 36 layers, 4096 wide, GQA 32/8, q/k RMSNorm",
+    "llama-3-8b": "meta-llama/Meta-Llama-3-8B: 32 layers, 4096 wide, GQA 32/8",
+    "mistral-7b": "mistralai/Mistral-7B-v0.1: 32 layers, 4096 wide, GQA 32/8, sliding window 4096",
+    "gemma3-4b": "google/gemma-3-4b-it text model: 34 layers, 2560 wide, sandwich norms, q/k norm",
+    "tiny": "2-layer Qwen3-style model, 128 wide (functional check; runs on CPU)",
+}
+
+# Values of the published config.json files (legacy key names; transformers converts them).
+CONFIGS: Dict[str, dict] = {
+    "qwen3-8b": dict(
+        model_type="qwen3", hidden_size=4096, intermediate_size=12288, num_hidden_layers=36,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, hidden_act="silu",
+        rms_norm_eps=1e-6, rope_theta=1_000_000.0, rope_scaling=None, vocab_size=151936,
+        max_position_embeddings=40960, max_window_layers=36, use_sliding_window=False,
+        sliding_window=None, attention_bias=False, tie_word_embeddings=False,
+        bos_token_id=151643, eos_token_id=151645, initializer_range=0.02),
+    "llama-3-8b": dict(
+        model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, hidden_act="silu", rms_norm_eps=1e-5,
+        rope_theta=500_000.0, rope_scaling=None, vocab_size=128256, max_position_embeddings=8192,
+        attention_bias=False, mlp_bias=False, tie_word_embeddings=False, bos_token_id=128000,
+        eos_token_id=128001, initializer_range=0.02),
+    "mistral-7b": dict(
+        model_type="mistral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, hidden_act="silu", rms_norm_eps=1e-5,
+        rope_theta=10000.0, sliding_window=4096, vocab_size=32000, max_position_embeddings=32768,
+        tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, initializer_range=0.02),
+    "gemma3-4b": dict(
+        model_type="gemma3_text", hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+        num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+        hidden_activation="gelu_pytorch_tanh", rms_norm_eps=1e-6, rope_theta=1_000_000.0,
+        rope_local_base_freq=10000.0, rope_scaling={"factor": 8.0, "rope_type": "linear"},
+        sliding_window=1024, sliding_window_pattern=6, vocab_size=262208,
+        max_position_embeddings=131072, final_logit_softcapping=None,
+        attn_logit_softcapping=None, bos_token_id=2, eos_token_id=1, pad_token_id=0,
+        initializer_range=0.02),
+    "tiny": dict(
+        model_type="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, hidden_act="silu",
+        rms_norm_eps=1e-6, rope_theta=1_000_000.0, vocab_size=512, max_position_embeddings=4096,
+        tie_word_embeddings=False, initializer_range=0.02),
+}
+
+VARIANTS = ("eager", "patched", "compile", "patched+compile", "graphs", "patched+graphs")
+DEFAULT_VARIANTS = "eager,patched,compile,patched+compile"   # the e2e command's default
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def workload(name: str, args) -> dict:
+    """Token counts and repetitions; ``--quick`` keeps the shapes but repeats less and decodes
+    at batch 1 only."""
+    tiny = name == "tiny"
+    return {
+        "prefill_tokens": 64 if tiny else 2048,
+        "prompt_tokens": 8 if tiny else 32,
+        "decode_steps": 8 if tiny else (16 if args.quick else 64),
+        "decode_batches": (1,) if args.quick else (1, 16),
+        "iters": 2 if args.quick else 5,
+        "warmup": 1 if args.quick else 2,
+    }
+
+
+def build_model(name: str, device: torch.device, dtype: torch.dtype):
+    """The model in fp32 on ``device`` with weights already rounded to ``dtype``."""
+    import transformers
+
+    values = dict(CONFIGS[name])
+    config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.eval().requires_grad_(False)
+    with torch.no_grad():
+        for p in model.parameters():
+            if name == "tiny" and p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))   # norms off their init, so the check sees them
+            p.copy_(p.to(dtype))
+    return model
+
+
+def _tokens(batch: int, length: int, vocab: int, device, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (batch, length), generator=gen).to(device)
+
+
+def _set_variant(model, variant: str) -> None:
+    import fusebox
+
+    fusebox.unpatch(model)
+    if variant.startswith("patched"):
+        fusebox.patch(model)
+    # transformers caches its compiled decode step on the model; it must see the new forwards
+    model.__dict__.pop("_compiled_call", None)
+    torch._dynamo.reset()
+
+
+@contextlib.contextmanager
+def _compiled_layers(model):
+    """Each decoder layer under ``torch.compile(fullgraph=True)`` for the duration."""
+    layers = model.get_decoder().layers
+    originals = list(layers)
+    for i, layer in enumerate(originals):
+        layers[i] = torch.compile(layer, fullgraph=True)
+    try:
+        yield
+    finally:
+        for i, layer in enumerate(originals):
+            layers[i] = layer
+
+
+def _generate_kwargs(model, variant: str, max_cache_len: int) -> Callable[[], dict]:
+    """generate() options of the variant; a callable since each call needs a fresh cache."""
+    from transformers import StaticCache
+    from transformers.generation import CompileConfig
+
+    base = dict(do_sample=False, pad_token_id=0)
+    if variant in ("eager", "patched"):
+        return lambda: dict(base, disable_compile=True)
+    mode = "reduce-overhead" if variant.endswith("graphs") else "default"
+    compile_config = CompileConfig(fullgraph=True, mode=mode)
+    return lambda: dict(base, compile_config=compile_config,
+                        past_key_values=StaticCache(config=model.config,
+                                                    max_cache_len=max_cache_len))
+
+
+def _step_clock(device, stamps: List[float]):
+    """A logits processor that records the synchronized time after each forward of generate."""
+    from transformers import LogitsProcessor
+
+    class StepClock(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            common.sync(device)
+            stamps.append(time.perf_counter())
+            return scores
+
+    return StepClock()
+
+
+def decode_tokens_per_s(model, variant: str, batch: int, work: dict, device) -> float:
+    from transformers import LogitsProcessorList
+
+    steps = work["decode_steps"]
+    prompt = _tokens(batch, work["prompt_tokens"], model.config.vocab_size, device, seed=2)
+    options = _generate_kwargs(model, variant, work["prompt_tokens"] + steps + 1)
+    step_ms: List[float] = []
+    for run in range(work["warmup"] + work["iters"]):
+        stamps: List[float] = []
+        model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=steps + 1,
+                       min_new_tokens=steps + 1,
+                       logits_processor=LogitsProcessorList([_step_clock(device, stamps)]),
+                       **options())
+        if run >= work["warmup"]:   # stamps[0] closes the prefill; the rest are decode steps
+            step_ms += [(b - a) * 1e3 for a, b in zip(stamps, stamps[1:])]
+    return batch * 1e3 / statistics.median(step_ms)
+
+
+def _last_logits(forward, ids) -> torch.Tensor:
+    return forward(ids, use_cache=False, logits_to_keep=1).logits[:, -1].float()
+
+
+def run_variant(model, variant: str, work: dict, device, ids, ref_logits, quick: bool) -> dict:
+    """Times one variant; ``ids`` is the prefill input, ``ref_logits`` its fp32 logits."""
+    _set_variant(model, variant)
+    out: Dict[str, Optional[float]] = {}
+    logits = None
+    if not variant.endswith("graphs"):
+        with torch.inference_mode(), contextlib.ExitStack() as stack:
+            if "compile" in variant:
+                stack.enter_context(_compiled_layers(model))
+            logits = _last_logits(model, ids)
+            out["rel_diff_vs_fp32"] = common.rel_diff(logits, ref_logits)
+
+            def forward():
+                return model(ids, use_cache=False, logits_to_keep=1)
+
+            out["prefill_ms"] = common.time_ms(forward, device, warmup=work["warmup"],
+                                               iters=work["iters"])["median_ms"]
+            out["peak_mb"] = common.peak_memory_mb(forward, device)
+    if quick and "compile" in variant:
+        return out, logits
+    with torch.no_grad():
+        for batch in work["decode_batches"]:
+            out[f"decode_tok_s_b{batch}"] = decode_tokens_per_s(model, variant, batch, work,
+                                                                device)
+    return out, logits
+
+
+def _variants(args, device) -> list:
+    names = [v.strip() for v in args.variants.split(",") if v.strip()]
+    if args.variants == DEFAULT_VARIANTS and device.type == "cuda":
+        names += ["graphs", "patched+graphs"]
+    unknown = [v for v in names if v not in VARIANTS]
+    if unknown:
+        raise ValueError(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+    return names
+
+
+def run(name: str, args) -> dict:
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype]
+    work = workload(name, args)
+    model = build_model(name, device, dtype)
+    ids = _tokens(1, work["prefill_tokens"], model.config.vocab_size, device, seed=1)
+    with torch.inference_mode():
+        ref_logits = _last_logits(model, ids)
+    model.to(dtype)
+
+    record = {"model": name, "description": MODELS[name], "variants": {}, "summary": {},
+              "workload": {k: v for k, v in work.items() if k not in ("iters", "warmup")},
+              "dtype": args.dtype, "device": str(device)}
+    logits = {}
+    for variant in _variants(args, device):
+        try:
+            result, logits[variant] = run_variant(model, variant, work, device, ids,
+                                                  ref_logits, args.quick)
+        except Exception as error:  # noqa: BLE001  (one failing variant must not end the run)
+            result = {"error": f"{type(error).__name__}: {error}"[:500]}
+        record["variants"][variant] = result
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    _set_variant(model, "eager")
+    record["summary"] = summarize(record["variants"], logits)
+    return record
+
+
+def summarize(results: Dict[str, dict], logits: Dict[str, torch.Tensor]) -> dict:
+    summary = {}
+    if logits.get("eager") is not None and logits.get("patched") is not None:
+        # the patched error beside the spread of the dtype itself (eager against fp32)
+        summary["patched_vs_eager_rel_diff"] = common.rel_diff(logits["patched"], logits["eager"])
+        summary["eager_vs_fp32_rel_diff"] = results["eager"].get("rel_diff_vs_fp32")
+        summary["patched_vs_fp32_rel_diff"] = results["patched"].get("rel_diff_vs_fp32")
+    for base, fused in (("eager", "patched"), ("compile", "patched+compile"),
+                        ("graphs", "patched+graphs")):
+        a, b = results.get(base, {}), results.get(fused, {})
+        for key in ("prefill_ms",):
+            if a.get(key) and b.get(key):
+                summary[f"{key} speedup {fused} vs {base}"] = round(a[key] / b[key], 3)
+        for key in (k for k in b if k.startswith("decode_tok_s")):
+            if a.get(key) and b.get(key):
+                summary[f"{key} speedup {fused} vs {base}"] = round(b[key] / a[key], 3)
+    return summary
+
+
+__all__ = ["CONFIGS", "MODELS", "build_model", "run"]

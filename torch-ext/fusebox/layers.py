@@ -1,0 +1,119 @@
+"""Layers for HF ``kernels`` (``kernelize``) and transformers ``use_kernels`` / ``KernelConfig``.
+
+``kernelize`` swaps a host module's forward for ``Layer.forward`` and runs it with the host's
+own attributes, so each class here is stateless (no ``__init__``, no members besides the two
+flags) and reads the attribute names of the transformers class it replaces:
+
+=====================  ==========================================  ============================
+layer                  replaces (transformers hub name)            host attributes
+=====================  ==========================================  ============================
+``RMSNorm``            ``*RMSNorm`` ("RMSNorm")                     ``weight``, ``variance_epsilon``
+``SiLU``               ``SiLUActivation`` ("SiLU")                  none
+``GeLU``               ``GELUActivation`` ("GeLU"), exact erf       none
+``GeluTanh``           ``GELUTanh`` ("GeluTanh")                    none
+``SiluAndMul``         vLLM-style packed ``silu(x[:N]) * x[N:]``   none
+``GeluAndMul``         packed exact-GELU gate                       none
+``GeluTanhAndMul``     packed tanh-GELU gate                        none
+``RotaryPosEmb``       ``apply_rotary_pos_emb`` ("rotary_pos_emb")  none
+=====================  ==========================================  ============================
+
+fusebox operators have no backward (``has_backward = False``: ``kernelize`` keeps them out of
+training mode); they have fake implementations and trace into ``torch.compile(fullgraph=True)``
+graphs (``can_torch_compile = True``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import functional as F
+
+_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' ``weight * norm(x).to(x.dtype)``: the output takes the wider of x's and
+    the weight's dtype."""
+    out_dtype = torch.promote_types(x.dtype, weight.dtype)
+    if x.dtype in _FUSED_DTYPES and weight.dtype in _FUSED_DTYPES and (
+            out_dtype == x.dtype or out_dtype == torch.float32):
+        return F.rms_norm(x, weight, eps, 0.0, None if out_dtype == x.dtype else out_dtype)
+    x32 = x.float()
+    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def _rope(q, k, cos, sin, unsqueeze_dim):
+    # transformers passes q, k as [B, H, S, D] (unsqueeze_dim=1) or [B, S, H, D] (2), and
+    # cos/sin as [B, S, D]
+    return F.rope(q, k, cos, sin, heads_first=unsqueeze_dim == 1)
+
+
+class RMSNorm(torch.nn.Module):
+    weight: torch.Tensor
+    variance_epsilon: float
+
+    can_torch_compile: bool = True
+    has_backward: bool = False
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return _llama_rms_norm(hidden_states, self.weight, self.variance_epsilon)
+
+
+class SiLU(torch.nn.Module):
+    can_torch_compile: bool = True
+    has_backward: bool = False
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.activation(input, None, "silu")
+
+
+class GeLU(torch.nn.Module):
+    can_torch_compile: bool = True
+    has_backward: bool = False
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.activation(input, None, "gelu")
+
+
+class GeluTanh(torch.nn.Module):
+    can_torch_compile: bool = True
+    has_backward: bool = False
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.activation(input, None, "gelu_tanh")
+
+
+class SiluAndMul(torch.nn.Module):
+    can_torch_compile: bool = True
+    has_backward: bool = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gated_activation_packed(x, "silu", True)
+
+
+class GeluAndMul(torch.nn.Module):
+    can_torch_compile: bool = True
+    has_backward: bool = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gated_activation_packed(x, "gelu", True)
+
+
+class GeluTanhAndMul(torch.nn.Module):
+    can_torch_compile: bool = True
+    has_backward: bool = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gated_activation_packed(x, "gelu_tanh", True)
+
+
+class RotaryPosEmb(torch.nn.Module):
+    can_torch_compile: bool = True
+    has_backward: bool = False
+
+    def forward(self, q, k, cos, sin, unsqueeze_dim=1):
+        return _rope(q, k, cos, sin, unsqueeze_dim)
+
+
+__all__ = ["GeLU", "GeluAndMul", "GeluTanh", "GeluTanhAndMul", "RMSNorm", "RotaryPosEmb",
+           "SiLU", "SiluAndMul"]

@@ -1,0 +1,409 @@
+"""transformers decoder LLMs (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3 text) on fusebox.
+
+What is replaced, module by module (every other module keeps its forward):
+
+- ``*RMSNorm`` whose forward is one of the two transformers formulas (Llama's
+  ``weight * norm(x).to(dtype)`` or Gemma's fp32 ``norm(x) * (1 + weight)``) -> ``rms_norm``;
+- gated MLPs ``down(act(gate(x)) * up(x))`` with silu / gelu-tanh / gelu -> ``gated_activation``;
+- the attention of the known families: q/k RoPE -> ``rope``, or ``qk_norm_rope`` where the
+  model normalizes q and k per head (Qwen3, Gemma3). The KV-cache update and the attention
+  interface (``config._attn_implementation``) are called exactly as the original does;
+- the decoder layer of the known families: the residual add and the norm after it become one
+  ``fused_add_rms_norm`` (pre-norm layers: attention add + ``post_attention_layernorm``;
+  Gemma2/3 sandwich layers: attention add + ``pre_feedforward_layernorm``).
+
+A patched forward falls back to the original one when autograd needs it (fusebox operators
+have no backward) or when its inputs are outside what the operators take (e.g. float64).
+Classes that are recognized by name are also checked against the forward signature they had
+when this module was written; a class that drifted is left alone and reported.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import sys
+from dataclasses import dataclass
+from typing import Callable, Dict, Optional, Tuple
+
+import torch
+
+from .. import functional as F
+from ._common import has_hooks, needs_autograd, original_forward, replace_forward
+
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _is_transformers_class(cls) -> bool:
+    return cls.__module__.startswith("transformers.")
+
+
+def applies(module: torch.nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(module, PreTrainedModel) and _is_transformers_class(type(module))
+
+
+def _fusable(*tensors: Optional[torch.Tensor]) -> bool:
+    """Inputs the fused path takes: supported dtypes, and no gradient to record."""
+    if needs_autograd(*tensors):
+        return False
+    return all(t is None or t.dtype in FUSED_DTYPES for t in tensors)
+
+
+def _source(fn) -> str:
+    """A function's source without whitespace or comments (for formula matching)."""
+    try:
+        text = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+    text = re.sub(r"#[^\n]*", "", text)
+    return re.sub(r"\s+", "", text)
+
+
+# --------------------------------------------------------------------------- RMSNorm
+
+
+@dataclass(frozen=True)
+class NormStyle:
+    """How a transformers RMSNorm rounds and weights its output."""
+    eps: float
+    weight_offset: float        # 1.0 for Gemma's (1 + weight)
+    promotes: bool              # Llama: ``weight * y.to(dtype)`` takes the wider of the two dtypes
+
+    def out_dtype(self, x: torch.Tensor, weight: torch.Tensor) -> torch.dtype:
+        return torch.promote_types(x.dtype, weight.dtype) if self.promotes else x.dtype
+
+
+# Formulas as they read in transformers' source (whitespace removed).
+_LLAMA_NORM = ("variance_epsilon", "returnself.weight*hidden_states.to(input_dtype)")
+_GEMMA_NORM = ("output*(1.0+self.weight.float())", "returnoutput.type_as(x)")
+
+
+def norm_style(module: torch.nn.Module) -> Optional[NormStyle]:
+    """The module's RMSNorm formula, or None when it is not one fusebox reproduces."""
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return None
+    cls = type(module)
+    src = _source(cls.forward) + _source(getattr(cls, "_norm", None))
+    if all(s in src for s in _LLAMA_NORM) and hasattr(module, "variance_epsilon"):
+        return NormStyle(float(module.variance_epsilon), 0.0, True)
+    if all(s in src for s in _GEMMA_NORM) and hasattr(module, "eps"):
+        return NormStyle(float(module.eps), 1.0, False)
+    return None
+
+
+def _make_rms_norm_forward(style: NormStyle) -> Callable:
+    def forward(self, hidden_states):
+        weight = self.weight
+        if not _fusable(hidden_states, weight):
+            return original_forward(self)(hidden_states)
+        out_dtype = style.out_dtype(hidden_states, weight)
+        return F.rms_norm(hidden_states, weight, style.eps, style.weight_offset,
+                          out_dtype if out_dtype != hidden_states.dtype else None)
+    return forward
+
+
+def _weight_readable(norm: torch.nn.Module, style: Optional[NormStyle], x: torch.Tensor) -> bool:
+    """Can a parent's fused op use this norm's weight in place of calling it?
+
+    Not when the norm has hooks of its own (accelerate's CPU offload brings the weight in only
+    around the norm's forward), when the weight needs a gradient, or when the norm would not
+    return x's dtype (what the fused ops write)."""
+    return (style is not None and not has_hooks(norm) and _fusable(norm.weight)
+            and style.out_dtype(x, norm.weight) == x.dtype)
+
+
+def _add_norm(norm: torch.nn.Module, style: Optional[NormStyle], x: torch.Tensor,
+              residual: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``h = residual + x`` and ``norm(h)``, one fused op where possible. Returns (normed, h)."""
+    if x.dtype == residual.dtype and _weight_readable(norm, style, x):
+        return F.fused_add_rms_norm(x, residual, norm.weight, style.eps, style.weight_offset)
+    h = residual + x
+    return norm(h), h
+
+
+# --------------------------------------------------------------------------- MLP
+
+# transformers activation class -> fusebox activation name
+_ACTIVATIONS = {
+    "SiLUActivation": "silu",
+    "SiLU": "silu",
+    "GELUTanh": "gelu_tanh",
+    "PytorchGELUTanh": "gelu_tanh",
+}
+_GATED_MLP = "down_proj=self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))"
+
+
+def mlp_activation(module: torch.nn.Module) -> Tuple[Optional[str], str]:
+    """(fusebox activation, "") for a gated MLP fusebox can run, else (None, why not)."""
+    if _GATED_MLP not in _source(type(module).forward):
+        return None, "forward is not down(act(gate(x)) * up(x))"
+    act = module.act_fn
+    name = type(act).__name__
+    if name == "GELUActivation":
+        # transformers' "gelu" is exact erf unless it was built with the python formula
+        exact = getattr(act, "act", None) is torch.nn.functional.gelu
+        return ("gelu", "") if exact else (None, "python gelu formula")
+    if name == "GELUTanh" and getattr(act, "act", None) == getattr(act, "_gelu_tanh_python", None):
+        return None, "python gelu-tanh formula"
+    if name in _ACTIVATIONS:
+        return _ACTIVATIONS[name], ""
+    return None, f"activation {name} has no fused kernel"
+
+
+def _make_mlp_forward(activation: str) -> Callable:
+    def forward(self, x):
+        if not _fusable(x, self.gate_proj.weight):
+            return original_forward(self)(x)
+        gate = self.gate_proj(x)
+        up = self.up_proj(x)
+        if gate.dtype != up.dtype:
+            return self.down_proj(self.act_fn(gate) * up)
+        return self.down_proj(F.gated_activation(gate, up, activation))
+    return forward
+
+
+# --------------------------------------------------------------------------- attention
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a family's attention forward passes beyond Llama's."""
+    qk_norm: bool = False                                   # per-head q_norm / k_norm
+    extra: Callable[[torch.nn.Module], dict] = lambda m: {}  # extra attention-interface kwargs
+
+
+def _sliding(m):
+    return {"sliding_window": m.sliding_window}
+
+
+ATTENTION: Dict[str, AttentionSpec] = {
+    "LlamaAttention": AttentionSpec(),
+    "GemmaAttention": AttentionSpec(),
+    "MistralAttention": AttentionSpec(
+        extra=lambda m: {"sliding_window": getattr(m.config, "sliding_window", None)}),
+    "Qwen2Attention": AttentionSpec(extra=_sliding),
+    "Qwen3Attention": AttentionSpec(qk_norm=True, extra=_sliding),
+    "Gemma2Attention": AttentionSpec(
+        extra=lambda m: {"sliding_window": m.sliding_window, "softcap": m.attn_logit_softcapping}),
+    "Gemma3Attention": AttentionSpec(qk_norm=True, extra=_sliding),
+}
+_ATTENTION_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_mask",
+                     "past_key_values", "kwargs")
+
+
+def _make_attention_forward(spec: AttentionSpec, q_style: Optional[NormStyle],
+                            k_style: Optional[NormStyle], eager: Callable) -> Callable:
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                past_key_values=None, **kwargs):
+        cos, sin = position_embeddings
+        # transformers rotates in the dtype of q*cos: the fused op writes q's dtype
+        if not _fusable(hidden_states, self.q_proj.weight, cos, sin) or cos.dtype != sin.dtype \
+                or cos.dtype != hidden_states.dtype:
+            return original_forward(self)(hidden_states, position_embeddings, attention_mask,
+                                          past_key_values, **kwargs)
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        # q and k stay [B, S, H, D] for the rotary op; the per-head norm is the same before
+        # or after the transpose
+        query = self.q_proj(hidden_states).view(hidden_shape)
+        key = self.k_proj(hidden_states).view(hidden_shape)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if q_style is not None and _weight_readable(self.q_norm, q_style, query) and \
+                _weight_readable(self.k_norm, k_style, key):
+            query, key = F.qk_norm_rope(
+                query, key, self.q_norm.weight, self.k_norm.weight, cos, sin, eps=q_style.eps,
+                weight_offset=q_style.weight_offset)
+        else:
+            if q_style is not None:
+                query, key = self.q_norm(query), self.k_norm(key)
+            query, key = F.rope(query, key, cos, sin)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
+
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+
+        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager)
+        attn_output, attn_weights = attention_interface(
+            self, query, key, value, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout,
+            scaling=self.scaling,
+            **spec.extra(self),
+            **kwargs,
+        )
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+    return forward
+
+
+def _attention_patch(module) -> Tuple[Optional[Callable], str]:
+    spec = ATTENTION.get(type(module).__name__)
+    if spec is None:
+        return None, "no fused attention for this class"
+    if _params(type(module).forward) != _ATTENTION_PARAMS:
+        return None, "forward signature differs from the supported transformers versions"
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        return None, "no eager_attention_forward next to the class"
+    q_style = k_style = None
+    if spec.qk_norm:
+        q_style, k_style = norm_style(module.q_norm), norm_style(module.k_norm)
+        if q_style is None or k_style is None or q_style != k_style:
+            return None, "q_norm/k_norm formula not recognized"
+    return _make_attention_forward(spec, q_style, k_style, eager), (
+        "qk_norm_rope" if spec.qk_norm else "rope")
+
+
+# --------------------------------------------------------------------------- decoder layers
+
+
+def _params(fn) -> Tuple[str, ...]:
+    return tuple(inspect.signature(fn).parameters)
+
+
+def _make_prenorm_layer_forward(style: NormStyle) -> Callable:
+    """Llama-style layer: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))`` with the
+    attention add and norm2 fused."""
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=False, position_embeddings=None, **kwargs):
+        if not _fusable(hidden_states, self.post_attention_layernorm.weight):
+            return original_forward(self)(hidden_states, attention_mask, position_ids,
+                                          past_key_values, use_cache, position_embeddings,
+                                          **kwargs)
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states),
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            use_cache=use_cache,
+            position_embeddings=position_embeddings,
+            **kwargs,
+        )
+        normed, hidden_states = _add_norm(self.post_attention_layernorm, style, hidden_states,
+                                          residual)
+        return hidden_states + self.mlp(normed)
+    return forward
+
+
+def _make_sandwich_layer_forward(style: NormStyle) -> Callable:
+    """Gemma2/3 layer: ``h = x + norm2(attn(norm1(x))); out = h + norm4(mlp(norm3(h)))`` with
+    the attention add and norm3 fused."""
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                position_ids=None, past_key_values=None, **kwargs):
+        if not _fusable(hidden_states, self.pre_feedforward_layernorm.weight):
+            return original_forward(self)(hidden_states, position_embeddings, attention_mask,
+                                          position_ids, past_key_values, **kwargs)
+        residual = hidden_states
+        hidden_states, _ = self.self_attn(
+            hidden_states=self.input_layernorm(hidden_states),
+            position_embeddings=position_embeddings,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            past_key_values=past_key_values,
+            **kwargs,
+        )
+        normed, hidden_states = _add_norm(self.pre_feedforward_layernorm, style,
+                                          self.post_attention_layernorm(hidden_states), residual)
+        return hidden_states + self.post_feedforward_layernorm(self.mlp(normed))
+    return forward
+
+
+@dataclass(frozen=True)
+class LayerTemplate:
+    params: Tuple[str, ...]
+    fused_norm: str                       # the norm that absorbs the attention residual add
+    make: Callable[[NormStyle], Callable]
+
+
+_PRENORM = LayerTemplate(
+    ("self", "hidden_states", "attention_mask", "position_ids", "past_key_values", "use_cache",
+     "position_embeddings", "kwargs"),
+    "post_attention_layernorm", _make_prenorm_layer_forward)
+_SANDWICH = LayerTemplate(
+    ("self", "hidden_states", "position_embeddings", "attention_mask", "position_ids",
+     "past_key_values", "kwargs"),
+    "pre_feedforward_layernorm", _make_sandwich_layer_forward)
+
+DECODER_LAYERS: Dict[str, LayerTemplate] = {
+    "LlamaDecoderLayer": _PRENORM,
+    "MistralDecoderLayer": _PRENORM,
+    "Qwen2DecoderLayer": _PRENORM,
+    "Qwen3DecoderLayer": _PRENORM,
+    "GemmaDecoderLayer": _PRENORM,
+    "Gemma2DecoderLayer": _SANDWICH,
+    "Gemma3DecoderLayer": _SANDWICH,
+}
+
+
+def _layer_patch(module) -> Tuple[Optional[Callable], str]:
+    template = DECODER_LAYERS.get(type(module).__name__)
+    if template is None:
+        return None, "no fused decoder layer for this class"
+    if _params(type(module).forward) != template.params:
+        return None, "forward signature differs from the supported transformers versions"
+    style = norm_style(getattr(module, template.fused_norm))
+    if style is None:
+        return None, f"{template.fused_norm} formula not recognized"
+    return template.make(style), f"fused_add_rms_norm (attention residual + {template.fused_norm})"
+
+
+# --------------------------------------------------------------------------- entry point
+
+
+def _classify(module) -> Tuple[Optional[Callable], str, bool]:
+    """(fused forward or None, what/why, is a candidate worth reporting)."""
+    name = type(module).__name__
+    if not _is_transformers_class(type(module)):
+        return None, "", False
+    if name.endswith("RMSNorm"):
+        style = norm_style(module)
+        if style is None:
+            return None, "RMSNorm formula not recognized", True
+        return _make_rms_norm_forward(style), "rms_norm", True
+    if name.endswith("MLP"):
+        activation, why = mlp_activation(module)
+        if activation is None:
+            return None, why, True
+        return _make_mlp_forward(activation), f"gated_activation ({activation})", True
+    if name.endswith("Attention"):
+        fn, what = _attention_patch(module)
+        return fn, what, True
+    if name.endswith("DecoderLayer"):
+        fn, what = _layer_patch(module)
+        return fn, what, True
+    return None, "", False
+
+
+def patch(model: torch.nn.Module, report, **options) -> None:
+    """Patches every recognized module of ``model`` in place (see the module docstring)."""
+    config = getattr(model, "config", None)
+    report.family = getattr(config, "model_type", "") or ""
+    plan = []
+    for path, module in model.named_modules():
+        fn, what, candidate = _classify(module)
+        if fn is not None:
+            plan.append((path, module, fn, what))
+        elif candidate:
+            report.skip(path, module, what)
+    patched = 0
+    for path, module, fn, what in plan:
+        try:
+            replace_forward(module, fn, what)
+        except RuntimeError as error:   # forward already replaced by something else (kernelize)
+            report.skip(path, module, str(error))
+            continue
+        report.add(path, module, what)
+        patched += 1
+    if not patched:
+        report.note(f"{type(model).__name__}: no module fusebox recognizes; model left untouched")
+    elif not any(e.what.startswith("fused_add_rms_norm") for e in report.patched):
+        report.note("decoder layers not fused (unknown layer class); norms, MLPs and "
+                    "attention patched where recognized")
