@@ -36,13 +36,20 @@ def main() -> None:
     ap.add_argument("--model", default="ltx-video")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=2048, help="LLMs: prompt length")
     args = ap.parse_args()
 
     import fusebox
     from fusebox.bench.e2e import families
 
     family = families()[args.model]
-    model, call = family.profile_target(args.model, torch.device("cuda"), torch.bfloat16)
+    device = torch.device("cuda")
+    if hasattr(family, "profile_target"):        # diffusers transformers: one denoising step
+        model, call = family.profile_target(args.model, device, torch.bfloat16)
+    else:                                        # LLMs: prefill of args.tokens tokens
+        model = family.build_model(args.model, device, torch.bfloat16).to(torch.bfloat16)
+        ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device=device)
+        call = lambda: model(ids, use_cache=False, logits_to_keep=1)  # noqa: E731
     with torch.inference_mode():
         eager = kernel_times(call, args.iters)
         print(fusebox.patch(model))
