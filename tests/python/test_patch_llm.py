@@ -330,14 +330,14 @@ def test_compile_fullgraph_no_graph_break(family):
 
 
 def test_e2e_bench_tiny_on_cpu(tmp_path):
-    """``fusebox bench e2e --model tiny --device cpu``: the CI smoke run of the LLM bench."""
+    """``fusebox bench e2e --model tiny-llm --device cpu``: the CI smoke run of the LLM bench."""
     from fusebox.__main__ import main
 
-    rc = main(["bench", "e2e", "--model", "tiny", "--device", "cpu", "--dtype", "fp32", "--quick",
-               "--variants", "eager,patched", "--out", str(tmp_path)])
+    rc = main(["bench", "e2e", "--model", "tiny-llm", "--device", "cpu", "--dtype", "fp32",
+               "--quick", "--variants", "eager,patched", "--out", str(tmp_path)])
     assert rc == 0
     doc = json.loads((tmp_path / "results_e2e.json").read_text())
-    rec = doc["models"]["tiny"]
+    rec = doc["models"]["tiny-llm"]
     for variant in ("eager", "patched"):
         assert not rec["variants"][variant].get("error"), rec["variants"][variant]
         assert rec["variants"][variant]["prefill_ms"] > 0

@@ -38,12 +38,13 @@ import torch
 
 from . import common
 
+TINY = "tiny-llm"   # model names are shared by all e2e families ("tiny" is the DiT one)
 MODELS = {
     "qwen3-8b": "Qwen/Qwen3-8B: 36 layers, 4096 wide, GQA 32/8, q/k RMSNorm",
     "llama-3-8b": "meta-llama/Meta-Llama-3-8B: 32 layers, 4096 wide, GQA 32/8",
     "mistral-7b": "mistralai/Mistral-7B-v0.1: 32 layers, 4096 wide, GQA 32/8, sliding window 4096",
     "gemma3-4b": "google/gemma-3-4b-it text model: 34 layers, 2560 wide, sandwich norms, q/k norm",
-    "tiny": "2-layer Qwen3-style model, 128 wide (functional check; runs on CPU)",
+    TINY: "2-layer Qwen3-style model, 128 wide (functional check; runs on CPU)",
 }
 
 # Values of the published config.json files (legacy key names; transformers converts them).
@@ -75,7 +76,7 @@ CONFIGS: Dict[str, dict] = {
         max_position_embeddings=131072, final_logit_softcapping=None,
         attn_logit_softcapping=None, bos_token_id=2, eos_token_id=1, pad_token_id=0,
         initializer_range=0.02),
-    "tiny": dict(
+    TINY: dict(
         model_type="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, hidden_act="silu",
         rms_norm_eps=1e-6, rope_theta=1_000_000.0, vocab_size=512, max_position_embeddings=4096,
@@ -90,7 +91,7 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 def workload(name: str, args) -> dict:
     """Token counts and repetitions; ``--quick`` keeps the shapes but repeats less and decodes
     at batch 1 only."""
-    tiny = name == "tiny"
+    tiny = name == TINY
     return {
         "prefill_tokens": 64 if tiny else 2048,
         "prompt_tokens": 8 if tiny else 32,
@@ -114,7 +115,7 @@ def build_model(name: str, device: torch.device, dtype: torch.dtype):
     model.eval().requires_grad_(False)
     with torch.no_grad():
         for p in model.parameters():
-            if name == "tiny" and p.dim() == 1:
+            if name == TINY and p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))   # norms off their init, so the check sees them
             p.copy_(p.to(dtype))
     return model
