@@ -37,8 +37,11 @@ class _Unavailable:
 LOAD_ERROR = None
 LIBRARY_PATH = None
 try:
-    LIBRARY_PATH = _find_library()
-    torch.ops.load_library(LIBRARY_PATH)
+    # Another copy of the library (e.g. an HF `kernels` build of fusebox) may have registered
+    # the namespace already; loading a second one would abort the process.
+    if not hasattr(torch.ops.fusebox, "rms_norm"):
+        LIBRARY_PATH = _find_library()
+        torch.ops.load_library(LIBRARY_PATH)
     ops = torch.ops.fusebox
 except (ImportError, OSError) as error:
     LOAD_ERROR = error
