@@ -80,7 +80,10 @@ def _remember(module, original, slot, tag) -> None:
 
 def original_forward(module: torch.nn.Module):
     """The forward the patch replaced (bound), or the class forward when unpatched."""
-    return module.__dict__.get(ORIGINAL_ATTR) or types.MethodType(_class_forward(module), module)
+    original = module.__dict__.get(ORIGINAL_ATTR)
+    if original is not None:   # no truth test on a method: torch.compile cannot trace one
+        return original
+    return types.MethodType(_class_forward(module), module)
 
 
 def is_patched(module: torch.nn.Module) -> bool:

@@ -6,7 +6,8 @@ modulation, gated residual + next norm, q/k norm + RoPE, feed-forward activation
 family patcher, :mod:`._modules` replaces the forwards of generic diffusers modules (RMSNorm,
 AdaLayerNorm variants, GELU) that the family patcher did not already cover, so a model of an
 unknown family still gets its norms and activations fused. A family patcher marks the modules
-its fused block forward absorbs (``_blocks.absorb``), so the generic pass leaves them alone.
+whose work its fused forwards do (``_shared.mark_fused``), so the generic pass leaves them alone.
+The helpers the patchers share live in :mod:`._shared`.
 """
 
 from __future__ import annotations
