@@ -351,12 +351,16 @@ def test_accelerate_cpu_offload(case, order):
         out = run(model, kw)
     assert ops.counts.get("gated_residual", 0) >= 2 * len(blocks)   # the fused blocks ran
     assert rel_err(out, ref) < FP32_TOL
-    if order == "offload-then-patch":
-        # (unpatching a model whose hooks were added after the patch is a _common limitation:
-        # the class forward is put back where the hook wrapper now sits)
-        fusebox.unpatch(model)
-        assert _common.has_hooks(blocks[0])
-        assert rel_err(run(model, kw), ref) < FP32_TOL
+    # unpatch puts the originals back inside the hooks, whichever came first
+    hooked = [m for m in model.modules() if "_hf_hook" in m.__dict__]
+    fusebox.unpatch(model)
+    assert not fusebox.is_patched(model)
+    for m in hooked:
+        assert "forward" in m.__dict__ and _common._is_original(m._old_forward, m)
+    with FuseboxOps() as ops:
+        out = run(model, kw)
+    assert not ops.counts
+    assert torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
@@ -371,6 +375,12 @@ def test_diffusers_group_offload(offload_type):
         out = run(model, kw)
     assert ops.counts.get("gated_residual", 0) >= 4     # the fused blocks ran
     assert rel_err(out, ref) < FP32_TOL
+    fusebox.unpatch(model)                              # the group offload hooks stay
+    assert _common.has_hooks(model.transformer_blocks[0])
+    with FuseboxOps() as ops:
+        out = run(model, kw)
+    assert not ops.counts
+    assert torch.equal(out, ref)
 
 
 # --------------------------------------------------------------------------- torch.compile
