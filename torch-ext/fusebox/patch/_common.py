@@ -134,7 +134,3 @@ def needs_autograd(*tensors: Optional[torch.Tensor]) -> bool:
     if not torch.is_grad_enabled():
         return False
     return any(t is not None and isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-
-
-def class_name_endswith(module: torch.nn.Module, *suffixes: str) -> bool:
-    return type(module).__name__.endswith(suffixes)

@@ -203,6 +203,15 @@ def rms_params(norm: torch.nn.Module, x: Tensor) -> Optional[Tuple[Optional[Tens
     return p.weight, p.eps
 
 
+def qk_norm_weights(attn: torch.nn.Module, x: Tensor):
+    """(q weight, k weight, eps) of ``attn.norm_q`` / ``attn.norm_k`` when one fused launch can
+    apply both to ``x``'s projections, else None."""
+    q, k = rms_params(attn.norm_q, x), rms_params(attn.norm_k, x)
+    if q is None or k is None or q[1] != k[1]:
+        return None
+    return q[0], k[0], q[1]
+
+
 def _modulation_dtype(p: NormParams, x: Tensor, scale: Tensor, shift: Tensor):
     """dtype of ``norm(x) * (1 + scale) + shift`` in eager PyTorch, or None when the fused op
     cannot write it."""

@@ -21,6 +21,7 @@ module pass; the output modulation after ``norm_out`` runs eagerly.
 from __future__ import annotations
 
 import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from ... import functional as fb
 from .._common import original_forward, replace_forward
@@ -31,7 +32,7 @@ from ._shared import (
     grad_needed,
     install_processor,
     mark_fused,
-    rms_params,
+    qk_norm_weights,
 )
 
 MODEL = "LTXVideoTransformer3DModel"
@@ -60,15 +61,12 @@ class LTXFusedAttnProcessor(FusedAttnProcessor):
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         cos, sin = image_rotary_emb if image_rotary_emb is not None else (None, None)
-        norm_q, norm_k = rms_params(attn.norm_q, hidden_states), rms_params(attn.norm_k,
-                                                                             hidden_states)
-        if (norm_q is None or norm_k is None or grad_needed(attn, hidden_states,
-                                                             encoder_hidden_states)
-                or not fusable(hidden_states, norm_q[0], norm_k[0], cos, sin)):
+        qk_norm = qk_norm_weights(attn, hidden_states)
+        if (qk_norm is None or grad_needed(attn, hidden_states, encoder_hidden_states)
+                or not fusable(hidden_states, qk_norm[0], qk_norm[1], cos, sin)):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
                                  image_rotary_emb)
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-
+        weight_q, weight_k, eps = qk_norm
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
         batch_size, sequence_length, _ = context.shape
         if attention_mask is not None:
@@ -83,11 +81,11 @@ class LTXFusedAttnProcessor(FusedAttnProcessor):
         if cos is not None:
             # one "head" of width heads * head_dim: the norm spans all heads and the tables
             # hold a frequency per channel
-            query, key = fb.qk_norm_rope(query, key, norm_q[0], norm_k[0], cos, sin,
-                                         eps=norm_q[1], across_heads=True, interleaved=True)
+            query, key = fb.qk_norm_rope(query, key, weight_q, weight_k, cos, sin, eps=eps,
+                                         across_heads=True, interleaved=True)
         else:
-            query = fb.rms_norm(query, norm_q[0], norm_q[1])
-            key = fb.rms_norm(key, norm_k[0], norm_k[1])
+            query = fb.rms_norm(query, weight_q, eps)
+            key = fb.rms_norm(key, weight_k, eps)
 
         query = query.unflatten(2, (attn.heads, -1))
         key = key.unflatten(2, (attn.heads, -1))

@@ -24,6 +24,8 @@ Wan's rotary embedding already builds one ``[1, S, 1, D]`` table for the whole b
 from __future__ import annotations
 
 import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_wan import _get_qkv_projections
 
 from ... import functional as fb
 from .._common import original_forward, replace_forward
@@ -34,7 +36,7 @@ from ._shared import (
     grad_needed,
     install_processor,
     mark_fused,
-    rms_params,
+    qk_norm_weights,
 )
 
 MODEL = "WanTransformer3DModel"
@@ -62,27 +64,23 @@ class WanFusedAttnProcessor(FusedAttnProcessor):
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         cos, sin = rotary_emb if rotary_emb is not None else (None, None)
-        norm_q, norm_k = rms_params(attn.norm_q, hidden_states), rms_params(attn.norm_k,
-                                                                             hidden_states)
-        if (norm_q is None or norm_k is None or grad_needed(attn, hidden_states,
-                                                             encoder_hidden_states)
-                or not fusable(hidden_states, norm_q[0], norm_k[0], cos, sin)):
+        qk_norm = qk_norm_weights(attn, hidden_states)
+        if (qk_norm is None or grad_needed(attn, hidden_states, encoder_hidden_states)
+                or not fusable(hidden_states, qk_norm[0], qk_norm[1], cos, sin)):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
                                  rotary_emb)
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
-
+        weight_q, weight_k, eps = qk_norm
         query, key, value = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
         if cos is None:
-            query = fb.rms_norm(query, norm_q[0], norm_q[1])
-            key = fb.rms_norm(key, norm_k[0], norm_k[1])
+            query = fb.rms_norm(query, weight_q, eps)
+            key = fb.rms_norm(key, weight_k, eps)
         query = query.unflatten(2, (attn.heads, -1))
         key = key.unflatten(2, (attn.heads, -1))
         value = value.unflatten(2, (attn.heads, -1))
         if cos is not None:
             # the norm spans all heads of a token; the [1, S, 1, D] table is shared by the heads
-            query, key = fb.qk_norm_rope(query, key, norm_q[0], norm_k[0], cos, sin,
-                                         eps=norm_q[1], across_heads=True, interleaved=True)
+            query, key = fb.qk_norm_rope(query, key, weight_q, weight_k, cos, sin, eps=eps,
+                                         across_heads=True, interleaved=True)
 
         hidden_states = dispatch_attention_fn(
             query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
@@ -109,7 +107,7 @@ def _block_forward(
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
-    rotary_emb: torch.Tensor,
+    rotary_emb: tuple[torch.Tensor, torch.Tensor],
 ) -> torch.Tensor:
     if (grad_needed(block, hidden_states, encoder_hidden_states, temb)
             or not fusable(hidden_states, block.scale_shift_table)):
@@ -185,4 +183,4 @@ def patch(model: torch.nn.Module, report, **options) -> None:
             report.add(path, module, f"processor: {rope} (self) / rms_norm q, k (cross)")
     if image_cross_attention:
         report.note("wan: image-conditioned cross-attention (I2V image tokens) runs diffusers' "
-                    "processor; its norms are left to the generic module pass")
+                    "processor")
