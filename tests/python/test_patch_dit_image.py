@@ -447,3 +447,21 @@ def _modules_patch(module):
     report = PatchReport()
     _modules.patch_generic(module, report)
     return report
+
+
+@pytest.mark.parametrize("activation_fn", ["geglu", "swiglu", "gelu-approximate"])
+def test_generic_activation_fused_under_cpu_offload(activation_fn):
+    """The projection's weight is offloaded (its own hook loads it): the gated activation still
+    runs fused on the projection's output."""
+    accelerate = pytest.importorskip("accelerate")
+    torch.manual_seed(0)
+    module = FeedForward(64, activation_fn=activation_fn).eval()
+    x = torch.randn(B, 9, 64)
+    ref = forward_module(module, x)
+    _modules_patch(module)
+    accelerate.cpu_offload(module, execution_device="cpu")
+    assert module.net[0].proj.weight.device.type == "meta"
+    with FuseboxOps() as ops:
+        out = forward_module(module, x)
+    assert ops.calls
+    assert rel(out, ref) < 1e-5

@@ -33,6 +33,7 @@ from ._shared import (
     GELU_KINDS,
     LAYER_NORMS,
     fusable,
+    grad_needed,
     linear_gelu,
     mark_fused,
     modulated_norm,
@@ -104,14 +105,15 @@ def _gelu_forward(self, hidden_states):
 
 
 def _geglu_forward(self, hidden_states, *args, **kwargs):
-    if args or kwargs.get("scale") is not None or not fusable(hidden_states, self.proj.weight):
+    if (args or kwargs.get("scale") is not None or grad_needed(self.proj, hidden_states)
+            or not fusable(hidden_states)):
         return original_forward(self)(hidden_states, *args, **kwargs)   # it warns about `scale`
     # diffusers' GEGLU is exact-erf GELU with the gate in the second half
     return fb.gated_activation_packed(self.proj(hidden_states), "gelu", gate_first=False)
 
 
 def _swiglu_forward(self, hidden_states):
-    if not fusable(hidden_states, self.proj.weight):
+    if grad_needed(self.proj, hidden_states) or not fusable(hidden_states):
         return original_forward(self)(hidden_states)
     return fb.gated_activation_packed(self.proj(hidden_states), "silu", gate_first=False)
 

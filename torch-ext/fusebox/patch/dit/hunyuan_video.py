@@ -33,6 +33,7 @@ from ._shared import (
     fusable,
     gated_add,
     gated_add_norm,
+    grad_needed,
     install_processor,
     linear_act,
     mark_fused,
@@ -60,8 +61,8 @@ class HunyuanVideoFusedAttnProcessor(FusedAttnProcessor):
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None):
-        if not fusable(hidden_states, attn.to_q.weight) or (
-                image_rotary_emb is not None and image_rotary_emb[0].dim() != 2):
+        if (grad_needed(attn, hidden_states, encoder_hidden_states) or not fusable(hidden_states)
+                or (image_rotary_emb is not None and image_rotary_emb[0].dim() != 2)):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
                                  image_rotary_emb)
         if attn.add_q_proj is None and encoder_hidden_states is not None:
