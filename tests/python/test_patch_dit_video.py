@@ -211,13 +211,64 @@ def test_report_ltx():
         assert "adaln" in patched[f"transformer_blocks.{i}"].what
         assert "qk_norm_rope" in patched[f"transformer_blocks.{i}.attn1"].what
         assert f"transformer_blocks.{i}.attn2" in patched
-    assert "norm_out" in patched
-    # the children a block fuses are marked, so the generic module pass leaves them alone
+    # the final norm is a generic LayerNorm patch; its modulation stays eager
+    assert patched["norm_out"].what == "layer_norm"
+    assert "[1, S, D]" in patched["rope"].what
+    # the feed-forward GELU is the generic GELU patch
+    assert "gelu_tanh" in patched["transformer_blocks.0.ff.net.0"].what
+    # the children a block or processor fuses are marked, so the generic module pass leaves
+    # them alone (and says so); their own forwards are untouched
+    skipped = {e.path: e.what for e in report.skipped}
     block = model.transformer_blocks[0]
-    attn = block.attn1
-    for child in (block.norm1, block.norm2, block.ff.net[0], attn.norm_q, attn.norm_k):
-        assert _common.is_patched(child)
+    for name in ("norm1", "norm2", "attn1.norm_q", "attn1.norm_k", "attn2.norm_q"):
+        assert skipped[f"transformer_blocks.0.{name}"].startswith("done by the ")
+        assert not _common.is_patched(block.get_submodule(name))
     assert "LTXVideoTransformerBlock" in str(report)
+
+
+def test_report_wan():
+    model, _ = build("wan-t2v", "cpu")
+    report = fusebox.patch(model)
+    patched = {e.path: e.what for e in report.patched}
+    skipped = {e.path: e.what for e in report.skipped}
+    assert patched["norm_out"] == "layer_norm"
+    assert "gelu_tanh" in patched["blocks.0.ffn.net.0"]
+    for name in ("norm1", "norm2", "norm3", "attn1.norm_q", "attn2.norm_k"):
+        assert skipped[f"blocks.0.{name}"].startswith("done by the ")
+
+
+@pytest.mark.parametrize("case", ["ltx-t2v", "ltx-i2v"])
+def test_ltx_rope_one_table_for_the_batch(case):
+    """Same grid for every sample: one [1, S, D] table, equal to each row of diffusers' own."""
+    model, kw = build(case, "cpu")
+    args = (kw["hidden_states"], kw["num_frames"], kw["height"], kw["width"],
+            kw["rope_interpolation_scale"])
+    ref_cos, ref_sin = model.rope(*args)
+    fusebox.patch(model)
+    cos, sin = model.rope(*args)
+    assert cos.shape == (1,) + ref_cos.shape[1:] and ref_cos.shape[0] == 2
+    assert torch.equal(cos.expand_as(ref_cos), ref_cos)
+    assert torch.equal(sin.expand_as(ref_sin), ref_sin)
+    # and diffusers' own processor (the fallback) broadcasts the batch-1 table the same way
+    attn = model.transformer_blocks[0].attn1
+    x = torch.randn(2, ref_cos.shape[1], attn.query_dim)
+    with torch.no_grad():
+        full = attn.processor.original(attn, x, image_rotary_emb=(ref_cos, ref_sin))
+        one = attn.processor.original(attn, x, image_rotary_emb=(cos, sin))
+        fused = attn.processor(attn, x, image_rotary_emb=(cos, sin))
+    assert torch.equal(one, full)
+    assert rel_err(fused, full) < FP32_TOL
+
+
+def test_ltx_rope_per_sample_scale_keeps_per_sample_tables():
+    model, kw = build("ltx-t2v", "cpu")
+    scale = (torch.tensor([0.32, 0.5]).view(2, 1, 1, 1, 1), 32, 32)   # one per sample
+    args = (kw["hidden_states"], kw["num_frames"], kw["height"], kw["width"], scale)
+    ref_cos, _ = model.rope(*args)
+    fusebox.patch(model)
+    cos, _ = model.rope(*args)
+    assert cos.shape[0] == 2 and torch.equal(cos, ref_cos)
+    assert not torch.equal(cos[0], cos[1])
 
 
 def test_report_wan_i2v_note():
@@ -300,12 +351,16 @@ def test_accelerate_cpu_offload(case, order):
         out = run(model, kw)
     assert ops.counts.get("gated_residual", 0) >= 2 * len(blocks)   # the fused blocks ran
     assert rel_err(out, ref) < FP32_TOL
-    if order == "offload-then-patch":
-        # (unpatching a model whose hooks were added after the patch is a _common limitation:
-        # the class forward is put back where the hook wrapper now sits)
-        fusebox.unpatch(model)
-        assert _common.has_hooks(blocks[0])
-        assert rel_err(run(model, kw), ref) < FP32_TOL
+    # unpatch puts the originals back inside the hooks, whichever came first
+    hooked = [m for m in model.modules() if "_hf_hook" in m.__dict__]
+    fusebox.unpatch(model)
+    assert not fusebox.is_patched(model)
+    for m in hooked:
+        assert "forward" in m.__dict__ and _common._is_original(m._old_forward, m)
+    with FuseboxOps() as ops:
+        out = run(model, kw)
+    assert not ops.counts
+    assert torch.equal(out, ref)
 
 
 @pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
@@ -320,6 +375,12 @@ def test_diffusers_group_offload(offload_type):
         out = run(model, kw)
     assert ops.counts.get("gated_residual", 0) >= 4     # the fused blocks ran
     assert rel_err(out, ref) < FP32_TOL
+    fusebox.unpatch(model)                              # the group offload hooks stay
+    assert _common.has_hooks(model.transformer_blocks[0])
+    with FuseboxOps() as ops:
+        out = run(model, kw)
+    assert not ops.counts
+    assert torch.equal(out, ref)
 
 
 # --------------------------------------------------------------------------- torch.compile

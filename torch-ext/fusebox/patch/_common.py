@@ -6,7 +6,8 @@ A hook system wraps ``module.forward`` and keeps the forward it wrapped somewher
 accelerate in ``module._old_forward``, diffusers in the function references of
 ``module._diffusers_hook``. Replacing ``module.forward`` itself would drop the hooks, so the
 original is replaced where the innermost wrapper keeps it; every hook keeps running around the
-fused forward.
+fused forward. Hooks added after the patch wrap the fused forward in turn, so unpatching puts
+the original back wherever the fused forward is found then, and those hooks stay too.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Callable, Iterator, List, Optional, Tuple
 import torch
 
 ORIGINAL_ATTR = "_fusebox_original_forward"   # the bound forward we replaced
+FUSED_ATTR = "_fusebox_fused_forward"         # the bound fused forward we put in its place
 SLOT_ATTR = "_fusebox_forward_slot"           # where the fused forward was put (for unpatch)
 TAG_ATTR = "_fusebox_patch"                   # short description of the patch ("rms_norm", ...)
 
@@ -59,47 +61,65 @@ def replace_forward(module: torch.nn.Module, fused: Callable, tag: str) -> None:
     if "forward" not in module.__dict__:
         # nothing wraps the class forward: an instance attribute shadows it
         module.forward = bound
-        _remember(module, types.MethodType(_class_forward(module), module), (module, "forward"), tag)
+        original = types.MethodType(_class_forward(module), module)
+        _remember(module, original, bound, (module, "forward"), tag)
         return
     for holder, attr in _slots(module):
         fn = getattr(holder, attr, None)
         if fn is not None and _is_original(fn, module):
             setattr(holder, attr, bound)
-            _remember(module, fn, (holder, attr), tag)
+            _remember(module, fn, bound, (holder, attr), tag)
             return
     raise RuntimeError(
         f"fusebox: cannot patch {type(module).__name__}: its forward is wrapped by something "
         "other than accelerate or diffusers hooks. Patch the model before wrapping it.")
 
 
-def _remember(module, original, slot, tag) -> None:
+def _remember(module, original, fused, slot, tag) -> None:
     module.__dict__[ORIGINAL_ATTR] = original
+    module.__dict__[FUSED_ATTR] = fused
     module.__dict__[SLOT_ATTR] = slot
     module.__dict__[TAG_ATTR] = tag
 
 
 def original_forward(module: torch.nn.Module):
     """The forward the patch replaced (bound), or the class forward when unpatched."""
-    return module.__dict__.get(ORIGINAL_ATTR) or types.MethodType(_class_forward(module), module)
+    original = module.__dict__.get(ORIGINAL_ATTR)
+    if original is not None:   # no truth test on a method: torch.compile cannot trace one
+        return original
+    return types.MethodType(_class_forward(module), module)
 
 
 def is_patched(module: torch.nn.Module) -> bool:
     return ORIGINAL_ATTR in module.__dict__
 
 
+def _fused_slot(module: torch.nn.Module, fused, recorded) -> Optional[Tuple[object, str]]:
+    """Where the fused forward is now: the slot it was put in, unless a hook added since then
+    took it from there (accelerate into ``_old_forward``, diffusers into its function
+    references)."""
+    for holder, attr in (recorded, *_slots(module)):
+        if holder.__dict__.get(attr) is fused:
+            return holder, attr
+    return None
+
+
 def restore_forward(module: torch.nn.Module) -> bool:
-    """Puts the original forward back where the patch put the fused one. False if unpatched."""
+    """Puts the original forward back where the fused one is now, inside any hooks added before
+    or after the patch. False if unpatched."""
     if not is_patched(module):
         return False
-    holder, attr = module.__dict__.pop(SLOT_ATTR)
+    recorded = module.__dict__.pop(SLOT_ATTR)
     original = module.__dict__.pop(ORIGINAL_ATTR)
+    fused = module.__dict__.pop(FUSED_ATTR)
     module.__dict__.pop(TAG_ATTR, None)
-    if holder is module and attr == "forward":
+    slot = _fused_slot(module, fused, recorded)
+    if slot is None:
+        return True     # nothing reaches the fused forward any more
+    holder, attr = slot
+    if holder is module and attr == "forward" and _is_original(original, module):
         # back to the class forward when nothing else wrapped it
-        if _is_original(original, module):
-            module.__dict__.pop("forward", None)
-        else:
-            module.forward = original
+        module.__dict__.pop("forward", None)
     else:
         setattr(holder, attr, original)
     return True
@@ -114,7 +134,3 @@ def needs_autograd(*tensors: Optional[torch.Tensor]) -> bool:
     if not torch.is_grad_enabled():
         return False
     return any(t is not None and isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
-
-
-def class_name_endswith(module: torch.nn.Module, *suffixes: str) -> bool:
-    return type(module).__name__.endswith(suffixes)

@@ -2,11 +2,12 @@
 
 Each model family has a module here providing ``applies(model) -> bool`` (the class is one it
 knows) and ``patch(model, report, **options)`` (fuses that family's block chain: norm +
-modulation, gated residual + next norm, q/k norm + RoPE, feed-forward activation). After the
-family patcher, :mod:`._modules` replaces the forwards of generic diffusers modules (RMSNorm,
-AdaLayerNorm variants, GELU) that the family patcher did not already cover, so a model of an
-unknown family still gets its norms and activations fused. A family patcher marks the modules
-its fused block forward absorbs (``_blocks.absorb``), so the generic pass leaves them alone.
+modulation, gated residual + next norm, q/k norm + RoPE). After the family patcher,
+:mod:`._modules` replaces the forwards of generic diffusers modules (RMSNorm, LayerNorm,
+AdaLayerNorm variants, the feed-forward GELU/GEGLU/SwiGLU) that the family patcher did not
+already cover, so a model of an unknown family still gets its norms and activations fused. A family patcher marks the modules
+whose work its fused forwards do (``_shared.mark_fused``), so the generic pass leaves them alone.
+The helpers the patchers share live in :mod:`._shared`.
 """
 
 from __future__ import annotations

@@ -28,13 +28,15 @@ from diffusers.models.transformers.transformer_flux import (
 )
 
 from .._common import replace_forward
-from ._modules import (
+from ._shared import (
+    FusedAttnProcessor,
     gated_add,
     gated_add_norm,
     install_processor,
     linear_act,
     mark_fused,
     norm_rope,
+    original_processor,
     split_rotary,
 )
 
@@ -45,8 +47,9 @@ def applies(model: torch.nn.Module) -> bool:
     return isinstance(model, FluxTransformer2DModel)
 
 
-class FluxFusedAttnProcessor(FluxAttnProcessor):
-    """``FluxAttnProcessor`` with the q/k norms and RoPE of each stream in one launch."""
+class FluxFusedAttnProcessor(FusedAttnProcessor):
+    """``FluxAttnProcessor`` with the q/k norms and RoPE of each stream in one launch (each
+    falls back to the eager formula on its own, so no call needs the original processor)."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None):
@@ -160,9 +163,9 @@ def patch(model: torch.nn.Module, report, **options) -> None:
             replace_forward(module, _single_block_forward, "flux single block")
             report.add(path, module, "linear + gelu_tanh(+bias), gated_residual")
         elif cls is FluxAttention:
-            if type(module.processor) is FluxAttnProcessor:
-                install_processor(module, FluxFusedAttnProcessor())
-            elif type(module.processor) is not FluxFusedAttnProcessor:
-                report.skip(path, module, f"processor {type(module.processor).__name__} kept")
+            processor = original_processor(module)
+            if type(processor) is not FluxAttnProcessor:
+                report.skip(path, module, f"processor {type(processor).__name__} kept")
                 continue
+            install_processor(module, FluxFusedAttnProcessor)
             report.add(path, module, "qk_norm_rope per head (interleaved), per stream")

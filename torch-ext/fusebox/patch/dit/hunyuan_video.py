@@ -28,14 +28,17 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
 )
 
 from .._common import replace_forward
-from ._modules import (
+from ._shared import (
+    FusedAttnProcessor,
     fusable,
     gated_add,
     gated_add_norm,
+    grad_needed,
     install_processor,
     linear_act,
     mark_fused,
     norm_rope,
+    original_processor,
 )
 
 FAMILY = "hunyuan-video"
@@ -53,15 +56,15 @@ def _with_identity_rows(rotary, n: int):
     return cos, sin
 
 
-class HunyuanVideoFusedAttnProcessor(HunyuanVideoAttnProcessor2_0):
+class HunyuanVideoFusedAttnProcessor(FusedAttnProcessor):
     """``HunyuanVideoAttnProcessor2_0`` with the q/k norms and RoPE in one launch."""
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None):
-        if not fusable(hidden_states, attn.to_q.weight) or (
-                image_rotary_emb is not None and image_rotary_emb[0].dim() != 2):
-            return super().__call__(attn, hidden_states, encoder_hidden_states, attention_mask,
-                                    image_rotary_emb)
+        if (grad_needed(attn, hidden_states, encoder_hidden_states) or not fusable(hidden_states)
+                or (image_rotary_emb is not None and image_rotary_emb[0].dim() != 2)):
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                 image_rotary_emb)
         if attn.add_q_proj is None and encoder_hidden_states is not None:
             # single-stream: video and text tokens share the projections; only video rotates
             if image_rotary_emb is not None:
@@ -101,9 +104,6 @@ class HunyuanVideoFusedAttnProcessor(HunyuanVideoAttnProcessor2_0):
             if getattr(attn, "to_add_out", None) is not None:
                 encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
         return hidden_states, encoder_hidden_states
-
-
-_PROCESSORS = (HunyuanVideoAttnProcessor2_0, HunyuanVideoFusedAttnProcessor)
 
 
 def _double_block_forward(self, hidden_states, encoder_hidden_states, temb, attention_mask=None,
@@ -168,9 +168,8 @@ def patch(model: torch.nn.Module, report, **options) -> None:
         elif cls is HunyuanVideoSingleTransformerBlock:
             replace_forward(module, _single_block_forward, "hunyuan-video single block")
             report.add(path, module, "linear + gelu_tanh(+bias), gated_residual")
-        elif type(getattr(module, "processor", None)) in _PROCESSORS:
-            if type(module.processor) is HunyuanVideoAttnProcessor2_0:
-                install_processor(module, HunyuanVideoFusedAttnProcessor())
+        elif type(original_processor(module)) is HunyuanVideoAttnProcessor2_0:
+            install_processor(module, HunyuanVideoFusedAttnProcessor)
             report.add(path, module, "qk_norm_rope per head (interleaved) on video tokens")
             for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
                 norm = getattr(module, name, None)

@@ -8,33 +8,37 @@ Per ``LTXVideoTransformerBlock``, in the order the block runs:
   :func:`qk_norm_rope` (one launch for q and k), then diffusers' attention dispatch;
 - ``x + attn1 * gate_msa`` -> :func:`gated_residual`;
 - ``x + attn2`` then ``norm2(x) * (1 + scale_mlp) + shift_mlp`` -> :func:`gated_residual_norm`;
-- feed-forward ``gelu_tanh(x @ W + b)`` -> bias-free matmul + :func:`gelu_tanh` with the bias;
 - ``x + ff * gate_mlp`` -> :func:`gated_residual`.
 
 The modulation is per sample (``temb`` [B, 1, 6D], text-to-video) or per token ([B, S, 6D],
 image-to-video with a per-token timestep); both are strided views of one table, read in place.
-The model's forward is replaced too (a mirror of diffusers 0.42's, installed only where the
-signature still matches): it builds one cos/sin table for the whole batch instead of one per
-sample, and its final ``norm_out`` + modulation (LayerNorm without affine) -> :func:`adaln`.
+The rotary embedding (``model.rope``) builds one ``[1, S, D]`` cos/sin table for the batch when
+every sample has the same grid (no per-sample ``video_coords``). The feed-forward GELU-tanh and
+the model's final ``norm_out`` (a LayerNorm -> :func:`layer_norm`) are fused by the generic
+module pass; the output modulation after ``norm_out`` runs eagerly.
 """
 
 from __future__ import annotations
 
 import torch
-from diffusers.models.modeling_outputs import Transformer2DModelOutput
-from diffusers.utils import apply_lora_scale
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from ... import functional as fb
 from .._common import original_forward, replace_forward
-from ._blocks import (
-    FusedAttnProcessor, absorb, attention_unfusable, feed_forward, forward_parameters, fusable,
-    gelu_tanh_projection, grad_needed, install_processor, original_processor, rms_eps,
-    rms_norm_module,
+from ._shared import (
+    FusedAttnProcessor,
+    attention_unfusable,
+    fusable,
+    grad_needed,
+    install_processor,
+    mark_fused,
+    qk_norm_weights,
 )
 
 MODEL = "LTXVideoTransformer3DModel"
 BLOCK = "LTXVideoTransformerBlock"
 ATTENTION = "LTXAttention"
+ROPE = "LTXVideoRotaryPosEmbed"
 
 
 def applies(module: torch.nn.Module) -> bool:
@@ -57,12 +61,12 @@ class LTXFusedAttnProcessor(FusedAttnProcessor):
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         cos, sin = image_rotary_emb if image_rotary_emb is not None else (None, None)
-        if (grad_needed(attn, hidden_states, encoder_hidden_states)
-                or not fusable(hidden_states, attn.norm_q.weight, attn.norm_k.weight, cos, sin)):
+        qk_norm = qk_norm_weights(attn, hidden_states)
+        if (qk_norm is None or grad_needed(attn, hidden_states, encoder_hidden_states)
+                or not fusable(hidden_states, qk_norm[0], qk_norm[1], cos, sin)):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
                                  image_rotary_emb)
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-
+        weight_q, weight_k, eps = qk_norm
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
         batch_size, sequence_length, _ = context.shape
         if attention_mask is not None:
@@ -77,12 +81,11 @@ class LTXFusedAttnProcessor(FusedAttnProcessor):
         if cos is not None:
             # one "head" of width heads * head_dim: the norm spans all heads and the tables
             # hold a frequency per channel
-            query, key = fb.qk_norm_rope(query, key, attn.norm_q.weight, attn.norm_k.weight, cos,
-                                         sin, eps=rms_eps(attn.norm_q), across_heads=True,
-                                         interleaved=True)
+            query, key = fb.qk_norm_rope(query, key, weight_q, weight_k, cos, sin, eps=eps,
+                                         across_heads=True, interleaved=True)
         else:
-            query = rms_norm_module(attn.norm_q, query)
-            key = rms_norm_module(attn.norm_k, key)
+            query = fb.rms_norm(query, weight_q, eps)
+            key = fb.rms_norm(key, weight_k, eps)
 
         query = query.unflatten(2, (attn.heads, -1))
         key = key.unflatten(2, (attn.heads, -1))
@@ -129,11 +132,11 @@ def _block_forward(
         hidden_states, attn_hidden_states, None, scale_mlp, shift_mlp, block.norm2.weight,
         norm_type="rms", eps=block.norm2.eps)
 
-    ff_output = feed_forward(block.ff, norm_hidden_states)
+    ff_output = block.ff(norm_hidden_states)
     return fb.gated_residual(hidden_states, ff_output, gate_mlp)
 
 
-def _block_fusable(block: torch.nn.Module) -> str:
+def _block_unfusable(block: torch.nn.Module) -> str:
     """Why the block cannot be fused ("" when it can)."""
     for name in ("norm1", "norm2"):
         norm = getattr(block, name, None)
@@ -146,79 +149,26 @@ def _block_fusable(block: torch.nn.Module) -> str:
     return ""
 
 
-# --------------------------------------------------------------------------- model
+# --------------------------------------------------------------------------- rope
 
 
-def _model_forward(
-    model: torch.nn.Module,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    timestep: torch.LongTensor,
-    encoder_attention_mask: torch.Tensor,
-    num_frames: int | None = None,
-    height: int | None = None,
-    width: int | None = None,
-    rope_interpolation_scale=None,
-    video_coords: torch.Tensor | None = None,
-    attention_kwargs: dict | None = None,
-    return_dict: bool = True,
-):
-    args = (hidden_states, encoder_hidden_states, timestep, encoder_attention_mask, num_frames,
-            height, width, rope_interpolation_scale, video_coords)
-    kwargs = dict(attention_kwargs=attention_kwargs, return_dict=return_dict)
-    if (grad_needed(model, hidden_states, encoder_hidden_states)
-            or not fusable(hidden_states, model.scale_shift_table)):
-        return original_forward(model)(*args, **kwargs)
-    return _fused_model_forward(model, *args, **kwargs)
+def _per_sample(rope_interpolation_scale) -> bool:
+    """Does the interpolation scale hold a per-sample tensor (one value per batch entry)?"""
+    scales = rope_interpolation_scale
+    if not isinstance(scales, (tuple, list)):
+        scales = (scales,)
+    return any(isinstance(s, torch.Tensor) and s.numel() > 1 for s in scales)
 
 
-@apply_lora_scale("attention_kwargs")
-def _fused_model_forward(model, hidden_states, encoder_hidden_states, timestep,
-                         encoder_attention_mask, num_frames, height, width,
-                         rope_interpolation_scale, video_coords, attention_kwargs=None,
-                         return_dict=True):
-    """``LTXVideoTransformer3DModel.forward`` (diffusers 0.42) with the output norm and its
-    modulation in one :func:`adaln` (the blocks are patched on their own)."""
-    # Without per-sample video_coords every sample has the same grid: a [1, S, D] cos/sin table
-    # (broadcast over the batch by the kernel) halves the table bytes every block reads.
-    rope_input = hidden_states if video_coords is not None else hidden_states[:1]
-    image_rotary_emb = model.rope(rope_input, num_frames, height, width, rope_interpolation_scale,
-                                  video_coords)
-    if encoder_attention_mask is not None and encoder_attention_mask.ndim == 2:
-        encoder_attention_mask = (1 - encoder_attention_mask.to(hidden_states.dtype)) * -10000.0
-        encoder_attention_mask = encoder_attention_mask.unsqueeze(1)
-
-    batch_size = hidden_states.size(0)
-    hidden_states = model.proj_in(hidden_states)
-    temb, embedded_timestep = model.time_embed(timestep.flatten(), batch_size=batch_size,
-                                               hidden_dtype=hidden_states.dtype)
-    temb = temb.view(batch_size, -1, temb.size(-1))
-    embedded_timestep = embedded_timestep.view(batch_size, -1, embedded_timestep.size(-1))
-    encoder_hidden_states = model.caption_projection(encoder_hidden_states)
-    encoder_hidden_states = encoder_hidden_states.view(batch_size, -1, hidden_states.size(-1))
-
-    for block in model.transformer_blocks:
-        hidden_states = block(hidden_states=hidden_states,
-                              encoder_hidden_states=encoder_hidden_states, temb=temb,
-                              image_rotary_emb=image_rotary_emb,
-                              encoder_attention_mask=encoder_attention_mask)
-
-    scale_shift_values = model.scale_shift_table[None, None] + embedded_timestep[:, :, None]
-    shift, scale = scale_shift_values[:, :, 0], scale_shift_values[:, :, 1]
-    hidden_states = fb.adaln(hidden_states, scale, shift, norm_type="layer", eps=model.norm_out.eps)
-    output = model.proj_out(hidden_states)
-    if not return_dict:
-        return (output,)
-    return Transformer2DModelOutput(sample=output)
-
-
-def _model_fusable(model: torch.nn.Module) -> str:
-    norm = getattr(model, "norm_out", None)
-    if not isinstance(norm, torch.nn.LayerNorm) or norm.weight is not None:
-        return "norm_out is not a LayerNorm without affine"
-    if forward_parameters(type(model).forward) != forward_parameters(_model_forward):
-        return "forward signature differs from the diffusers version fusebox mirrors"
-    return ""
+def _rope_forward(rope: torch.nn.Module, hidden_states: torch.Tensor, num_frames=None,
+                  height=None, width=None, rope_interpolation_scale=None, video_coords=None):
+    """Without per-sample coordinates every sample has the same grid: the tables of the first
+    sample ([1, S, D]) broadcast over the batch in the fused kernel and in diffusers'
+    ``apply_rotary_emb`` alike, and every block reads 1/B of the table bytes."""
+    if video_coords is None and not _per_sample(rope_interpolation_scale):
+        hidden_states = hidden_states[:1]
+    return original_forward(rope)(hidden_states, num_frames, height, width,
+                                  rope_interpolation_scale, video_coords)
 
 
 # --------------------------------------------------------------------------- patch
@@ -226,34 +176,27 @@ def _model_fusable(model: torch.nn.Module) -> str:
 
 def patch(model: torch.nn.Module, report, **options) -> None:
     report.family = "ltx-video"
-    if type(model).__name__ == MODEL:
-        why = _model_fusable(model)
-        if why:
-            report.skip("norm_out", model.norm_out, why)
-        else:
-            replace_forward(model, _model_forward, "ltx model")
-            absorb(model.norm_out, type(model).__name__)
-            report.add("norm_out", model.norm_out, "adaln(layer) with the output modulation")
     for path, module in model.named_modules():
         kind = type(module).__name__
-        if kind == BLOCK:
-            why = _block_fusable(module)
+        if kind == ROPE:
+            replace_forward(module, _rope_forward, "ltx rope")
+            report.add(path, module, "one [1, S, D] cos/sin table for the batch (same grid)")
+        elif kind == BLOCK:
+            why = _block_unfusable(module)
             if why:
                 report.skip(path, module, why)
                 continue
             replace_forward(module, _block_forward, "ltx block")
             for child in ("norm1", "norm2"):
-                absorb(getattr(module, child), path)
-            if gelu_tanh_projection(module.ff) is not None:
-                absorb(module.ff.net[0], path)
+                mark_fused(getattr(module, child), "the block's adaln / gated_residual_norm")
             report.add(path, module, "adaln(rms) + gated_residual + gated_residual_norm(rms) + "
-                                     "gelu_tanh(bias) + gated_residual")
+                                     "gated_residual")
         elif kind == ATTENTION:
             why = attention_unfusable(module, "LTXVideoAttnProcessor")
             if why:
                 report.skip(path, module, why)
                 continue
-            install_processor(module, LTXFusedAttnProcessor(original_processor(module)))
+            install_processor(module, LTXFusedAttnProcessor)
             for child in ("norm_q", "norm_k"):
-                absorb(getattr(module, child), path)
+                mark_fused(getattr(module, child), "the attention processor")
             report.add(path, module, "processor: qk_norm_rope(across heads, interleaved)")

@@ -15,7 +15,7 @@ from diffusers.models.attention import BasicTransformerBlock, _chunked_feed_forw
 from diffusers.models.transformers.pixart_transformer_2d import PixArtTransformer2DModel
 
 from .._common import original_forward, replace_forward
-from ._modules import gated_add, gated_add_norm, mark_fused, modulated_norm
+from ._shared import gated_add, gated_add_norm, mark_fused, modulated_norm
 
 FAMILY = "pixart"
 

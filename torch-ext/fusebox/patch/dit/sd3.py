@@ -15,7 +15,7 @@ from diffusers.models.attention import JointTransformerBlock, _chunked_feed_forw
 from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
 from .._common import replace_forward
-from ._modules import gated_add, gated_add_norm, mark_fused
+from ._shared import gated_add, gated_add_norm, mark_fused
 
 FAMILY = "sd3"
 

@@ -1,0 +1,326 @@
+"""The fused pieces every DiT patcher builds on: when a fused path may run, the AdaLN /
+gated-residual / activation / q-k-norm + RoPE formulas as fusebox calls, the bookkeeping that
+marks the children a fused parent does the work of, and the attention-processor swap.
+
+Each formula helper (``modulated_norm``, ``gated_add``, ``gated_add_norm``, ``linear_gelu``,
+``norm_rope``) computes what the diffusers code writes; it takes the fused path when its
+operands allow (no autograd, supported dtypes and devices, the model's output dtype reachable)
+and otherwise runs the eager formula, so a patched block never changes what a model computes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, NamedTuple, Optional, Tuple
+
+import torch
+from diffusers.models.embeddings import apply_rotary_emb
+from diffusers.models.normalization import FP32LayerNorm, RMSNorm
+
+from ... import functional as fb
+from .._common import has_hooks, needs_autograd
+
+Tensor = torch.Tensor
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FUSED_DEVICES = ("cpu", "cuda")
+UNDO_ATTR = "_fusebox_undo"              # called by fusebox.unpatch
+FUSED_INTO_ATTR = "_fusebox_fused_into"  # a module whose work a patched parent now does
+
+
+# --------------------------------------------------------------------------- eligibility
+
+
+def fusable(x: Tensor, *small: Optional[Tensor], like_x: Tuple[Optional[Tensor], ...] = ()) -> bool:
+    """Can the fused path take ``x``? ``small`` operands (weights, scale/shift, tables) may be
+    fp32 or x's dtype and need contiguous rows (large ones go through :func:`rows`); ``like_x``
+    operands (branches, gates the model adds in x's dtype) must have x's dtype. Every operand
+    must sit on x's device (a weight an offload hook has not loaded yet does not). False when
+    autograd must record the computation: fusebox operators have no backward."""
+    if needs_autograd(x, *small, *like_x):
+        return False
+    if x.dtype not in FUSED_DTYPES or x.device.type not in FUSED_DEVICES:
+        return False
+    if not all(t is None or (t.device == x.device and t.dtype in (torch.float32, x.dtype)
+                             and _unit_last_stride(t)) for t in small):
+        return False
+    return all(t is None or (t.device == x.device and t.dtype == x.dtype) for t in like_x)
+
+
+def grad_needed(module: torch.nn.Module, *inputs: Optional[Tensor]) -> bool:
+    """Must a call of ``module`` be differentiable, through its inputs or its parameters? A
+    fused block forward checks this once and otherwise runs the original forward."""
+    if not torch.is_grad_enabled():
+        return False
+    return needs_autograd(*inputs) or any(p.requires_grad for p in module.parameters())
+
+
+def _unit_last_stride(t: Tensor) -> bool:
+    return t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1
+
+
+def rows(t: Tensor) -> Tensor:
+    """``t`` with contiguous rows, as the operators read them (a patch embedding's transposed
+    output is copied once, as an eager norm would copy it)."""
+    return t if _unit_last_stride(t) else t.contiguous()
+
+
+def out_dtype_arg(x: Tensor, dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The ``out_dtype`` argument giving ``dtype`` (None for x's own dtype)."""
+    return None if dtype == x.dtype else dtype
+
+
+# --------------------------------------------------------------------------- bookkeeping
+
+
+def _run_all(*fns: Callable) -> None:
+    for fn in fns:
+        fn()
+
+
+def add_undo(module: torch.nn.Module, fn: Callable[[], None]) -> None:
+    """Registers ``fn`` to run when :func:`fusebox.unpatch` reaches ``module``."""
+    previous = module.__dict__.get(UNDO_ATTR)
+    if previous is not None:
+        fn = functools.partial(_run_all, previous, fn)
+    module.__dict__[UNDO_ATTR] = fn
+
+
+def mark_fused(module: torch.nn.Module, into: str) -> None:
+    """Records that a patched parent does ``module``'s work, so the generic pass leaves it
+    (and reports it as done by ``into``). Its forward is untouched: a parent that falls back
+    runs it as diffusers does."""
+    if module.__dict__.get(FUSED_INTO_ATTR) == into:
+        return
+    module.__dict__[FUSED_INTO_ATTR] = into
+    add_undo(module, functools.partial(module.__dict__.pop, FUSED_INTO_ATTR, None))
+
+
+class FusedAttnProcessor:
+    """Base of the fused attention processors. Keeps the processor it replaced (``original``)
+    for the calls it cannot fuse and for unpatch, and shares that processor's attention
+    backend and parallel config, so ``model.set_attention_backend(...)`` reaches both."""
+
+    def __init__(self, original):
+        self.original = original
+
+    @property
+    def _attention_backend(self):
+        return getattr(self.original, "_attention_backend", None)
+
+    @_attention_backend.setter
+    def _attention_backend(self, value):
+        self.original._attention_backend = value
+
+    @property
+    def _parallel_config(self):
+        return getattr(self.original, "_parallel_config", None)
+
+    @_parallel_config.setter
+    def _parallel_config(self, value):
+        self.original._parallel_config = value
+
+
+def original_processor(attn: torch.nn.Module):
+    """The processor fusebox did not put there (a patched model is patched again cleanly)."""
+    processor = getattr(attn, "processor", None)
+    return processor.original if isinstance(processor, FusedAttnProcessor) else processor
+
+
+def install_processor(attn: torch.nn.Module, processor_class) -> None:
+    """Replaces ``attn``'s processor by ``processor_class(original)``; unpatch puts the
+    original processor object back."""
+    original = original_processor(attn)
+    attn.set_processor(processor_class(original))
+    add_undo(attn, functools.partial(attn.set_processor, original))
+
+
+def attention_unfusable(attn: torch.nn.Module, processor_class: str) -> str:
+    """Why an attention module with q/k ``torch.nn.RMSNorm`` norms keeps its processor (""
+    when a fused one can replace it)."""
+    processor = original_processor(attn)
+    if type(processor).__name__ != processor_class:
+        return f"custom processor {type(processor).__name__}"
+    norms = (getattr(attn, "norm_q", None), getattr(attn, "norm_k", None))
+    if not all(isinstance(n, torch.nn.RMSNorm) for n in norms):
+        return "q/k norms are not torch.nn.RMSNorm"
+    if _torch_rms_eps(norms[0]) != _torch_rms_eps(norms[1]):
+        return "q and k norms have different eps"     # one eps per fused q/k launch
+    return ""
+
+
+# --------------------------------------------------------------------------- norms
+
+
+class NormParams(NamedTuple):
+    kind: str                  # "layer" or "rms"
+    weight: Optional[Tensor]
+    bias: Optional[Tensor]
+    eps: float
+    dtype: torch.dtype         # what the module returns for this input
+
+
+LAYER_NORMS = (torch.nn.LayerNorm, FP32LayerNorm)
+
+
+def norm_kind(norm: torch.nn.Module) -> Optional[str]:
+    """The fused norm kind ("layer" or "rms") of a norm module, None if it has none."""
+    if type(norm) in LAYER_NORMS and len(norm.normalized_shape) == 1:
+        return "layer"
+    if type(norm) is RMSNorm and norm.bias is None and len(norm.dim) == 1:
+        return "rms"
+    if type(norm) is torch.nn.RMSNorm and len(norm.normalized_shape) == 1:
+        return "rms"
+    return None
+
+
+def _torch_rms_eps(norm: torch.nn.Module) -> float:
+    """``torch.nn.RMSNorm`` takes ``eps=None`` as the fp32 machine epsilon."""
+    return torch.finfo(torch.float32).eps if norm.eps is None else float(norm.eps)
+
+
+def norm_params(norm: torch.nn.Module, x: Tensor) -> Optional[NormParams]:
+    """How a norm module normalizes ``x``, or None when it is not one fusebox reproduces or
+    when a hook owns its weights (offloaded weights arrive only when its own forward runs)."""
+    if has_hooks(norm):
+        return None
+    kind = norm_kind(norm)
+    if kind == "layer":
+        return NormParams(kind, norm.weight, norm.bias, norm.eps, x.dtype)
+    if kind == "rms" and type(norm) is torch.nn.RMSNorm:
+        return NormParams(kind, norm.weight, None, _torch_rms_eps(norm), x.dtype)
+    if kind == "rms":   # diffusers returns the weight's dtype (fp32 for an fp32 weight)
+        dtype = x.dtype if norm.weight is None else norm.weight.dtype
+        return NormParams(kind, norm.weight, None, norm.eps, dtype)
+    return None
+
+
+def rms_params(norm: torch.nn.Module, x: Tensor) -> Optional[Tuple[Optional[Tensor], float]]:
+    """(weight, eps) of an RMSNorm module (diffusers' or torch's) that returns x's dtype for
+    ``x``, else None."""
+    p = norm_params(norm, x)
+    if p is None or p.kind != "rms" or p.dtype != x.dtype:
+        return None
+    return p.weight, p.eps
+
+
+def qk_norm_weights(attn: torch.nn.Module, x: Tensor):
+    """(q weight, k weight, eps) of ``attn.norm_q`` / ``attn.norm_k`` when one fused launch can
+    apply both to ``x``'s projections, else None."""
+    q, k = rms_params(attn.norm_q, x), rms_params(attn.norm_k, x)
+    if q is None or k is None or q[1] != k[1]:
+        return None
+    return q[0], k[0], q[1]
+
+
+def _modulation_dtype(p: NormParams, x: Tensor, scale: Tensor, shift: Tensor):
+    """dtype of ``norm(x) * (1 + scale) + shift`` in eager PyTorch, or None when the fused op
+    cannot write it."""
+    dtype = torch.promote_types(torch.promote_types(p.dtype, scale.dtype), shift.dtype)
+    return dtype if dtype in (x.dtype, torch.float32) else None
+
+
+def modulated_norm(norm: torch.nn.Module, x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
+    """``norm(x) * (1 + scale) + shift`` (AdaLN); scale/shift broadcast as ``[B, 1, D]``."""
+    p = norm_params(norm, x)
+    if p is not None and fusable(x, scale, shift, p.weight, p.bias):
+        dtype = _modulation_dtype(p, x, scale, shift)
+        if dtype is not None:
+            return fb.adaln(rows(x), scale, shift, p.weight, p.bias, p.kind, p.eps,
+                            out_dtype=out_dtype_arg(x, dtype))
+    return norm(x) * (1 + scale) + shift
+
+
+def gated_add(x: Tensor, branch: Tensor, gate: Optional[Tensor] = None) -> Tensor:
+    """``x + gate * branch`` (the AdaLN-Zero residual; ``x + branch`` without a gate)."""
+    if fusable(x, like_x=(branch, gate)):
+        return fb.gated_residual(rows(x), rows(branch), gate)
+    return x + branch if gate is None else x + gate * branch
+
+
+def gated_add_norm(x: Tensor, branch: Tensor, gate: Optional[Tensor], norm: torch.nn.Module,
+                   scale: Tensor, shift: Tensor) -> Tuple[Tensor, Tensor]:
+    """A DiT block boundary: ``h = x + gate * branch``, then ``norm(h) * (1 + scale) + shift``.
+    Returns ``(normed, h)``."""
+    p = norm_params(norm, x)
+    if p is not None and fusable(x, scale, shift, p.weight, p.bias, like_x=(branch, gate)):
+        dtype = _modulation_dtype(p, x, scale, shift)
+        if dtype is not None:
+            return fb.gated_residual_norm(rows(x), rows(branch), gate, scale, shift, p.weight,
+                                          p.bias, p.kind, p.eps, out_dtype=out_dtype_arg(x, dtype))
+    h = gated_add(x, branch, gate)
+    return modulated_norm(norm, h, scale, shift), h
+
+
+# --------------------------------------------------------------------------- activations
+
+GELU_KINDS = {"tanh": "gelu_tanh", "none": "gelu"}
+
+
+def _bias_foldable(proj: torch.nn.Module) -> bool:
+    """Can the projection's bias move into the activation? Only for a plain Linear that no hook
+    (offload, casting) wraps: its weight is then the one its own forward would use."""
+    return type(proj) is torch.nn.Linear and proj.bias is not None and not has_hooks(proj)
+
+
+def linear_gelu(proj: torch.nn.Module, x: Tensor, approximate: str = "tanh") -> Tensor:
+    """``gelu(proj(x))``: the matmul without bias, then bias + GELU in one pass (the
+    projection run as a module, then the GELU alone, when its bias cannot move)."""
+    kind = GELU_KINDS[approximate]
+    if _bias_foldable(proj) and fusable(x, proj.bias, like_x=(proj.weight,)):
+        return fb.activation(torch.nn.functional.linear(x, proj.weight), proj.bias, kind)
+    h = proj(x)
+    if fusable(h):
+        return fb.activation(rows(h), None, kind)
+    return torch.nn.functional.gelu(h, approximate=approximate)
+
+
+def linear_act(proj: torch.nn.Module, act: torch.nn.Module, x: Tensor) -> Tensor:
+    """``act(proj(x))``, fused when ``act`` is a torch GELU."""
+    if type(act) is torch.nn.GELU and act.approximate in GELU_KINDS:
+        return linear_gelu(proj, x, act.approximate)
+    return act(proj(x))
+
+
+# --------------------------------------------------------------------------- q/k norm + RoPE
+
+
+def _eager_norm_rope(q, k, norm_q, norm_k, rotary):
+    if norm_q is not None:
+        q = norm_q(q)
+    if norm_k is not None:
+        k = norm_k(k)
+    if rotary is not None:
+        q = apply_rotary_emb(q, rotary, sequence_dim=1)
+        k = apply_rotary_emb(k, rotary, sequence_dim=1)
+    return q, k
+
+
+def norm_rope(q: Tensor, k: Tensor, norm_q: Optional[torch.nn.Module],
+              norm_k: Optional[torch.nn.Module], rotary: Optional[Tuple[Tensor, Tensor]]):
+    """Per-head RMSNorm of q and k (``[B, S, H, D]``; modules ``norm_q``/``norm_k``, or None
+    for none), then diffusers' interleaved RoPE with its ``(cos, sin)`` ``[S, D]`` tables
+    (``apply_rotary_emb(..., sequence_dim=1)``), q and k in one launch."""
+    cos, sin = rotary if rotary is not None else (None, None)
+    if cos is not None and (cos.dim() != 2 or sin.dim() != 2):
+        return _eager_norm_rope(q, k, norm_q, norm_k, rotary)
+    if norm_q is None and norm_k is None:
+        if cos is not None and fusable(q, cos, sin, like_x=(k,)):
+            return fb.rope(rows(q), rows(k), cos, sin, interleaved=True)
+        return _eager_norm_rope(q, k, norm_q, norm_k, rotary)
+    pq = rms_params(norm_q, q) if norm_q is not None else None
+    pk = rms_params(norm_k, k) if norm_k is not None else None
+    if pq is None or pk is None or pq[1] != pk[1] or not fusable(q, pq[0], pk[0], cos, sin,
+                                                                  like_x=(k,)):
+        return _eager_norm_rope(q, k, norm_q, norm_k, rotary)
+    q, k = rows(q), rows(k)
+    if cos is None:
+        return fb.rms_norm(q, pq[0], pq[1]), fb.rms_norm(k, pk[0], pk[1])
+    return fb.qk_norm_rope(q, k, pq[0], pk[0], cos, sin, pq[1], interleaved=True)
+
+
+def split_rotary(rotary: Optional[Tuple[Tensor, Tensor]], n: int):
+    """The tables of the first ``n`` tokens and of the rest (views; None stays None)."""
+    if rotary is None:
+        return None, None
+    cos, sin = rotary
+    return (cos[:n], sin[:n]), (cos[n:], sin[n:])
