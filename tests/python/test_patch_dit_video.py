@@ -454,15 +454,15 @@ def test_wan_fused_qkv_projections():
 def test_bench_tiny_cli(tmp_path, capsys):
     from fusebox.bench.e2e import main
 
-    rc = main(["--model", "tiny", "--device", "cpu", "--quick", "--dtype", "fp32",
+    rc = main(["--model", "tiny-dit", "--device", "cpu", "--quick", "--dtype", "fp32",
                "--variants", "eager,patched", "--pipeline", "--out", str(tmp_path)])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "tiny" in out
+    assert "tiny-dit" in out
     import json
 
     doc = json.loads((tmp_path / "results_e2e.json").read_text())
-    rec = doc["models"]["tiny"]
+    rec = doc["models"]["tiny-dit"]
     for variant in ("eager", "patched"):
         assert not rec["variants"][variant].get("error"), rec["variants"][variant]
         assert rec["variants"][variant]["step_ms"] > 0

@@ -39,7 +39,8 @@ def build_parser(models: Dict[str, object]) -> argparse.ArgumentParser:
                     "weights: eager, fusebox-patched, torch.compile, patched + torch.compile.",
         epilog="models:\n" + "\n".join(lines),
         formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="model name (see below); comma-separated for several")
+    p.add_argument("--model", required=True,
+                   help="model name (see below); comma-separated for several; tiny = every tiny-* config")
     p.add_argument("--variants", default="eager,patched,compile,patched+compile",
                    help="comma-separated subset of eager, patched, compile, patched+compile "
                         "(families may add more, e.g. compile-regional)")
@@ -56,7 +57,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     models = families()
     parser = build_parser(models)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    names = [m.strip() for m in args.model.split(",") if m.strip()]
+    names = []
+    for m in (m.strip() for m in args.model.split(",")):
+        # "tiny": the small functional configs of every family (tiny-llm, tiny-dit)
+        names += sorted(n for n in models if n.startswith("tiny-")) if m == "tiny" else [m] if m else []
     unknown = [m for m in names if m not in models]
     if unknown:
         parser.error(f"unknown model(s) {unknown}; choose from {sorted(models)}")

@@ -214,7 +214,7 @@ SPECS: Dict[str, Spec] = {
              sample_size=128, upcast_attention=False, use_additional_conditions=False,
              use_linear_projection=False),
         _pixart_inputs(), "1024x1024 -> 4096 tokens, text 300, batch 2 (CFG)", steps=20),
-    "tiny": Spec(
+    "tiny-dit": Spec(
         "tiny LTX-Video (2 layers, width 32): a functional run, CPU included",
         "LTXVideoTransformer3DModel",
         dict(LTX_CONFIG, in_channels=8, out_channels=8, num_attention_heads=2,
@@ -415,12 +415,12 @@ LTX_SCHEDULER = dict(  # Lightricks/LTX-Video scheduler/scheduler_config.json
     base_image_seq_len=1024, base_shift=0.95, invert_sigmas=False, max_image_seq_len=4096,
     max_shift=2.05, num_train_timesteps=1000, shift=1.0, shift_terminal=0.1,
     use_dynamic_shifting=True)
-PIPELINE_VIDEO = {"ltx-video": (49, 512, 768), "tiny": (17, 96, 128)}
+PIPELINE_VIDEO = {"ltx-video": (49, 512, 768), "tiny-dit": (17, 96, 128)}
 
 
 def _ltx_pipeline(spec: Spec, device, dtype):
     """LTXPipeline with the benchmark transformer, a random-weight VAE of the released layout (a
-    narrow one for ``tiny``) and a 2-layer random T5 encoder (no tokenizer: prompts are random
+    narrow one for ``tiny-dit``) and a 2-layer random T5 encoder (no tokenizer: prompts are random
     token ids, encoded by the pipeline's text encoder outside the timed denoising loop)."""
     import diffusers
     from transformers import T5Config, T5EncoderModel
@@ -476,7 +476,7 @@ def run_pipeline(name: str, args, rec: dict) -> None:
     import fusebox
 
     if name not in PIPELINE_VIDEO:
-        rec["summary"]["pipeline"] = "pipeline mode covers LTX-Video (ltx-video, tiny)"
+        rec["summary"]["pipeline"] = "pipeline mode covers LTX-Video (ltx-video, tiny-dit)"
         return
     spec, device, dtype = SPECS[name], torch.device(args.device), DTYPES[args.dtype]
     frames, height, width = PIPELINE_VIDEO[name]
