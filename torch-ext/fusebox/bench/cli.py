@@ -132,12 +132,13 @@ def repo_root() -> Optional[str]:
 
 
 def git_info() -> dict:
-    """Commit of the checkout; ``FUSEBOX_COMMIT`` names it where there is no .git (a copied
-    working tree on a GPU machine)."""
+    """Commit of the checkout. ``FUSEBOX_COMMIT``, when set, names it instead: a working tree
+    copied to a GPU machine may carry no .git, or a stale one."""
     root = repo_root()
-    if root is None:
-        return {"commit": os.environ.get("FUSEBOX_COMMIT") or None, "dirty": None}
-    commit = _git(["rev-parse", "--short", "HEAD"], root) or os.environ.get("FUSEBOX_COMMIT") or None
+    override = os.environ.get("FUSEBOX_COMMIT") or None
+    if root is None or override:
+        return {"commit": override, "dirty": None}
+    commit = _git(["rev-parse", "--short", "HEAD"], root)
     status = _git(["status", "--porcelain", "--untracked-files=no"], root)
     return {"commit": commit, "dirty": bool(status) if status is not None else None}
 
