@@ -84,6 +84,33 @@ struct UnitParams {
   float c0[VEC], s0[VEC], c1[VEC], s1[VEC], w0[VEC], w1[VEC];
 };
 
+// Writes one unit of a row: v0 as is outside the rotary part, else the rotated pair(s) (one
+// vector holding interleaved pairs, or two vectors R/2 apart for half-split).
+template <typename L, typename T, int VEC>
+__device__ __forceinline__ void store_unit(T* o, int d0, int d1, bool rotary, const float (&v0)[VEC],
+                                           const float (&v1)[VEC], const UnitParams<VEC>& r) {
+  if (!rotary) {
+    store_pack(o + d0, pack<T, VEC>(v0));
+  } else if constexpr (!L::kTwoVectors) {
+    float y[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; i += 2) {
+      y[i] = v0[i] * r.c0[i] - v0[i + 1] * r.s0[i];
+      y[i + 1] = v0[i + 1] * r.c0[i + 1] + v0[i] * r.s0[i + 1];
+    }
+    store_pack(o + d0, pack<T, VEC>(y));
+  } else {
+    float y0[VEC], y1[VEC];
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      y0[i] = v0[i] * r.c0[i] - v1[i] * r.s0[i];
+      y1[i] = v1[i] * r.c1[i] + v0[i] * r.s1[i];
+    }
+    store_pack(o + d0, pack<T, VEC>(y0));
+    store_pack(o + d1, pack<T, VEC>(y1));
+  }
+}
+
 template <typename T, int VEC, bool NORM, bool GRID>
 __device__ __forceinline__ void load_unit_params(const RopeKernelArgs& a, const GridTable& g, const int64_t (&pos)[3],
                                                  int64_t b, int64_t s, const ParamPtr& w, int woff, bool rotary,
@@ -220,28 +247,7 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
         v1[i] *= rstd * (w.ptr && two ? a.weight_offset + p.w1[i] : 1.f);
       }
     }
-    if (!rotary) {
-      store_pack(o + d0, pack<T, VEC>(v0));
-      continue;
-    }
-    if constexpr (!L::kTwoVectors) {
-      float y[VEC];
-#pragma unroll
-      for (int i = 0; i < VEC; i += 2) {
-        y[i] = v0[i] * p.c0[i] - v0[i + 1] * p.s0[i];
-        y[i + 1] = v0[i + 1] * p.c0[i + 1] + v0[i] * p.s0[i + 1];
-      }
-      store_pack(o + d0, pack<T, VEC>(y));
-    } else {
-      float y0[VEC], y1[VEC];
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        y0[i] = v0[i] * p.c0[i] - v1[i] * p.s0[i];
-        y1[i] = v1[i] * p.c1[i] + v0[i] * p.s1[i];
-      }
-      store_pack(o + d0, pack<T, VEC>(y0));
-      store_pack(o + d1, pack<T, VEC>(y1));
-    }
+    store_unit<L, T, VEC>(o, d0, d1, rotary, v0, v1, p);
   }
 }
 
@@ -342,26 +348,7 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
     if (!(active && h < heads)) continue;
     const RopeTensorArg& dst = is_k ? a.ko : a.qo;
     T* o = static_cast<T*>(const_cast<void*>(dst.ptr)) + b * dst.sb + s * dst.ss + (is_k ? h - a.Hq : h) * dst.sh;
-    if (!rotary) {
-      store_pack(o + d0, pack<T, VEC>(v0));
-    } else if constexpr (!L::kTwoVectors) {
-      float y[VEC];
-#pragma unroll
-      for (int i = 0; i < VEC; i += 2) {
-        y[i] = v0[i] * rot.c0[i] - v0[i + 1] * rot.s0[i];
-        y[i + 1] = v0[i + 1] * rot.c0[i + 1] + v0[i] * rot.s0[i + 1];
-      }
-      store_pack(o + d0, pack<T, VEC>(y));
-    } else {
-      float y0[VEC], y1[VEC];
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        y0[i] = v0[i] * rot.c0[i] - v1[i] * rot.s0[i];
-        y1[i] = v1[i] * rot.c1[i] + v0[i] * rot.s1[i];
-      }
-      store_pack(o + d0, pack<T, VEC>(y0));
-      store_pack(o + d1, pack<T, VEC>(y1));
-    }
+    store_unit<L, T, VEC>(o, d0, d1, rotary, v0, v1, rot);
   }
 }
 
