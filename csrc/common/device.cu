@@ -24,20 +24,25 @@ const DeviceLimits& device_limits() {
 }
 
 int tuning_knob(const char* name, int fallback) {
+  // The environment is read once per name; what is cached is whether the variable is set and
+  // its value, never a caller's fallback (callers pass plan-dependent fallbacks).
   static std::mutex mu;
   static const char* names[16] = {};
+  static bool is_set[16] = {};
   static int values[16] = {};
   std::lock_guard<std::mutex> lock(mu);
   int i = 0;
   for (; i < 16 && names[i] != nullptr; ++i)
-    if (std::strcmp(names[i], name) == 0) return values[i];
+    if (std::strcmp(names[i], name) == 0) return is_set[i] ? values[i] : fallback;
   const char* env = std::getenv(name);
-  const int v = env != nullptr && *env ? std::atoi(env) : fallback;
+  const bool set = env != nullptr && *env;
+  const int v = set ? std::atoi(env) : 0;
   if (i < 16) {
     names[i] = name;
+    is_set[i] = set;
     values[i] = v;
   }
-  return v;
+  return set ? v : fallback;
 }
 
 bool use_pdl() {

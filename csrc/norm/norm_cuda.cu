@@ -481,19 +481,15 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
                          : 1;
   const dim3 block(unsigned(a.tpr * a.rows_per_block));
   const int64_t groups = (a.rows + a.rows_per_block - 1) / a.rows_per_block;
-  // With small operands to stage, a block takes several row groups (their copies then serve
-  // many rows) as long as the grid keeps about 8 blocks per multiprocessor.
-  a.row_iters = 1;
+  // A block may take several row groups in turn, its staged copies of constant operands then
+  // serving every group. One group per block is the measured default (H200: the resident blocks
+  // already keep enough loads in flight); FUSEBOX_NORM_ROW_ITERS (1-8) sets more for tuning runs.
+  a.row_iters = std::max(1, std::min(8, tuning_knob("FUSEBOX_NORM_ROW_ITERS", 1)));
   const bool params_f32 = DType(param_dtype) == DType::kFloat32;
   const bool normalizes = args.norm != NormType::kNone;
   const int n_params = int(args.gate.defined()) + int(normalizes && args.weight.defined()) +
                        int(normalizes && args.bias.defined()) + int(args.scale.defined()) +
                        int(args.shift.defined());
-  if (n_params > 0) {
-    const int64_t target = int64_t(device_limits().sm_count) * 8;
-    a.row_iters = int(std::max<int64_t>(1, std::min<int64_t>(8, groups / target)));
-    a.row_iters = tuning_knob("FUSEBOX_NORM_ROW_ITERS", a.row_iters);
-  }
   // Staging pays when an operand changes from row to row (its copy overlaps the row's loads)
   // or is 16-bit; fp32 operands that stay the same for every row are read straight from
   // global memory (L1 hits), which keeps more rows resident (Wan 14B adaln: 355 -> 291 us).
