@@ -14,6 +14,7 @@ import functools
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import FP32LayerNorm, RMSNorm
 
@@ -118,6 +119,57 @@ class FusedAttnProcessor:
     @_parallel_config.setter
     def _parallel_config(self, value):
         self.original._parallel_config = value
+
+
+class TokenQKNormAttnProcessor(FusedAttnProcessor):
+    """Base of the processors of attention modules whose q/k RMSNorm spans all heads of a token
+    (LTX-Video, Wan): the q/k/v projections (:meth:`project`), q/k RMSNorm + interleaved RoPE
+    in one ``qk_norm_rope`` launch (``rms_norm`` without tables), diffusers' attention
+    dispatch, then ``to_out``. Calls it cannot fuse run the original processor. A subclass
+    defines ``__call__`` with its diffusers processor's signature and calls :meth:`run`."""
+
+    # the RoPE tables index the flat [B, S, heads * head_dim] q/k (a frequency per channel)
+    # rather than [B, S, H, D] q/k with a table shared by the heads
+    rope_on_flat = False
+
+    def project(self, attn, hidden_states, encoder_hidden_states, attention_mask):
+        """(query, key, value, attention mask as dispatch takes it); q/k/v ``[B, S, H * D]``."""
+        raise NotImplementedError
+
+    def parallel_config(self, encoder_hidden_states):
+        return self._parallel_config
+
+    def run(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary):
+        cos, sin = rotary if rotary is not None else (None, None)
+        qk_norm = qk_norm_weights(attn, hidden_states)
+        if (qk_norm is None or grad_needed(attn, hidden_states, encoder_hidden_states)
+                or not fusable(hidden_states, qk_norm[0], qk_norm[1], cos, sin)):
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                 rotary)
+        weight_q, weight_k, eps = qk_norm
+        query, key, value, attention_mask = self.project(attn, hidden_states,
+                                                         encoder_hidden_states, attention_mask)
+        rope_after_heads = cos is not None and not self.rope_on_flat
+        if cos is None:
+            query = fb.rms_norm(query, weight_q, eps)
+            key = fb.rms_norm(key, weight_k, eps)
+        elif not rope_after_heads:
+            query, key = fb.qk_norm_rope(query, key, weight_q, weight_k, cos, sin, eps=eps,
+                                         across_heads=True, interleaved=True)
+        query = query.unflatten(2, (attn.heads, -1))
+        key = key.unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        if rope_after_heads:
+            query, key = fb.qk_norm_rope(query, key, weight_q, weight_k, cos, sin, eps=eps,
+                                         across_heads=True, interleaved=True)
+
+        hidden_states = dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=self.parallel_config(encoder_hidden_states))
+        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+        hidden_states = attn.to_out[0](hidden_states)
+        return attn.to_out[1](hidden_states)
 
 
 def original_processor(attn: torch.nn.Module):

@@ -24,19 +24,17 @@ Wan's rotary embedding already builds one ``[1, S, 1, D]`` table for the whole b
 from __future__ import annotations
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_wan import _get_qkv_projections
 
 from ... import functional as fb
 from .._common import original_forward, replace_forward
 from ._shared import (
-    FusedAttnProcessor,
+    TokenQKNormAttnProcessor,
     attention_unfusable,
     fusable,
     grad_needed,
     install_processor,
     mark_fused,
-    qk_norm_weights,
 )
 
 MODEL = "WanTransformer3DModel"
@@ -51,9 +49,10 @@ def applies(module: torch.nn.Module) -> bool:
 # --------------------------------------------------------------------------- attention
 
 
-class WanFusedAttnProcessor(FusedAttnProcessor):
-    """``WanAttnProcessor`` with the q/k RMSNorm and RoPE fused (self-attention) or the q/k
-    RMSNorm on fusebox (text cross-attention). Same call signature."""
+class WanFusedAttnProcessor(TokenQKNormAttnProcessor):
+    """``WanAttnProcessor`` with the q/k RMSNorm and RoPE fused (self-attention; the norm spans
+    all heads of a token, the [1, S, 1, D] table is shared by the heads) or the q/k RMSNorm on
+    fusebox (text cross-attention). Same call signature."""
 
     def __call__(
         self,
@@ -63,32 +62,13 @@ class WanFusedAttnProcessor(FusedAttnProcessor):
         attention_mask: torch.Tensor | None = None,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        cos, sin = rotary_emb if rotary_emb is not None else (None, None)
-        qk_norm = qk_norm_weights(attn, hidden_states)
-        if (qk_norm is None or grad_needed(attn, hidden_states, encoder_hidden_states)
-                or not fusable(hidden_states, qk_norm[0], qk_norm[1], cos, sin)):
-            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
-                                 rotary_emb)
-        weight_q, weight_k, eps = qk_norm
-        query, key, value = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
-        if cos is None:
-            query = fb.rms_norm(query, weight_q, eps)
-            key = fb.rms_norm(key, weight_k, eps)
-        query = query.unflatten(2, (attn.heads, -1))
-        key = key.unflatten(2, (attn.heads, -1))
-        value = value.unflatten(2, (attn.heads, -1))
-        if cos is not None:
-            # the norm spans all heads of a token; the [1, S, 1, D] table is shared by the heads
-            query, key = fb.qk_norm_rope(query, key, weight_q, weight_k, cos, sin, eps=eps,
-                                         across_heads=True, interleaved=True)
+        return self.run(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
 
-        hidden_states = dispatch_attention_fn(
-            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config if encoder_hidden_states is None else None)
-        hidden_states = hidden_states.flatten(2, 3).type_as(query)
-        hidden_states = attn.to_out[0](hidden_states)
-        return attn.to_out[1](hidden_states)
+    def project(self, attn, hidden_states, encoder_hidden_states, attention_mask):
+        return (*_get_qkv_projections(attn, hidden_states, encoder_hidden_states), attention_mask)
+
+    def parallel_config(self, encoder_hidden_states):
+        return self._parallel_config if encoder_hidden_states is None else None
 
 
 # --------------------------------------------------------------------------- block
