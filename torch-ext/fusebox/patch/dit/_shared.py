@@ -19,7 +19,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import FP32LayerNorm, RMSNorm
 
 from ... import functional as fb
-from .._common import has_hooks, needs_autograd
+from .._common import has_hooks, needs_autograd, replace_forward
 
 Tensor = torch.Tensor
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -376,3 +376,44 @@ def split_rotary(rotary: Optional[Tuple[Tensor, Tensor]], n: int):
         return None, None
     cos, sin = rotary
     return (cos[:n], sin[:n]), (cos[n:], sin[n:])
+
+
+# --------------------------------------------------------------------------- two-stream blocks
+
+
+def stream_tail(x: Tensor, attn_output: Tensor, gate_msa: Tensor, norm2: torch.nn.Module,
+                scale_mlp: Tensor, shift_mlp: Tensor, ff: torch.nn.Module,
+                gate_mlp: Tensor) -> Tensor:
+    """One stream of a double-stream block after its attention, with AdaLayerNormZero's
+    ``[B, D]`` terms: ``h = x + gate_msa * attn``, then
+    ``h + gate_mlp * ff(norm2(h) * (1 + scale_mlp) + shift_mlp)``."""
+    normed, x = gated_add_norm(x, attn_output, gate_msa.unsqueeze(1), norm2, scale_mlp[:, None],
+                               shift_mlp[:, None])
+    return gated_add(x, ff(normed), gate_mlp.unsqueeze(1))
+
+
+def single_stream_out(block: torch.nn.Module, residual: Tensor, attn_output: Tensor,
+                      mlp_hidden_states: Tensor, gate: Tensor) -> Tensor:
+    """``residual + gate * proj_out(cat(attn, mlp))`` of a single-stream block."""
+    hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
+    return gated_add(residual, block.proj_out(hidden_states), gate.unsqueeze(1))
+
+
+def patch_two_stream_model(model: torch.nn.Module, report, family: str, double_block,
+                           single_block, patch_attention: Callable) -> None:
+    """Patches the double-stream blocks (``double_block``: (class, fused forward)) and the
+    single-stream blocks (``single_block``: likewise) of ``model``; every other module goes to
+    ``patch_attention(path, module, report)``."""
+    report.family = family
+    for path, module in model.named_modules():
+        cls = type(module)
+        if cls is double_block[0]:
+            replace_forward(module, double_block[1], f"{family} double block")
+            report.add(path, module, "gated_residual_norm + gated_residual, both streams")
+            mark_fused(module.norm2, "the block's gated_residual_norm")
+            mark_fused(module.norm2_context, "the block's gated_residual_norm")
+        elif cls is single_block[0]:
+            replace_forward(module, single_block[1], f"{family} single block")
+            report.add(path, module, "linear + gelu_tanh(+bias), gated_residual")
+        else:
+            patch_attention(path, module, report)
