@@ -125,8 +125,10 @@ class TokenQKNormAttnProcessor(FusedAttnProcessor):
     """Base of the processors of attention modules whose q/k RMSNorm spans all heads of a token
     (LTX-Video, Wan): the q/k/v projections (:meth:`project`), q/k RMSNorm + interleaved RoPE
     in one ``qk_norm_rope`` launch (``rms_norm`` without tables), diffusers' attention
-    dispatch, then ``to_out``. Calls it cannot fuse run the original processor. A subclass
-    defines ``__call__`` with its diffusers processor's signature and calls :meth:`run`."""
+    dispatch, then ``to_out``. Calls it cannot fuse run the original processor. ``__call__``
+    has ``WanAttnProcessor``'s signature; a subclass for a processor whose parameters are named
+    otherwise redefines it (some attention modules filter keyword arguments by it) and calls
+    :meth:`run`."""
 
     # the RoPE tables index the flat [B, S, heads * head_dim] q/k (a frequency per channel)
     # rather than [B, S, H, D] q/k with a table shared by the heads
@@ -138,6 +140,16 @@ class TokenQKNormAttnProcessor(FusedAttnProcessor):
 
     def parallel_config(self, encoder_hidden_states):
         return self._parallel_config
+
+    def __call__(
+        self,
+        attn: torch.nn.Module,
+        hidden_states: Tensor,
+        encoder_hidden_states: Optional[Tensor] = None,
+        attention_mask: Optional[Tensor] = None,
+        rotary_emb: Optional[Tuple[Tensor, Tensor]] = None,
+    ) -> Tensor:
+        return self.run(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
 
     def run(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary):
         cos, sin = rotary if rotary is not None else (None, None)
@@ -170,6 +182,40 @@ class TokenQKNormAttnProcessor(FusedAttnProcessor):
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
         hidden_states = attn.to_out[0](hidden_states)
         return attn.to_out[1](hidden_states)
+
+
+def contains_class(module: torch.nn.Module, *class_names: str) -> bool:
+    """Is ``module`` or one of its submodules of a class named in ``class_names``?"""
+    return any(type(m).__name__ in class_names for m in module.modules())
+
+
+def patch_block(path: str, block: torch.nn.Module, report, why: str, forward: Callable,
+                tag: str, fused_norms, what: str) -> None:
+    """Replaces ``block``'s forward by ``forward`` (its children ``fused_norms``, by name, are
+    done by it) unless ``why`` says why it cannot be."""
+    if why:
+        report.skip(path, block, why)
+        return
+    replace_forward(block, forward, tag)
+    for child in fused_norms:
+        mark_fused(getattr(block, child), "the block's adaln / gated_residual_norm")
+    report.add(path, block, what)
+
+
+def patch_qk_norm_attention(path: str, attn: torch.nn.Module, report, processor_class: str,
+                            fused_class, what: str, why: str = "") -> str:
+    """Installs ``fused_class`` on an attention module whose processor is a ``processor_class``
+    with q/k ``torch.nn.RMSNorm`` norms, unless :func:`attention_unfusable` or ``why`` says
+    why not. Returns the reason it was left ("" when installed)."""
+    why = attention_unfusable(attn, processor_class) or why
+    if why:
+        report.skip(path, attn, why)
+        return why
+    install_processor(attn, fused_class)
+    for child in ("norm_q", "norm_k"):
+        mark_fused(getattr(attn, child), "the attention processor")
+    report.add(path, attn, what)
+    return ""
 
 
 def original_processor(attn: torch.nn.Module):

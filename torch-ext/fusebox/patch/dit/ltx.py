@@ -26,11 +26,11 @@ from ... import functional as fb
 from .._common import original_forward, replace_forward
 from ._shared import (
     TokenQKNormAttnProcessor,
-    attention_unfusable,
+    contains_class,
     fusable,
     grad_needed,
-    install_processor,
-    mark_fused,
+    patch_block,
+    patch_qk_norm_attention,
 )
 
 MODEL = "LTXVideoTransformer3DModel"
@@ -40,7 +40,7 @@ ROPE = "LTXVideoRotaryPosEmbed"
 
 
 def applies(module: torch.nn.Module) -> bool:
-    return any(type(m).__name__ in (MODEL, BLOCK) for m in module.modules())
+    return contains_class(module, MODEL, BLOCK)
 
 
 # --------------------------------------------------------------------------- attention
@@ -160,21 +160,10 @@ def patch(model: torch.nn.Module, report, **options) -> None:
             replace_forward(module, _rope_forward, "ltx rope")
             report.add(path, module, "one [1, S, D] cos/sin table for the batch (same grid)")
         elif kind == BLOCK:
-            why = _block_unfusable(module)
-            if why:
-                report.skip(path, module, why)
-                continue
-            replace_forward(module, _block_forward, "ltx block")
-            for child in ("norm1", "norm2"):
-                mark_fused(getattr(module, child), "the block's adaln / gated_residual_norm")
-            report.add(path, module, "adaln(rms) + gated_residual + gated_residual_norm(rms) + "
-                                     "gated_residual")
+            patch_block(path, module, report, _block_unfusable(module), _block_forward,
+                        "ltx block", ("norm1", "norm2"),
+                        "adaln(rms) + gated_residual + gated_residual_norm(rms) + gated_residual")
         elif kind == ATTENTION:
-            why = attention_unfusable(module, "LTXVideoAttnProcessor")
-            if why:
-                report.skip(path, module, why)
-                continue
-            install_processor(module, LTXFusedAttnProcessor)
-            for child in ("norm_q", "norm_k"):
-                mark_fused(getattr(module, child), "the attention processor")
-            report.add(path, module, "processor: qk_norm_rope(across heads, interleaved)")
+            patch_qk_norm_attention(path, module, report, "LTXVideoAttnProcessor",
+                                    LTXFusedAttnProcessor,
+                                    "processor: qk_norm_rope(across heads, interleaved)")

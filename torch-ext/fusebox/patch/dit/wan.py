@@ -27,23 +27,24 @@ import torch
 from diffusers.models.transformers.transformer_wan import _get_qkv_projections
 
 from ... import functional as fb
-from .._common import original_forward, replace_forward
+from .._common import original_forward
 from ._shared import (
     TokenQKNormAttnProcessor,
-    attention_unfusable,
+    contains_class,
     fusable,
     grad_needed,
-    install_processor,
-    mark_fused,
+    patch_block,
+    patch_qk_norm_attention,
 )
 
 MODEL = "WanTransformer3DModel"
 BLOCK = "WanTransformerBlock"
 ATTENTION = "WanAttention"
+IMAGE_CROSS_ATTENTION = "image cross-attention (I2V) keeps diffusers' processor"
 
 
 def applies(module: torch.nn.Module) -> bool:
-    return any(type(m).__name__ in (MODEL, BLOCK) for m in module.modules())
+    return contains_class(module, MODEL, BLOCK)
 
 
 # --------------------------------------------------------------------------- attention
@@ -52,17 +53,7 @@ def applies(module: torch.nn.Module) -> bool:
 class WanFusedAttnProcessor(TokenQKNormAttnProcessor):
     """``WanAttnProcessor`` with the q/k RMSNorm and RoPE fused (self-attention; the norm spans
     all heads of a token, the [1, S, 1, D] table is shared by the heads) or the q/k RMSNorm on
-    fusebox (text cross-attention). Same call signature."""
-
-    def __call__(
-        self,
-        attn: torch.nn.Module,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        return self.run(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+    fusebox (text cross-attention). Same call signature (the base class's)."""
 
     def project(self, attn, hidden_states, encoder_hidden_states, attention_mask):
         return (*_get_qkv_projections(attn, hidden_states, encoder_hidden_states), attention_mask)
@@ -138,29 +129,18 @@ def patch(model: torch.nn.Module, report, **options) -> None:
     for path, module in model.named_modules():
         kind = type(module).__name__
         if kind == BLOCK:
-            why = _block_unfusable(module)
-            if why:
-                report.skip(path, module, why)
-                continue
-            replace_forward(module, _block_forward, "wan block")
-            for child in ("norm1", "norm2", "norm3"):
-                if isinstance(getattr(module, child), torch.nn.LayerNorm):
-                    mark_fused(getattr(module, child), "the block's adaln / gated_residual_norm")
-            report.add(path, module, "adaln(layer, fp32 modulation) + gated_residual_norm(layer) "
-                                     "x2 + gated_residual")
+            norms = [c for c in ("norm1", "norm2", "norm3")
+                     if isinstance(getattr(module, c, None), torch.nn.LayerNorm)]
+            patch_block(path, module, report, _block_unfusable(module), _block_forward,
+                        "wan block", norms, "adaln(layer, fp32 modulation) + "
+                                            "gated_residual_norm(layer) x2 + gated_residual")
         elif kind == ATTENTION:
-            why = attention_unfusable(module, "WanAttnProcessor")
-            if not why and module.add_k_proj is not None:
-                image_cross_attention += 1
-                why = "image cross-attention (I2V) keeps diffusers' processor"
-            if why:
-                report.skip(path, module, why)
-                continue
-            install_processor(module, WanFusedAttnProcessor)
-            for child in ("norm_q", "norm_k"):
-                mark_fused(getattr(module, child), "the attention processor")
-            rope = "qk_norm_rope(across heads, interleaved)"
-            report.add(path, module, f"processor: {rope} (self) / rms_norm q, k (cross)")
+            image = getattr(module, "add_k_proj", None) is not None
+            why = patch_qk_norm_attention(
+                path, module, report, "WanAttnProcessor", WanFusedAttnProcessor,
+                "processor: qk_norm_rope(across heads, interleaved) (self) / rms_norm q, k "
+                "(cross)", why=IMAGE_CROSS_ATTENTION if image else "")
+            image_cross_attention += why == IMAGE_CROSS_ATTENTION
     if image_cross_attention:
         report.note("wan: image-conditioned cross-attention (I2V image tokens) runs diffusers' "
                     "processor")
