@@ -59,6 +59,12 @@ def test_layout_and_metadata(repo):
     assert raw["name"] == "fusebox" and raw["id"].isidentifier()
     assert raw["id"].startswith("_fusebox_")
     assert meta.id == raw["id"]
+    assert meta.name.python_name == "fusebox" and meta.python_depends == []
+    # the variant kernels resolves for this torch, as get_local_kernel does
+    from kernels.variants import get_variants_local, resolve_variant
+
+    chosen, _ = resolve_variant(get_variants_local(repo / "build"))
+    assert chosen is not None and chosen.variant_str == variant.name
     torch_tag = "torch" + "".join(torch.__version__.split("+")[0].split(".")[:2])
     assert variant.name.startswith(torch_tag + "-cxx11-")
     if torch.version.cuda:
