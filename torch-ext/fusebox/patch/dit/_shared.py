@@ -1,6 +1,8 @@
 """The fused pieces every DiT patcher builds on: when a fused path may run, the AdaLN /
 gated-residual / activation / q-k-norm + RoPE formulas as fusebox calls, the bookkeeping that
-marks the children a fused parent does the work of, and the attention-processor swap.
+marks the children a fused parent does the work of, the attention-processor swap (with the
+processor of attention whose q/k norm spans all heads: LTX-Video, Wan), the patch steps the
+families share, and the stream pieces of two-stream blocks (FLUX, HunyuanVideo).
 
 Each formula helper (``modulated_norm``, ``gated_add``, ``gated_add_norm``, ``linear_gelu``,
 ``norm_rope``) computes what the diffusers code writes; it takes the fused path when its
