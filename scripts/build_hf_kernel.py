@@ -2,7 +2,8 @@
 """Writes fusebox as a local HF ``kernels`` repository, in kernel-builder's build layout:
 
     <out>/build/torch211-cxx11-cu130-x86_64-linux/
-        metadata.json   name, id, version, license, backend (kernels >= 0.14 requires it)
+        metadata.json   name, id, version, license, python-depends, backend (kernels 0.16
+                        requires every one of them)
         __init__.py     the functional API, ``ops`` and ``layers``
         _ops.py         loads the operator library; ``ops``, ``add_op_namespace_prefix``
         _fusebox_C.so   the compiled operator library (CPU and CUDA kernels)

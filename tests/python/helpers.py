@@ -1,12 +1,15 @@
 """Shared test helpers: devices, dtype cases, tolerances, seeded inputs, strided views,
-allocator poisoning and the output check every test uses."""
+allocator poisoning and the output check every test uses; for the model patching tests, the
+fusebox operator counter, the fallback and offload-hook checks, and tiny transformers LLMs."""
 
 import contextlib
 import math
+from collections import Counter
 
 import pytest
 import torch
 import torch.utils.deterministic
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import reference
 
@@ -244,3 +247,105 @@ def rope_tables(gen, kind, layout, b, s, r, interleaved, dtype=F32, device="cpu"
     elif kind != "BS":
         raise ValueError(kind)
     return cos, sin
+
+
+# --------------------------------------------------------------------------- patched models
+
+
+class FuseboxOps(TorchDispatchMode):
+    """Counts the fusebox operators a region runs (``calls``: operator name -> count)."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "fusebox":
+            self.calls[func._opname] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def assert_patch_falls_back(model, run):
+    """``run(model)`` before and after :func:`fusebox.patch`: patched, it runs no fusebox
+    operator (every fused forward falls back) and gives the same output exactly. Returns the
+    patched output."""
+    import fusebox
+
+    ref = run(model)
+    fusebox.patch(model)
+    with FuseboxOps() as ops:
+        out = run(model)
+    assert not ops.calls, ops.calls
+    assert torch.equal(out, ref)
+    return out
+
+
+def offload_and_patch(model, order):
+    """accelerate's ``cpu_offload`` and :func:`fusebox.patch`, patch first when ``order``
+    starts with "patch", else offload first."""
+    import fusebox
+
+    accelerate = pytest.importorskip("accelerate")
+    if order.startswith("patch"):
+        fusebox.patch(model)
+        accelerate.cpu_offload(model, execution_device="cpu")
+    else:
+        accelerate.cpu_offload(model, execution_device="cpu")
+        fusebox.patch(model)
+
+
+def assert_unpatch_keeps_hooks(model, run, ref):
+    """:func:`fusebox.unpatch` puts the original forwards back inside accelerate's hooks,
+    whichever came first; ``run(model)`` then runs no fusebox operator and gives ``ref``."""
+    import fusebox
+    from fusebox.patch import _common
+
+    hooked = [m for m in model.modules() if "_hf_hook" in m.__dict__]
+    fusebox.unpatch(model)
+    assert not fusebox.is_patched(model)
+    for m in hooked:
+        assert "forward" in m.__dict__ and _common._is_original(m.__dict__.get("_old_forward"), m)
+    with FuseboxOps() as ops:
+        out = run(model)
+    assert not ops.calls
+    assert torch.equal(out, ref)
+
+
+# --------------------------------------------------------------------------- tiny LLMs
+
+LLM_VOCAB = 128
+_TINY_LLM = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=LLM_VOCAB,
+                 max_position_embeddings=256)
+# family -> (transformers config class name, extra config values)
+LLM_FAMILIES = {
+    "llama": ("LlamaConfig", {}),
+    "mistral": ("MistralConfig", {"sliding_window": 16}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "gemma": ("GemmaConfig", {"head_dim": 16}),
+    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8}),
+    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 8,
+                                    "layer_types": ["sliding_attention", "full_attention"]}),
+}
+
+
+def tiny_llm(family, dtype=torch.float32, device="cpu", **overrides):
+    """A 2-layer random transformers causal LM; norm weights get noise so (1 + w) and w both
+    matter."""
+    import transformers
+
+    cls_name, extra = LLM_FAMILIES[family]
+    config = getattr(transformers, cls_name)(**{**_TINY_LLM, **extra, **overrides})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.to(device=device, dtype=dtype)
+
+
+def token_ids(batch=2, seq=24, device="cpu"):
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, LLM_VOCAB, (batch, seq), generator=gen).to(device)

@@ -1,7 +1,9 @@
 """fusebox as an HF ``kernels`` repository: scripts/build_hf_kernel.py writes a build that
-``kernels.get_local_kernel`` loads, whose ``layers`` ``kernelize`` accepts in place of
-transformers' RMSNorm, activations and rotary function, and that transformers' KernelConfig
-maps to (the KernelConfig path itself only takes GPU devices: it runs where CUDA is)."""
+``kernels.get_local_kernel`` loads, whose ``layers`` ``kernelize`` puts in place of the
+transformers modules its ``use_kernel_forward_from_hub`` decorators name (RMSNorm, activations,
+the rotary function), through kernels' API and through transformers' own ``KernelConfig`` /
+``kernelize`` (``set_use_kernels`` builds mappings for GPU devices only: it runs where CUDA
+is)."""
 
 import importlib.util
 import json
@@ -14,10 +16,9 @@ kernels = pytest.importorskip("kernels")
 transformers = pytest.importorskip("transformers")
 
 import fusebox  # noqa: E402
-from helpers import DEVICES, HAS_CUDA  # noqa: E402
+from helpers import DEVICES, HAS_CUDA, rel_err, tiny_llm, token_ids  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build_hf_kernel.py"
-VOCAB = 128
 
 pytestmark = pytest.mark.skipif(fusebox.LOAD_ERROR is not None, reason="no operator library")
 
@@ -42,24 +43,7 @@ def kernel(repo):
 
 
 def tiny_llama(device, act="silu"):
-    config = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=VOCAB, hidden_act=act)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    return model.to(device)
-
-
-def token_ids(device):
-    return torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0)).to(device)
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
+    return tiny_llm("llama", device=device, hidden_act=act)
 
 
 # --------------------------------------------------------------------------- layout and loading
@@ -75,6 +59,12 @@ def test_layout_and_metadata(repo):
     assert raw["name"] == "fusebox" and raw["id"].isidentifier()
     assert raw["id"].startswith("_fusebox_")
     assert meta.id == raw["id"]
+    assert meta.name.python_name == "fusebox" and meta.python_depends == []
+    # the variant kernels resolves for this torch, as get_local_kernel does
+    from kernels.variants import get_variants_local, resolve_variant
+
+    chosen, _ = resolve_variant(get_variants_local(repo / "build"))
+    assert chosen is not None and chosen.variant_str == variant.name
     torch_tag = "torch" + "".join(torch.__version__.split("+")[0].split(".")[:2])
     assert variant.name.startswith(torch_tag + "-cxx11-")
     if torch.version.cuda:
@@ -122,39 +112,56 @@ def test_layers_are_kernelize_compatible(kernel):
 
 
 def _mapping(repo, device, mode, names):
+    """kernels' mapping (hub name -> device -> mode -> repository) to the local build's layers:
+    what ``KernelConfig.create_compatible_mapping`` builds for a GPU device."""
     return {hub: {device: {mode: kernels.LocalLayerRepository(repo_path=repo, layer_name=layer)}}
             for hub, layer in names.items()}
 
 
-def _transformers_uses_kernels() -> bool:
-    """transformers decorates its layers only with a kernels version inside its own window
-    (5.17: 0.16.x); otherwise its decorators are no-ops."""
-    from transformers.utils.import_utils import is_kernels_available
-
-    return is_kernels_available()
-
-
 @pytest.fixture
-def hub_names(monkeypatch):
-    """The hub names transformers' decorators give these classes, set with kernels' own API
-    when transformers left them undecorated (see _transformers_uses_kernels)."""
+def rotary_func():
+    """transformers' ``apply_rotary_pos_emb`` of Llama: one module shared by every Llama model
+    of the process, which ``kernelize`` changes in place; its own forward is put back after
+    the test."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    yield apply_rotary_pos_emb
+    apply_rotary_pos_emb.__dict__.pop("forward", None)
+
+
+# transformers' hub names -> layers of the build
+LLAMA_LAYERS = {"RMSNorm": "RMSNorm", "SiLU": "SiLU", "rotary_pos_emb": "RotaryPosEmb"}
+
+
+def _assert_llama_kernelized(model, kernel, rotary_func):
+    assert model.model.layers[0].input_layernorm.forward.__func__ is kernel.layers.RMSNorm.forward
+    assert model.model.norm.forward.__func__ is kernel.layers.RMSNorm.forward
+    assert model.model.layers[0].mlp.act_fn.forward.__func__ is kernel.layers.SiLU.forward
+    assert rotary_func.forward.__func__ is kernel.layers.RotaryPosEmb.forward
+
+
+def test_transformers_names_its_layers():
+    """With kernels inside transformers' window, its decorators are live: the modules carry
+    the hub names the mappings here use."""
     from transformers import activations
     from transformers.models.llama import modeling_llama
+    from transformers.utils.import_utils import is_kernels_available
 
-    for cls, name in ((modeling_llama.LlamaRMSNorm, "RMSNorm"),
-                      (activations.SiLUActivation, "SiLU"), (activations.GELUTanh, "GeluTanh")):
-        if getattr(cls, "kernel_layer_name", None) is None:
-            monkeypatch.setattr(cls, "kernel_layer_name", name, raising=False)
-
-
-LLAMA_LAYERS = {"RMSNorm": "RMSNorm", "SiLU": "SiLU"}
+    assert is_kernels_available()
+    assert modeling_llama.LlamaRMSNorm.kernel_layer_name == "RMSNorm"
+    assert activations.SiLUActivation.kernel_layer_name == "SiLU"
+    assert activations.GELUTanh.kernel_layer_name == "GeluTanh"
+    assert modeling_llama.apply_rotary_pos_emb.kernel_layer_name == "rotary_pos_emb"
+    attention = tiny_llama("cpu").model.layers[0].self_attn
+    assert attention.__dict__["_kernel_funcs"]["rotary_pos_emb"] is \
+        modeling_llama.apply_rotary_pos_emb
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("compile_mode", [False, True], ids=["inference", "inference+compile"])
-def test_kernelize_llama(repo, kernel, hub_names, device, compile_mode):
+def test_kernelize_llama(repo, kernel, rotary_func, device, compile_mode):
     model = tiny_llama(device)
-    ids = token_ids(device)
+    ids = token_ids(seq=16, device=device)
     with torch.no_grad():
         ref = model(ids).logits
     mode = kernels.Mode.INFERENCE
@@ -163,19 +170,17 @@ def test_kernelize_llama(repo, kernel, hub_names, device, compile_mode):
     with kernels.use_kernel_mapping(_mapping(repo, device, mode, LLAMA_LAYERS),
                                     inherit_mapping=False):
         kernels.kernelize(model, mode=mode, device=device)
-    assert model.model.layers[0].input_layernorm.forward.__func__ is kernel.layers.RMSNorm.forward
-    assert model.model.norm.forward.__func__ is kernel.layers.RMSNorm.forward
-    assert model.model.layers[0].mlp.act_fn.forward.__func__ is kernel.layers.SiLU.forward
+    _assert_llama_kernelized(model, kernel, rotary_func)
     with torch.no_grad():
-        assert rel(model(ids).logits, ref) < 1e-5
+        assert rel_err(model(ids).logits, ref) < 1e-5
         if compile_mode:
             compiled = torch.compile(model, fullgraph=True, backend="eager")
-            assert rel(compiled(ids).logits, ref) < 1e-5
+            assert rel_err(compiled(ids).logits, ref) < 1e-5
 
 
-def test_kernelize_gelu_tanh_activation(repo, kernel, hub_names):
+def test_kernelize_gelu_tanh_activation(repo, kernel):
     model = tiny_llama("cpu", act="gelu_pytorch_tanh")
-    ids = token_ids("cpu")
+    ids = token_ids(seq=16)
     with torch.no_grad():
         ref = model(ids).logits
     mode = kernels.Mode.INFERENCE
@@ -184,10 +189,10 @@ def test_kernelize_gelu_tanh_activation(repo, kernel, hub_names):
         kernels.kernelize(model, mode=mode, device="cpu")
     assert model.model.layers[0].mlp.act_fn.forward.__func__ is kernel.layers.GeluTanh.forward
     with torch.no_grad():
-        assert rel(model(ids).logits, ref) < 1e-5
+        assert rel_err(model(ids).logits, ref) < 1e-5
 
 
-def test_training_mode_is_refused(repo, hub_names):
+def test_training_mode_is_refused(repo):
     """The layers have no backward: kernels refuses them for a TRAINING registration."""
     model = tiny_llama("cpu").train()
     mode = kernels.Mode.TRAINING
@@ -208,8 +213,8 @@ def test_rotary_layer_matches_transformers(kernel, device, unsqueeze_dim):
     def kinds(fn):
         return [p.kind for p in inspect.signature(fn).parameters.values()]
 
-    host = getattr(apply_rotary_pos_emb, "forward", apply_rotary_pos_emb)
-    assert kinds(kernel.layers.RotaryPosEmb.forward)[-len(kinds(host)):] == kinds(host)
+    host = type(apply_rotary_pos_emb).forward     # kernels' module around the function
+    assert kinds(kernel.layers.RotaryPosEmb.forward) == kinds(host)
     gen = torch.Generator().manual_seed(0)
 
     def heads(n):   # GQA: q with 4 heads, k with 2
@@ -221,32 +226,54 @@ def test_rotary_layer_matches_transformers(kernel, device, unsqueeze_dim):
     cos, sin = torch.cat([angle, angle], -1).cos(), torch.cat([angle, angle], -1).sin()
     ref_q, ref_k = apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=unsqueeze_dim)
     out_q, out_k = kernel.layers.RotaryPosEmb()(q, k, cos, sin, unsqueeze_dim)
-    assert rel(out_q, ref_q) < 1e-6 and rel(out_k, ref_k) < 1e-6
+    assert rel_err(out_q, ref_q) < 1e-6 and rel_err(out_k, ref_k) < 1e-6
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(
-    not HAS_CUDA, reason="needs a CUDA device"))])
-def test_transformers_kernel_config(repo, kernel, hub_names, device):
-    """KernelConfig accepts the local mapping; transformers builds it for GPU devices only, and
-    applies it (``set_use_kernels``) only with a kernels version inside its window."""
+# --------------------------------------------------------------------------- transformers' path
+
+
+def _kernel_config(repo):
     from transformers import KernelConfig
 
-    model = tiny_llama(device)
-    config = KernelConfig({"RMSNorm": f"{repo}:RMSNorm", "SiLU": f"{repo}:SiLU"},
-                          use_local_kernel=True)
-    config.sanitize_kernel_mapping(model)
-    if device == "cpu":
-        with pytest.raises(ValueError, match="devices supported"):
-            config.create_compatible_mapping(model)
-        return
-    mapping = config.create_compatible_mapping(model)
-    assert mapping["RMSNorm"]["cuda"]
-    if not _transformers_uses_kernels():
-        pytest.skip("this transformers does not accept the installed kernels version")
-    ids = token_ids(device)
+    return KernelConfig({hub: f"{repo}:{layer}" for hub, layer in LLAMA_LAYERS.items()},
+                        use_local_kernel=True)
+
+
+def test_transformers_kernel_config_cpu(repo, kernel, rotary_func):
+    """transformers' own ``kernelize`` (what ``set_use_kernels`` runs) with a local
+    ``KernelConfig`` on CPU. ``create_compatible_mapping`` takes GPU devices only, so the
+    mapping it would build is given here for "cpu"; the rest is transformers' code."""
+    from transformers.integrations.hub_kernels import kernelize
+
+    model = tiny_llama("cpu")
+    ids = token_ids(seq=16)
     with torch.no_grad():
         ref = model(ids).logits
-    model.set_use_kernels(True, config)
-    assert model.model.norm.forward.__func__ is kernel.layers.RMSNorm.forward
+    config = _kernel_config(repo)
+    config.sanitize_kernel_mapping(model)     # every hub name is one the model registers
+    with pytest.raises(ValueError, match="devices supported"):
+        config.create_compatible_mapping(model)
+    config.kernel_mapping = _mapping(repo, "cpu", kernels.Mode.INFERENCE, LLAMA_LAYERS)
+    model.kernel_config = config
+    kernelize(model)
+    assert model.use_kernels
+    _assert_llama_kernelized(model, kernel, rotary_func)
     with torch.no_grad():
-        assert rel(model(ids).logits, ref) < 1e-5
+        assert rel_err(model(ids).logits, ref) < 1e-5
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="KernelConfig maps GPU devices only: needs CUDA")
+def test_transformers_set_use_kernels(repo, kernel, rotary_func):
+    """The whole transformers path: ``KernelConfig(..., use_local_kernel=True)`` and
+    ``model.set_use_kernels(True, config)``."""
+    model = tiny_llama("cuda")
+    ids = token_ids(seq=16, device="cuda")
+    with torch.no_grad():
+        ref = model(ids).logits
+    config = _kernel_config(repo)
+    model.set_use_kernels(True, config)
+    assert config.kernel_mapping["RMSNorm"]["cuda"]
+    _assert_llama_kernelized(model, kernel, rotary_func)
+    with torch.no_grad():
+        assert rel_err(model(ids).logits, ref) < 1e-5

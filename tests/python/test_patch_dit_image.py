@@ -9,7 +9,6 @@ from collections import Counter
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 pytest.importorskip("diffusers")
 
@@ -29,25 +28,15 @@ from diffusers.models.normalization import (  # noqa: E402
 )
 from fusebox.patch import _common  # noqa: E402
 from fusebox.patch.dit import _modules  # noqa: E402
+from helpers import (  # noqa: E402
+    FuseboxOps,
+    assert_patch_falls_back,
+    assert_unpatch_keeps_hooks,
+    offload_and_patch,
+    rel_err,
+)
 
 B = 2
-
-
-def rel(out, ref):
-    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-
-
-class FuseboxOps(TorchDispatchMode):
-    """Counts the fusebox operators a forward runs."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = Counter()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func.namespace == "fusebox":
-            self.calls[func._opname] += 1
-        return func(*args, **(kwargs or {}))
 
 
 # --------------------------------------------------------------------------- tiny models
@@ -159,7 +148,7 @@ def test_fp32_matches_unpatched(name, device):
     assert MODELS[name][2] <= set(ops.calls), ops.calls
     assert out.dtype == ref.dtype and out.shape == ref.shape
     # fp32 math everywhere; only the summation order differs
-    assert rel(out, ref) < 1e-5
+    assert rel_err(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
@@ -176,7 +165,7 @@ def test_half_within_eager_half_spread(name, dtype, device):
     assert patched.dtype == dtype
     # fused kernels round once where eager 16-bit code rounds after every op: the patched model
     # must sit inside the error that eager 16-bit itself makes against the fp32 model
-    assert rel(patched, ref) <= 1.5 * rel(eager, ref), (rel(patched, ref), rel(eager, ref))
+    assert rel_err(patched, ref) <= 1.5 * rel_err(eager, ref), (rel_err(patched, ref), rel_err(eager, ref))
 
 
 def _processors(model):
@@ -255,24 +244,14 @@ def test_processor_keeps_attention_backend():
 def test_autograd_falls_back_to_original():
     model, inputs = build("flux")
     inputs["hidden_states"].requires_grad_(True)
-    ref = model(**inputs, return_dict=False)[0]
-    fusebox.patch(model)
-    with FuseboxOps() as ops:
-        out = model(**inputs, return_dict=False)[0]
-    assert not ops.calls
-    assert torch.equal(out, ref)
+    out = assert_patch_falls_back(model, lambda m: m(**inputs, return_dict=False)[0])
     out.square().mean().backward()
     assert inputs["hidden_states"].grad is not None
 
 
 def test_float64_falls_back_to_original():
     model, inputs = build("hunyuan_video", dtype=torch.float64)
-    ref = forward(model, inputs)
-    fusebox.patch(model)
-    with FuseboxOps() as ops:
-        out = forward(model, inputs)
-    assert not ops.calls
-    assert torch.equal(out, ref)
+    assert_patch_falls_back(model, lambda m: forward(m, inputs))
 
 
 # --------------------------------------------------------------------------- hooks, compile
@@ -281,35 +260,17 @@ def test_float64_falls_back_to_original():
 @pytest.mark.parametrize("name", ["flux", "hunyuan_video"])
 @pytest.mark.parametrize("order", ["patch_then_offload", "offload_then_patch"])
 def test_cpu_offload_hooks_kept(name, order):
-    accelerate = pytest.importorskip("accelerate")
     model, inputs = build(name)
     ref = forward(model, inputs)
-    if order == "patch_then_offload":
-        fusebox.patch(model)
-        accelerate.cpu_offload(model, execution_device="cpu")
-    else:
-        accelerate.cpu_offload(model, execution_device="cpu")
-        fusebox.patch(model)
+    offload_and_patch(model, order)
     linear = model.proj_out
     assert "_hf_hook" in linear.__dict__
     assert linear.weight.device.type == "meta"      # offloaded: only the hook brings it in
     with FuseboxOps() as ops:
         out = forward(model, inputs)
     assert {"fused_norm", "gated_residual"} <= set(ops.calls)
-    assert rel(out, ref) < 1e-5
-    hooked = {n for n, m in model.named_modules() if "_hf_hook" in m.__dict__}
-    fusebox.unpatch(model)    # the originals go back inside the hooks, whichever came first
-    assert {n for n, m in model.named_modules() if _hook_wraps_forward(m)} == hooked
-    with FuseboxOps() as ops:
-        out = forward(model, inputs)
-    assert not ops.calls
-    assert torch.equal(out, ref)
-
-
-def _hook_wraps_forward(module):
-    """Is accelerate's hook still what ``module.forward`` runs, around the class forward?"""
-    return ("_hf_hook" in module.__dict__ and "forward" in module.__dict__
-            and _common._is_original(module.__dict__.get("_old_forward"), module))
+    assert rel_err(out, ref) < 1e-5
+    assert_unpatch_keeps_hooks(model, lambda m: forward(m, inputs), ref)
 
 
 def _block_cases(name, model, inputs, device):
@@ -404,7 +365,7 @@ def test_generic_module(case, device):
     assert ops.calls
     assert out.dtype == ref.dtype == out_dtype
     # in 16-bit, eager rounds intermediates that the fused op keeps in fp32
-    assert rel(out, ref) < (1e-5 if x_dtype == torch.float32 else 8e-3)
+    assert rel_err(out, ref) < (1e-5 if x_dtype == torch.float32 else 8e-3)
 
 
 def forward_module(module, *args):
@@ -425,7 +386,7 @@ def test_generic_ada_layer_norm_continuous(norm_type, device):
     with FuseboxOps() as ops:
         out = forward_module(module, x, cond)
     assert ops.calls == Counter({"fused_norm": 1})
-    assert rel(out, ref) < 1e-5
+    assert rel_err(out, ref) < 1e-5
 
 
 def test_generic_skips_what_it_cannot_fuse():
@@ -464,4 +425,4 @@ def test_generic_activation_fused_under_cpu_offload(activation_fn):
     with FuseboxOps() as ops:
         out = forward_module(module, x)
     assert ops.calls
-    assert rel(out, ref) < 1e-5
+    assert rel_err(out, ref) < 1e-5

@@ -4,9 +4,15 @@ hooks, autograd fallback, torch.compile of a patched block, and the e2e bench CL
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from helpers import DEVICES, rel_err
+from helpers import (
+    DEVICES,
+    FuseboxOps,
+    assert_patch_falls_back,
+    assert_unpatch_keeps_hooks,
+    offload_and_patch,
+    rel_err,
+)
 
 diffusers = pytest.importorskip("diffusers")
 
@@ -100,21 +106,6 @@ def build(case, device, dtype=torch.float32):
     return model, feed(device, dtype, **inputs)
 
 
-class FuseboxOps(TorchDispatchMode):
-    """Counts the fusebox operators a region runs."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts = {}
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name
-        if name.startswith("fusebox::"):
-            op = name.split("::")[1]
-            self.counts[op] = self.counts.get(op, 0) + 1
-        return func(*args, **(kwargs or {}))
-
-
 def run(model, kw):
     with torch.no_grad():
         return model(**kw)[0]
@@ -144,7 +135,7 @@ def test_fp32_patched_matches_unpatched(case, device):
     if case == "wan-i2v":   # the image cross-attention keeps diffusers' processor
         expected.pop("rms_norm")
     for op, n in expected.items():
-        assert ops.counts.get(op, 0) >= n, f"{op}: ran {ops.counts.get(op, 0)} times, expected {n}"
+        assert ops.calls.get(op, 0) >= n, f"{op}: ran {ops.calls.get(op, 0)} times, expected {n}"
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert rel_err(out, ref) < FP32_TOL
 
@@ -309,12 +300,7 @@ def test_attention_backend_reaches_the_replaced_processor():
 @pytest.mark.parametrize("case", ["ltx-t2v", "wan-t2v"])
 def test_autograd_falls_back(case):
     model, kw = build(case, "cpu")
-    ref = model(**kw)[0]
-    fusebox.patch(model)
-    with FuseboxOps() as ops:
-        out = model(**kw)[0]
-    assert not ops.counts, ops.counts        # every fused forward fell back
-    assert torch.equal(out, ref)
+    out = assert_patch_falls_back(model, lambda m: m(**kw)[0])   # every fused forward fell back
     out.sum().backward()
     assert all(p.grad is not None for p in model.transformer_blocks[0].parameters()) \
         if case.startswith("ltx") else model.blocks[0].scale_shift_table.grad is not None
@@ -322,12 +308,7 @@ def test_autograd_falls_back(case):
 
 def test_float64_falls_back():
     model, kw = build("ltx-i2v", "cpu", torch.float64)
-    ref = run(model, kw)
-    fusebox.patch(model)
-    with FuseboxOps() as ops:
-        out = run(model, kw)
-    assert not ops.counts
-    assert torch.equal(out, ref)
+    assert_patch_falls_back(model, lambda m: run(m, kw))
 
 
 # --------------------------------------------------------------------------- hooks
@@ -336,31 +317,16 @@ def test_float64_falls_back():
 @pytest.mark.parametrize("case", ["ltx-t2v", "wan-t2v"])
 @pytest.mark.parametrize("order", ["patch-then-offload", "offload-then-patch"])
 def test_accelerate_cpu_offload(case, order):
-    accelerate = pytest.importorskip("accelerate")
     model, kw = build(case, "cpu")
     ref = run(model, kw)
-    if order == "patch-then-offload":
-        fusebox.patch(model)
-        accelerate.cpu_offload(model, execution_device="cpu")
-    else:
-        accelerate.cpu_offload(model, execution_device="cpu")
-        fusebox.patch(model)
+    offload_and_patch(model, order)
     blocks = model.transformer_blocks if case.startswith("ltx") else model.blocks
     assert _common.has_hooks(blocks[0])
     with FuseboxOps() as ops:
         out = run(model, kw)
-    assert ops.counts.get("gated_residual", 0) >= 2 * len(blocks)   # the fused blocks ran
+    assert ops.calls.get("gated_residual", 0) >= 2 * len(blocks)   # the fused blocks ran
     assert rel_err(out, ref) < FP32_TOL
-    # unpatch puts the originals back inside the hooks, whichever came first
-    hooked = [m for m in model.modules() if "_hf_hook" in m.__dict__]
-    fusebox.unpatch(model)
-    assert not fusebox.is_patched(model)
-    for m in hooked:
-        assert "forward" in m.__dict__ and _common._is_original(m._old_forward, m)
-    with FuseboxOps() as ops:
-        out = run(model, kw)
-    assert not ops.counts
-    assert torch.equal(out, ref)
+    assert_unpatch_keeps_hooks(model, lambda m: run(m, kw), ref)
 
 
 @pytest.mark.parametrize("offload_type", ["block_level", "leaf_level"])
@@ -373,13 +339,13 @@ def test_diffusers_group_offload(offload_type):
                                **options)
     with FuseboxOps() as ops:
         out = run(model, kw)
-    assert ops.counts.get("gated_residual", 0) >= 4     # the fused blocks ran
+    assert ops.calls.get("gated_residual", 0) >= 4     # the fused blocks ran
     assert rel_err(out, ref) < FP32_TOL
     fusebox.unpatch(model)                              # the group offload hooks stay
     assert _common.has_hooks(model.transformer_blocks[0])
     with FuseboxOps() as ops:
         out = run(model, kw)
-    assert not ops.counts
+    assert not ops.calls
     assert torch.equal(out, ref)
 
 
@@ -408,7 +374,7 @@ def test_compiled_patched_block_fullgraph(case, device):
         compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
         with FuseboxOps() as ops:
             out = compiled(*args, **kwargs)
-    assert ops.counts.get("rotary", 0) >= 1
+    assert ops.calls.get("rotary", 0) >= 1
     assert rel_err(out, eager) < FP32_TOL
 
 
@@ -444,7 +410,7 @@ def test_wan_fused_qkv_projections():
     fusebox.patch(model)
     with FuseboxOps() as ops:
         out = run(model, kw)
-    assert ops.counts.get("rotary", 0) == 2
+    assert ops.calls.get("rotary", 0) == 2
     assert rel_err(out, ref) < FP32_TOL
 
 

@@ -12,46 +12,17 @@ transformers = pytest.importorskip("transformers")
 
 import fusebox  # noqa: E402
 from fusebox.patch import _common  # noqa: E402
-from helpers import DEVICES  # noqa: E402
+from helpers import (  # noqa: E402
+    DEVICES,
+    LLM_FAMILIES,
+    LLM_VOCAB,
+    rel_err,
+    tiny_llm,
+    token_ids,
+)
 
-VOCAB = 128
-_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=256)
-# family -> (config class name, extra config values)
-FAMILIES = {
-    "llama": ("LlamaConfig", {}),
-    "mistral": ("MistralConfig", {"sliding_window": 16}),
-    "qwen2": ("Qwen2Config", {}),
-    "qwen3": ("Qwen3Config", {"head_dim": 16}),
-    "gemma": ("GemmaConfig", {"head_dim": 16}),
-    "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8}),
-    "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 8,
-                                    "layer_types": ["sliding_attention", "full_attention"]}),
-}
 # what a full patch of a 2-layer model touches: every norm, MLP, attention and decoder layer
 FUSED_LAYER_KINDS = ("Attention", "DecoderLayer", "MLP", "RMSNorm")
-
-
-def tiny_model(family, dtype=torch.float32, device="cpu", **overrides):
-    """A 2-layer random model; norm weights get noise so (1 + w) and w both matter."""
-    cls_name, extra = FAMILIES[family]
-    config = getattr(transformers, cls_name)(**{**_TINY, **extra, **overrides})
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    return model.to(device=device, dtype=dtype)
-
-
-def token_ids(batch=2, seq=24, device="cpu"):
-    gen = torch.Generator().manual_seed(1)
-    return torch.randint(0, VOCAB, (batch, seq), generator=gen).to(device)
-
-
-def rel(a, b):
-    return float((a.double() - b.double()).norm() / b.double().norm())
 
 
 @torch.no_grad()
@@ -67,9 +38,9 @@ def fused_forwards(model):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(LLM_FAMILIES))
 def test_fp32_logits_match(family, device):
-    model = tiny_model(family, device=device)
+    model = tiny_llm(family, device=device)
     ids = token_ids(device=device)
     ref = logits(model, ids)
     report = fusebox.patch(model)
@@ -78,27 +49,27 @@ def test_fp32_logits_match(family, device):
         assert any(e.kind.endswith(kind) for e in report.patched), (kind, str(report))
     assert not report.skipped
     out = logits(model, ids)
-    assert rel(out, ref) < 1e-5
+    assert rel_err(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
 def test_bf16_within_bf16_spread(family, device):
     """bf16 patched is no further from the fp32 model than bf16 unpatched is."""
-    model32 = tiny_model(family, device=device)
+    model32 = tiny_llm(family, device=device)
     ids = token_ids(device=device)
     ref = logits(model32, ids)
     model16 = copy.deepcopy(model32).to(torch.bfloat16)
-    err_unpatched = rel(logits(model16, ids), ref)
+    err_unpatched = rel_err(logits(model16, ids), ref)
     fusebox.patch(model16)
-    err_patched = rel(logits(model16, ids), ref)
+    err_patched = rel_err(logits(model16, ids), ref)
     assert err_patched <= 1.5 * err_unpatched + 2e-3, (err_patched, err_unpatched)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(LLM_FAMILIES))
 def test_greedy_generate_same_tokens(family, device):
-    model = tiny_model(family, device=device)
+    model = tiny_llm(family, device=device)
     prompt = token_ids(batch=1, seq=6, device=device)
     kwargs = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, use_cache=True,
                   pad_token_id=0)
@@ -114,7 +85,7 @@ def test_greedy_generate_same_tokens(family, device):
 def test_eager_attention_returns_the_same_weights(family):
     """The attention interface of the config is used, and the patched attention returns what
     the original returns (attention probabilities with output_attentions)."""
-    model = tiny_model(family)
+    model = tiny_llm(family)
     model.set_attn_implementation("eager")
     ids = token_ids()
     with torch.no_grad():
@@ -123,7 +94,7 @@ def test_eager_attention_returns_the_same_weights(family):
         out = model(ids, output_attentions=True, output_hidden_states=True)
     assert len(out.attentions) == len(ref.attentions) == 2
     for a, b in zip(out.attentions + out.hidden_states, ref.attentions + ref.hidden_states):
-        assert rel(a, b) < 1e-5
+        assert rel_err(a, b) < 1e-5
 
 
 def test_fused_operators_run(monkeypatch):
@@ -138,7 +109,7 @@ def test_fused_operators_run(monkeypatch):
             calls[_name] = calls.get(_name, 0) + 1
             return _fn(*a, **k)
         monkeypatch.setattr(functional, name, counted)
-    model = tiny_model("qwen3")
+    model = tiny_llm("qwen3")
     fusebox.patch(model)
     logits(model, token_ids())
     # 2 layers: input norm each + final norm; one fused add+norm, qk-norm+rope, MLP per layer
@@ -150,7 +121,7 @@ def test_fused_operators_run(monkeypatch):
 
 
 def test_report_lists_patched_modules():
-    model = tiny_model("gemma3")
+    model = tiny_llm("gemma3")
     report = fusebox.patch(model)
     paths = {e.path: e.what for e in report.patched}
     assert paths["model.layers.0.self_attn"] == "qk_norm_rope"
@@ -162,7 +133,7 @@ def test_report_lists_patched_modules():
 
 
 def test_patch_twice_is_idempotent_and_unpatch_restores():
-    model = tiny_model("llama")
+    model = tiny_llm("llama")
     ids = token_ids()
     ref = logits(model, ids)
     before = {n: dict(m.__dict__) for n, m in model.named_modules()}
@@ -170,7 +141,7 @@ def test_patch_twice_is_idempotent_and_unpatch_restores():
     second = fusebox.patch(model)
     assert first.summary() == second.summary()
     assert fusebox.is_patched(model)
-    assert rel(logits(model, ids), ref) < 1e-5
+    assert rel_err(logits(model, ids), ref) < 1e-5
     assert fusebox.unpatch(model) == first.num_patched
     assert not fusebox.is_patched(model)
     after = {n: dict(m.__dict__) for n, m in model.named_modules()}
@@ -184,7 +155,7 @@ def test_patch_twice_is_idempotent_and_unpatch_restores():
 def test_module_with_a_foreign_forward_is_skipped():
     """A forward replaced by something fusebox does not know (e.g. kernels' kernelize) is
     left as it is and reported; the rest of the model is patched."""
-    model = tiny_model("llama")
+    model = tiny_llm("llama")
     ids = token_ids()
     ref = logits(model, ids)
     norm = model.model.norm
@@ -192,11 +163,11 @@ def test_module_with_a_foreign_forward_is_skipped():
     report = fusebox.patch(model)
     skipped = {e.path: e.what for e in report.skipped}
     assert "wrapped" in skipped["model.norm"] and report.num_patched == 10
-    assert rel(logits(model, ids), ref) < 1e-5
+    assert rel_err(logits(model, ids), ref) < 1e-5
 
 
 def test_unknown_model_untouched():
-    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=VOCAB,
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=LLM_VOCAB,
                                      n_positions=64)
     model = transformers.GPT2LMHeadModel(config).eval()
     ids = token_ids()
@@ -209,7 +180,7 @@ def test_unknown_model_untouched():
 
 def test_falcon_left_alone_and_reported():
     config = transformers.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                       vocab_size=VOCAB)
+                                       vocab_size=LLM_VOCAB)
     model = transformers.FalconForCausalLM(config).eval()
     ids = token_ids()
     ref = logits(model, ids)
@@ -233,12 +204,12 @@ def test_non_transformers_module_untouched():
 def test_move_after_patch(device):
     """Patched on the CPU in fp32, then moved and cast: the fused forwards read the moved
     weights."""
-    model = tiny_model("qwen2")
+    model = tiny_llm("qwen2")
     fusebox.patch(model)
     model.to(device=device, dtype=torch.bfloat16)
     ids = token_ids(device=device)
-    ref = tiny_model("qwen2", dtype=torch.bfloat16, device=device)
-    assert rel(logits(model, ids).float(), logits(ref, ids).float()) < 2e-2
+    ref = tiny_llm("qwen2", dtype=torch.bfloat16, device=device)
+    assert rel_err(logits(model, ids).float(), logits(ref, ids).float()) < 2e-2
 
 
 def _offload(model, how):
@@ -256,7 +227,7 @@ def _offload(model, how):
 @pytest.mark.parametrize("patch_first", [False, True], ids=["hooks-then-patch", "patch-then-hooks"])
 @pytest.mark.parametrize("how", ["cpu_offload", "dispatch_model"])
 def test_accelerate_hooks_survive(how, patch_first):
-    model = tiny_model("qwen3")
+    model = tiny_llm("qwen3")
     ids = token_ids()
     ref = logits(model, ids)
     if patch_first:
@@ -265,7 +236,7 @@ def test_accelerate_hooks_survive(how, patch_first):
     if not patch_first:
         fusebox.patch(model)
     assert "_hf_hook" in hooked.__dict__ and _common.is_patched(hooked)
-    assert rel(logits(model, ids), ref) < 1e-5
+    assert rel_err(logits(model, ids), ref) < 1e-5
     if not patch_first:
         fusebox.unpatch(model)
         assert "_hf_hook" in hooked.__dict__ and not fusebox.is_patched(model)
@@ -274,7 +245,7 @@ def test_accelerate_hooks_survive(how, patch_first):
 
 def test_unpatch_after_hooks_added_keeps_them():
     accelerate = pytest.importorskip("accelerate")
-    model = tiny_model("qwen3")
+    model = tiny_llm("qwen3")
     ids = token_ids()
     ref = logits(model, ids)
     fusebox.patch(model)
@@ -285,7 +256,7 @@ def test_unpatch_after_hooks_added_keeps_them():
 
 
 def test_training_with_grads_falls_back():
-    model = tiny_model("gemma3")
+    model = tiny_llm("gemma3")
     ids = token_ids()
     model.train()
     ref = model(ids).logits
@@ -297,13 +268,13 @@ def test_training_with_grads_falls_back():
 
 
 def test_inference_mode():
-    model = tiny_model("mistral")
+    model = tiny_llm("mistral")
     ids = token_ids()
     ref = logits(model, ids)
     fusebox.patch(model)
     with torch.inference_mode():
         out = model(ids).logits
-    assert rel(out, ref) < 1e-5
+    assert rel_err(out, ref) < 1e-5
 
 
 # --------------------------------------------------------------------------- torch.compile
@@ -311,7 +282,7 @@ def test_inference_mode():
 
 @pytest.mark.parametrize("family", ["llama", "gemma3"])
 def test_compile_fullgraph_no_graph_break(family):
-    model = tiny_model(family)
+    model = tiny_llm(family)
     ids = token_ids()
     ref = logits(model, ids)
     fusebox.patch(model)
@@ -322,7 +293,7 @@ def test_compile_fullgraph_no_graph_break(family):
     compiled = torch.compile(model, fullgraph=True, backend="eager")
     with torch.no_grad():
         out = compiled(ids).logits
-    assert rel(out, ref) < 1e-5
+    assert rel_err(out, ref) < 1e-5
 
 
 # --------------------------------------------------------------------------- e2e bench smoke

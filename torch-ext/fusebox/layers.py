@@ -48,72 +48,49 @@ def _rope(q, k, cos, sin, unsqueeze_dim):
     return F.rope(q, k, cos, sin, heads_first=unsqueeze_dim == 1)
 
 
-class RMSNorm(torch.nn.Module):
-    weight: torch.Tensor
-    variance_epsilon: float
+class _Layer(torch.nn.Module):
+    """The two flags ``kernelize`` reads; a layer adds only its ``forward``."""
 
     can_torch_compile: bool = True
     has_backward: bool = False
+
+
+def _layer(name: str, forward, doc: str) -> type:
+    return type(name, (_Layer,), {"forward": forward, "__doc__": doc, "__module__": __name__,
+                                  "__qualname__": name})
+
+
+def _activation_layer(name: str, kind: str) -> type:
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.activation(input, None, kind)
+    return _layer(name, forward, f"``{kind}(x)``.")
+
+
+def _packed_gate_layer(name: str, kind: str) -> type:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gated_activation_packed(x, kind, True)
+    return _layer(name, forward, f"``{kind}(x[..., :N]) * x[..., N:]`` of a packed [..., 2N] x.")
+
+
+class RMSNorm(_Layer):
+    weight: torch.Tensor
+    variance_epsilon: float
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         return _llama_rms_norm(hidden_states, self.weight, self.variance_epsilon)
 
 
-class SiLU(torch.nn.Module):
-    can_torch_compile: bool = True
-    has_backward: bool = False
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return F.activation(input, None, "silu")
-
-
-class GeLU(torch.nn.Module):
-    can_torch_compile: bool = True
-    has_backward: bool = False
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return F.activation(input, None, "gelu")
-
-
-class GeluTanh(torch.nn.Module):
-    can_torch_compile: bool = True
-    has_backward: bool = False
-
-    def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return F.activation(input, None, "gelu_tanh")
-
-
-class SiluAndMul(torch.nn.Module):
-    can_torch_compile: bool = True
-    has_backward: bool = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gated_activation_packed(x, "silu", True)
-
-
-class GeluAndMul(torch.nn.Module):
-    can_torch_compile: bool = True
-    has_backward: bool = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gated_activation_packed(x, "gelu", True)
-
-
-class GeluTanhAndMul(torch.nn.Module):
-    can_torch_compile: bool = True
-    has_backward: bool = False
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gated_activation_packed(x, "gelu_tanh", True)
-
-
-class RotaryPosEmb(torch.nn.Module):
-    can_torch_compile: bool = True
-    has_backward: bool = False
-
+class RotaryPosEmb(_Layer):
     def forward(self, q, k, cos, sin, unsqueeze_dim=1):
         return _rope(q, k, cos, sin, unsqueeze_dim)
 
+
+SiLU = _activation_layer("SiLU", "silu")
+GeLU = _activation_layer("GeLU", "gelu")
+GeluTanh = _activation_layer("GeluTanh", "gelu_tanh")
+SiluAndMul = _packed_gate_layer("SiluAndMul", "silu")
+GeluAndMul = _packed_gate_layer("GeluAndMul", "gelu")
+GeluTanhAndMul = _packed_gate_layer("GeluTanhAndMul", "gelu_tanh")
 
 __all__ = ["GeLU", "GeluAndMul", "GeluTanh", "GeluTanhAndMul", "RMSNorm", "RotaryPosEmb",
            "SiLU", "SiluAndMul"]

@@ -268,6 +268,20 @@ def _params(fn) -> Tuple[str, ...]:
     return tuple(inspect.signature(fn).parameters)
 
 
+def _attention_then_add_norm(self, fused_norm: torch.nn.Module, style: NormStyle,
+                             hidden_states: torch.Tensor, attention_out_norm=None,
+                             **attention_kwargs) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``norm1`` + self-attention, then the attention residual add and ``fused_norm`` in one
+    op (``attention_out_norm`` first normalizes the attention output, as Gemma2/3 do).
+    Returns ``(fused_norm(h), h)``."""
+    residual = hidden_states
+    hidden_states, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states),
+                                      **attention_kwargs)
+    if attention_out_norm is not None:
+        hidden_states = attention_out_norm(hidden_states)
+    return _add_norm(fused_norm, style, hidden_states, residual)
+
+
 def _make_prenorm_layer_forward(style: NormStyle) -> Callable:
     """Llama-style layer: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))`` with the
     attention add and norm2 fused."""
@@ -277,18 +291,11 @@ def _make_prenorm_layer_forward(style: NormStyle) -> Callable:
             return original_forward(self)(hidden_states, attention_mask, position_ids,
                                           past_key_values, use_cache, position_embeddings,
                                           **kwargs)
-        residual = hidden_states
-        hidden_states, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states),
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
-            position_embeddings=position_embeddings,
-            **kwargs,
-        )
-        normed, hidden_states = _add_norm(self.post_attention_layernorm, style, hidden_states,
-                                          residual)
+        normed, hidden_states = _attention_then_add_norm(
+            self, self.post_attention_layernorm, style, hidden_states,
+            attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, use_cache=use_cache,
+            position_embeddings=position_embeddings, **kwargs)
         return hidden_states + self.mlp(normed)
     return forward
 
@@ -301,17 +308,11 @@ def _make_sandwich_layer_forward(style: NormStyle) -> Callable:
         if not _fusable(hidden_states, self.pre_feedforward_layernorm.weight):
             return original_forward(self)(hidden_states, position_embeddings, attention_mask,
                                           position_ids, past_key_values, **kwargs)
-        residual = hidden_states
-        hidden_states, _ = self.self_attn(
-            hidden_states=self.input_layernorm(hidden_states),
-            position_embeddings=position_embeddings,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            past_key_values=past_key_values,
-            **kwargs,
-        )
-        normed, hidden_states = _add_norm(self.pre_feedforward_layernorm, style,
-                                          self.post_attention_layernorm(hidden_states), residual)
+        normed, hidden_states = _attention_then_add_norm(
+            self, self.pre_feedforward_layernorm, style, hidden_states,
+            self.post_attention_layernorm, position_embeddings=position_embeddings,
+            attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, **kwargs)
         return hidden_states + self.post_feedforward_layernorm(self.mlp(normed))
     return forward
 

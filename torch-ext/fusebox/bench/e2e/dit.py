@@ -54,91 +54,95 @@ def _gen():
 # --------------------------------------------------------------------------- inputs
 
 
-def _ltx_inputs(frames, height, width, batch=2, text=128, channels=128, caption=4096):
-    """LTX-Video latents: 8x temporal / 32x spatial VAE, batched CFG (batch 2)."""
+def _latent_inputs(latent_shape, text, timestep, text_dim=4096, **extra):
+    """``(device, dtype) -> forward kwargs``: latents ``latent_shape`` ([B, ...]) and text states
+    [B, text, text_dim] drawn from one seeded generator, the timestep (B copies of a number, or
+    a ``(device, dtype, gen) -> tensor``), then ``extra`` in order (values, or such callables,
+    drawn from the same generator)."""
+    batch = latent_shape[0]
+
+    def value(v, device, dtype, g):
+        return v(device, dtype, g) if callable(v) else v
+
     def make(device, dtype):
         g = _gen()
-        f, h, w = (frames - 1) // 8 + 1, height // 32, width // 32
-        return dict(
-            hidden_states=_randn(batch, f * h * w, channels, device=device, dtype=dtype, gen=g),
-            encoder_hidden_states=_randn(batch, text, caption, device=device, dtype=dtype, gen=g),
-            timestep=torch.full((batch,), 500.0, device=device),
-            encoder_attention_mask=torch.ones(batch, text, device=device),
-            num_frames=f, height=h, width=w, rope_interpolation_scale=(8 / 25, 32, 32),
-            return_dict=False)
+        inputs = dict(
+            hidden_states=_randn(*latent_shape, device=device, dtype=dtype, gen=g),
+            encoder_hidden_states=_randn(batch, text, text_dim, device=device, dtype=dtype,
+                                         gen=g))
+        inputs["timestep"] = (value(timestep, device, dtype, g) if callable(timestep)
+                              else torch.full((batch,), timestep, device=device))
+        inputs.update({name: value(v, device, dtype, g) for name, v in extra.items()})
+        return dict(inputs, return_dict=False)
     return make
+
+
+def _drawn(*shape):
+    """An extra input drawn from the generator, in the benchmark dtype."""
+    return lambda device, dtype, g: _randn(*shape, device=device, dtype=dtype, gen=g)
+
+
+def _filled(n, fill):
+    """``n`` copies of ``fill`` in the benchmark dtype."""
+    return lambda device, dtype, g: torch.full((n,), fill, device=device, dtype=dtype)
+
+
+def _mask(batch, text):
+    """An all-ones (no padding) fp32 text attention mask."""
+    return lambda device, dtype, g: torch.ones(batch, text, device=device)
+
+
+def _ltx_inputs(frames, height, width, batch=2, text=128, channels=128, caption=4096):
+    """LTX-Video latents: 8x temporal / 32x spatial VAE, batched CFG (batch 2)."""
+    f, h, w = (frames - 1) // 8 + 1, height // 32, width // 32
+    return _latent_inputs((batch, f * h * w, channels), text, 500.0, caption,
+                          encoder_attention_mask=_mask(batch, text), num_frames=f, height=h,
+                          width=w, rope_interpolation_scale=(8 / 25, 32, 32))
+
+
+def _flux_image_ids(h, w):
+    def ids(device, dtype, g):
+        rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3)
+        return img_ids.to(device=device, dtype=dtype)
+    return ids
 
 
 def _flux_inputs(size=1024, text=512):
-    def make(device, dtype):
-        g = _gen()
-        h = w = size // 16                     # 8x VAE, 2x2 packing
-        rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
-        img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3)
-        return dict(
-            hidden_states=_randn(1, h * w, 64, device=device, dtype=dtype, gen=g),
-            encoder_hidden_states=_randn(1, text, 4096, device=device, dtype=dtype, gen=g),
-            pooled_projections=_randn(1, 768, device=device, dtype=dtype, gen=g),
-            timestep=torch.full((1,), 0.5, device=device, dtype=dtype),
-            img_ids=img_ids.to(device=device, dtype=dtype),
-            txt_ids=torch.zeros(text, 3, device=device, dtype=dtype),
-            guidance=torch.full((1,), 3.5, device=device, dtype=dtype),
-            return_dict=False)
-    return make
+    h = w = size // 16                     # 8x VAE, 2x2 packing
+    return _latent_inputs(
+        (1, h * w, 64), text, _filled(1, 0.5), pooled_projections=_drawn(1, 768),
+        img_ids=_flux_image_ids(h, w),
+        txt_ids=lambda device, dtype, g: torch.zeros(text, 3, device=device, dtype=dtype),
+        guidance=_filled(1, 3.5))
+
+
+def _video_latents(frames, height, width):
+    """[1, 16, F, H, W] latents of a 4x temporal / 8x spatial VAE (Wan 2.1, HunyuanVideo)."""
+    return 1, 16, (frames - 1) // 4 + 1, height // 8, width // 8
 
 
 def _wan_inputs(frames, height, width, text=512):
-    """Wan 2.1 latents: 4x temporal / 8x spatial VAE, 16 channels, one CFG branch per forward."""
-    def make(device, dtype):
-        g = _gen()
-        f, h, w = (frames - 1) // 4 + 1, height // 8, width // 8
-        return dict(
-            hidden_states=_randn(1, 16, f, h, w, device=device, dtype=dtype, gen=g),
-            timestep=torch.full((1,), 500.0, device=device),
-            encoder_hidden_states=_randn(1, text, 4096, device=device, dtype=dtype, gen=g),
-            return_dict=False)
-    return make
+    """Wan 2.1 latents, one CFG branch per forward."""
+    return _latent_inputs(_video_latents(frames, height, width), text, 500.0)
 
 
 def _hunyuan_inputs(frames, height, width, text=256):
-    def make(device, dtype):
-        g = _gen()
-        f, h, w = (frames - 1) // 4 + 1, height // 8, width // 8
-        return dict(
-            hidden_states=_randn(1, 16, f, h, w, device=device, dtype=dtype, gen=g),
-            timestep=torch.full((1,), 500.0, device=device),
-            encoder_hidden_states=_randn(1, text, 4096, device=device, dtype=dtype, gen=g),
-            encoder_attention_mask=torch.ones(1, text, device=device),
-            pooled_projections=_randn(1, 768, device=device, dtype=dtype, gen=g),
-            guidance=torch.full((1,), 6000.0, device=device, dtype=dtype),
-            return_dict=False)
-    return make
+    return _latent_inputs(_video_latents(frames, height, width), text, 500.0,
+                          encoder_attention_mask=_mask(1, text),
+                          pooled_projections=_drawn(1, 768), guidance=_filled(1, 6000.0))
 
 
 def _sd3_inputs(size=1024, text=333):
     """SD3.5: 16-channel latents at 1/8, batched CFG, 77 CLIP + 256 T5 tokens."""
-    def make(device, dtype):
-        g = _gen()
-        return dict(
-            hidden_states=_randn(2, 16, size // 8, size // 8, device=device, dtype=dtype, gen=g),
-            encoder_hidden_states=_randn(2, text, 4096, device=device, dtype=dtype, gen=g),
-            pooled_projections=_randn(2, 2048, device=device, dtype=dtype, gen=g),
-            timestep=torch.full((2,), 500.0, device=device),
-            return_dict=False)
-    return make
+    return _latent_inputs((2, 16, size // 8, size // 8), text, 500.0,
+                          pooled_projections=_drawn(2, 2048))
 
 
 def _pixart_inputs(size=1024, text=300):
-    def make(device, dtype):
-        g = _gen()
-        return dict(
-            hidden_states=_randn(2, 4, size // 8, size // 8, device=device, dtype=dtype, gen=g),
-            encoder_hidden_states=_randn(2, text, 4096, device=device, dtype=dtype, gen=g),
-            timestep=torch.full((2,), 500, device=device, dtype=torch.long),
-            added_cond_kwargs={"resolution": None, "aspect_ratio": None},
-            encoder_attention_mask=torch.ones(2, text, device=device),
-            return_dict=False)
-    return make
+    return _latent_inputs((2, 4, size // 8, size // 8), text, 500,   # an integer timestep
+                          added_cond_kwargs={"resolution": None, "aspect_ratio": None},
+                          encoder_attention_mask=_mask(2, text))
 
 
 # --------------------------------------------------------------------------- models

@@ -1,6 +1,8 @@
 """The fused pieces every DiT patcher builds on: when a fused path may run, the AdaLN /
 gated-residual / activation / q-k-norm + RoPE formulas as fusebox calls, the bookkeeping that
-marks the children a fused parent does the work of, and the attention-processor swap.
+marks the children a fused parent does the work of, the attention-processor swap (with the
+processor of attention whose q/k norm spans all heads: LTX-Video, Wan), the patch steps the
+families share, and the stream pieces of two-stream blocks (FLUX, HunyuanVideo).
 
 Each formula helper (``modulated_norm``, ``gated_add``, ``gated_add_norm``, ``linear_gelu``,
 ``norm_rope``) computes what the diffusers code writes; it takes the fused path when its
@@ -14,11 +16,12 @@ import functools
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
+from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import FP32LayerNorm, RMSNorm
 
 from ... import functional as fb
-from .._common import has_hooks, needs_autograd
+from .._common import has_hooks, needs_autograd, replace_forward
 
 Tensor = torch.Tensor
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -118,6 +121,103 @@ class FusedAttnProcessor:
     @_parallel_config.setter
     def _parallel_config(self, value):
         self.original._parallel_config = value
+
+
+class TokenQKNormAttnProcessor(FusedAttnProcessor):
+    """Base of the processors of attention modules whose q/k RMSNorm spans all heads of a token
+    (LTX-Video, Wan): the q/k/v projections (:meth:`project`), q/k RMSNorm + interleaved RoPE
+    in one ``qk_norm_rope`` launch (``rms_norm`` without tables), diffusers' attention
+    dispatch, then ``to_out``. Calls it cannot fuse run the original processor. ``__call__``
+    has ``WanAttnProcessor``'s signature; a subclass for a processor whose parameters are named
+    otherwise redefines it (some attention modules filter keyword arguments by it) and calls
+    :meth:`run`."""
+
+    # the RoPE tables index the flat [B, S, heads * head_dim] q/k (a frequency per channel)
+    # rather than [B, S, H, D] q/k with a table shared by the heads
+    rope_on_flat = False
+
+    def project(self, attn, hidden_states, encoder_hidden_states, attention_mask):
+        """(query, key, value, attention mask as dispatch takes it); q/k/v ``[B, S, H * D]``."""
+        raise NotImplementedError
+
+    def parallel_config(self, encoder_hidden_states):
+        return self._parallel_config
+
+    def __call__(
+        self,
+        attn: torch.nn.Module,
+        hidden_states: Tensor,
+        encoder_hidden_states: Optional[Tensor] = None,
+        attention_mask: Optional[Tensor] = None,
+        rotary_emb: Optional[Tuple[Tensor, Tensor]] = None,
+    ) -> Tensor:
+        return self.run(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
+
+    def run(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary):
+        cos, sin = rotary if rotary is not None else (None, None)
+        qk_norm = qk_norm_weights(attn, hidden_states)
+        if (qk_norm is None or grad_needed(attn, hidden_states, encoder_hidden_states)
+                or not fusable(hidden_states, qk_norm[0], qk_norm[1], cos, sin)):
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                 rotary)
+        weight_q, weight_k, eps = qk_norm
+        query, key, value, attention_mask = self.project(attn, hidden_states,
+                                                         encoder_hidden_states, attention_mask)
+        rope_after_heads = cos is not None and not self.rope_on_flat
+        if cos is None:
+            query = fb.rms_norm(query, weight_q, eps)
+            key = fb.rms_norm(key, weight_k, eps)
+        elif not rope_after_heads:
+            query, key = fb.qk_norm_rope(query, key, weight_q, weight_k, cos, sin, eps=eps,
+                                         across_heads=True, interleaved=True)
+        query = query.unflatten(2, (attn.heads, -1))
+        key = key.unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        if rope_after_heads:
+            query, key = fb.qk_norm_rope(query, key, weight_q, weight_k, cos, sin, eps=eps,
+                                         across_heads=True, interleaved=True)
+
+        hidden_states = dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=self.parallel_config(encoder_hidden_states))
+        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+        hidden_states = attn.to_out[0](hidden_states)
+        return attn.to_out[1](hidden_states)
+
+
+def contains_class(module: torch.nn.Module, *class_names: str) -> bool:
+    """Is ``module`` or one of its submodules of a class named in ``class_names``?"""
+    return any(type(m).__name__ in class_names for m in module.modules())
+
+
+def patch_block(path: str, block: torch.nn.Module, report, why: str, forward: Callable,
+                tag: str, fused_norms, what: str) -> None:
+    """Replaces ``block``'s forward by ``forward`` (its children ``fused_norms``, by name, are
+    done by it) unless ``why`` says why it cannot be."""
+    if why:
+        report.skip(path, block, why)
+        return
+    replace_forward(block, forward, tag)
+    for child in fused_norms:
+        mark_fused(getattr(block, child), "the block's adaln / gated_residual_norm")
+    report.add(path, block, what)
+
+
+def patch_qk_norm_attention(path: str, attn: torch.nn.Module, report, processor_class: str,
+                            fused_class, what: str, why: str = "") -> str:
+    """Installs ``fused_class`` on an attention module whose processor is a ``processor_class``
+    with q/k ``torch.nn.RMSNorm`` norms, unless :func:`attention_unfusable` or ``why`` says
+    why not. Returns the reason it was left ("" when installed)."""
+    why = attention_unfusable(attn, processor_class) or why
+    if why:
+        report.skip(path, attn, why)
+        return why
+    install_processor(attn, fused_class)
+    for child in ("norm_q", "norm_k"):
+        mark_fused(getattr(attn, child), "the attention processor")
+    report.add(path, attn, what)
+    return ""
 
 
 def original_processor(attn: torch.nn.Module):
@@ -324,3 +424,44 @@ def split_rotary(rotary: Optional[Tuple[Tensor, Tensor]], n: int):
         return None, None
     cos, sin = rotary
     return (cos[:n], sin[:n]), (cos[n:], sin[n:])
+
+
+# --------------------------------------------------------------------------- two-stream blocks
+
+
+def stream_tail(x: Tensor, attn_output: Tensor, gate_msa: Tensor, norm2: torch.nn.Module,
+                scale_mlp: Tensor, shift_mlp: Tensor, ff: torch.nn.Module,
+                gate_mlp: Tensor) -> Tensor:
+    """One stream of a double-stream block after its attention, with AdaLayerNormZero's
+    ``[B, D]`` terms: ``h = x + gate_msa * attn``, then
+    ``h + gate_mlp * ff(norm2(h) * (1 + scale_mlp) + shift_mlp)``."""
+    normed, x = gated_add_norm(x, attn_output, gate_msa.unsqueeze(1), norm2, scale_mlp[:, None],
+                               shift_mlp[:, None])
+    return gated_add(x, ff(normed), gate_mlp.unsqueeze(1))
+
+
+def single_stream_out(block: torch.nn.Module, residual: Tensor, attn_output: Tensor,
+                      mlp_hidden_states: Tensor, gate: Tensor) -> Tensor:
+    """``residual + gate * proj_out(cat(attn, mlp))`` of a single-stream block."""
+    hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
+    return gated_add(residual, block.proj_out(hidden_states), gate.unsqueeze(1))
+
+
+def patch_two_stream_model(model: torch.nn.Module, report, family: str, double_block,
+                           single_block, patch_attention: Callable) -> None:
+    """Patches the double-stream blocks (``double_block``: (class, fused forward)) and the
+    single-stream blocks (``single_block``: likewise) of ``model``; every other module goes to
+    ``patch_attention(path, module, report)``."""
+    report.family = family
+    for path, module in model.named_modules():
+        cls = type(module)
+        if cls is double_block[0]:
+            replace_forward(module, double_block[1], f"{family} double block")
+            report.add(path, module, "gated_residual_norm + gated_residual, both streams")
+            mark_fused(module.norm2, "the block's gated_residual_norm")
+            mark_fused(module.norm2_context, "the block's gated_residual_norm")
+        elif cls is single_block[0]:
+            replace_forward(module, single_block[1], f"{family} single block")
+            report.add(path, module, "linear + gelu_tanh(+bias), gated_residual")
+        else:
+            patch_attention(path, module, report)

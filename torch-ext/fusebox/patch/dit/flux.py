@@ -27,17 +27,16 @@ from diffusers.models.transformers.transformer_flux import (
     _get_qkv_projections,
 )
 
-from .._common import replace_forward
 from ._shared import (
     FusedAttnProcessor,
-    gated_add,
-    gated_add_norm,
     install_processor,
     linear_act,
-    mark_fused,
     norm_rope,
     original_processor,
+    patch_two_stream_model,
+    single_stream_out,
     split_rotary,
+    stream_tail,
 )
 
 FAMILY = "flux"
@@ -107,19 +106,13 @@ def _double_block_forward(self, hidden_states, encoder_hidden_states, temb,
     )
     attn_output, context_attn_output = attention_outputs[0], attention_outputs[1]
 
-    norm_hidden_states, hidden_states = gated_add_norm(
-        hidden_states, attn_output, gate_msa.unsqueeze(1), self.norm2,
-        scale_mlp[:, None], shift_mlp[:, None])
-    hidden_states = gated_add(hidden_states, self.ff(norm_hidden_states), gate_mlp.unsqueeze(1))
+    hidden_states = stream_tail(hidden_states, attn_output, gate_msa, self.norm2, scale_mlp,
+                                shift_mlp, self.ff, gate_mlp)
     if len(attention_outputs) == 3:   # IP-adapter processors add a third output
         hidden_states = hidden_states + attention_outputs[2]
-
-    norm_encoder_hidden_states, encoder_hidden_states = gated_add_norm(
-        encoder_hidden_states, context_attn_output, c_gate_msa.unsqueeze(1), self.norm2_context,
-        c_scale_mlp[:, None], c_shift_mlp[:, None])
-    encoder_hidden_states = gated_add(encoder_hidden_states,
-                                      self.ff_context(norm_encoder_hidden_states),
-                                      c_gate_mlp.unsqueeze(1))
+    encoder_hidden_states = stream_tail(encoder_hidden_states, context_attn_output, c_gate_msa,
+                                        self.norm2_context, c_scale_mlp, c_shift_mlp,
+                                        self.ff_context, c_gate_mlp)
     if encoder_hidden_states.dtype == torch.float16:
         encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
     return encoder_hidden_states, hidden_states
@@ -140,8 +133,7 @@ def _single_block_forward(self, hidden_states, encoder_hidden_states, temb,
         **joint_attention_kwargs,
     )
 
-    hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
-    hidden_states = gated_add(residual, self.proj_out(hidden_states), gate.unsqueeze(1))
+    hidden_states = single_stream_out(self, residual, attn_output, mlp_hidden_states, gate)
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
 
@@ -150,22 +142,18 @@ def _single_block_forward(self, hidden_states, encoder_hidden_states, temb,
     return encoder_hidden_states, hidden_states
 
 
+def _patch_attention(path, module, report) -> None:
+    if type(module) is not FluxAttention:
+        return
+    processor = original_processor(module)
+    if type(processor) is not FluxAttnProcessor:
+        report.skip(path, module, f"processor {type(processor).__name__} kept")
+        return
+    install_processor(module, FluxFusedAttnProcessor)
+    report.add(path, module, "qk_norm_rope per head (interleaved), per stream")
+
+
 def patch(model: torch.nn.Module, report, **options) -> None:
-    report.family = FAMILY
-    for path, module in model.named_modules():
-        cls = type(module)
-        if cls is FluxTransformerBlock:
-            replace_forward(module, _double_block_forward, "flux double block")
-            report.add(path, module, "gated_residual_norm + gated_residual, both streams")
-            mark_fused(module.norm2, "the block's gated_residual_norm")
-            mark_fused(module.norm2_context, "the block's gated_residual_norm")
-        elif cls is FluxSingleTransformerBlock:
-            replace_forward(module, _single_block_forward, "flux single block")
-            report.add(path, module, "linear + gelu_tanh(+bias), gated_residual")
-        elif cls is FluxAttention:
-            processor = original_processor(module)
-            if type(processor) is not FluxAttnProcessor:
-                report.skip(path, module, f"processor {type(processor).__name__} kept")
-                continue
-            install_processor(module, FluxFusedAttnProcessor)
-            report.add(path, module, "qk_norm_rope per head (interleaved), per stream")
+    patch_two_stream_model(model, report, FAMILY,
+                           (FluxTransformerBlock, _double_block_forward),
+                           (FluxSingleTransformerBlock, _single_block_forward), _patch_attention)

@@ -27,18 +27,18 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
     HunyuanVideoTransformerBlock,
 )
 
-from .._common import replace_forward
 from ._shared import (
     FusedAttnProcessor,
     fusable,
-    gated_add,
-    gated_add_norm,
     grad_needed,
     install_processor,
     linear_act,
     mark_fused,
     norm_rope,
     original_processor,
+    patch_two_stream_model,
+    single_stream_out,
+    stream_tail,
 )
 
 FAMILY = "hunyuan-video"
@@ -120,17 +120,11 @@ def _double_block_forward(self, hidden_states, encoder_hidden_states, temb, atte
         image_rotary_emb=freqs_cis,
     )
 
-    norm_hidden_states, hidden_states = gated_add_norm(
-        hidden_states, attn_output, gate_msa.unsqueeze(1), self.norm2, scale_mlp[:, None],
-        shift_mlp[:, None])
-    norm_encoder_hidden_states, encoder_hidden_states = gated_add_norm(
-        encoder_hidden_states, context_attn_output, c_gate_msa.unsqueeze(1), self.norm2_context,
-        c_scale_mlp[:, None], c_shift_mlp[:, None])
-
-    hidden_states = gated_add(hidden_states, self.ff(norm_hidden_states), gate_mlp.unsqueeze(1))
-    encoder_hidden_states = gated_add(encoder_hidden_states,
-                                      self.ff_context(norm_encoder_hidden_states),
-                                      c_gate_mlp.unsqueeze(1))
+    hidden_states = stream_tail(hidden_states, attn_output, gate_msa, self.norm2, scale_mlp,
+                                shift_mlp, self.ff, gate_mlp)
+    encoder_hidden_states = stream_tail(encoder_hidden_states, context_attn_output, c_gate_msa,
+                                        self.norm2_context, c_scale_mlp, c_shift_mlp,
+                                        self.ff_context, c_gate_mlp)
     return hidden_states, encoder_hidden_states
 
 
@@ -151,27 +145,23 @@ def _single_block_forward(self, hidden_states, encoder_hidden_states, temb, atte
     )
     attn_output = torch.cat([attn_output, context_attn_output], dim=1)
 
-    hidden_states = torch.cat([attn_output, mlp_hidden_states], dim=2)
-    hidden_states = gated_add(residual, self.proj_out(hidden_states), gate.unsqueeze(1))
+    hidden_states = single_stream_out(self, residual, attn_output, mlp_hidden_states, gate)
     return hidden_states[:, :-text_seq_length, :], hidden_states[:, -text_seq_length:, :]
 
 
+def _patch_attention(path, module, report) -> None:
+    if type(original_processor(module)) is not HunyuanVideoAttnProcessor2_0:
+        return
+    install_processor(module, HunyuanVideoFusedAttnProcessor)
+    report.add(path, module, "qk_norm_rope per head (interleaved) on video tokens")
+    for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+        norm = getattr(module, name, None)
+        if norm is not None:
+            mark_fused(norm, "the attention processor")
+
+
 def patch(model: torch.nn.Module, report, **options) -> None:
-    report.family = FAMILY
-    for path, module in model.named_modules():
-        cls = type(module)
-        if cls is HunyuanVideoTransformerBlock:
-            replace_forward(module, _double_block_forward, "hunyuan-video double block")
-            report.add(path, module, "gated_residual_norm + gated_residual, both streams")
-            mark_fused(module.norm2, "the block's gated_residual_norm")
-            mark_fused(module.norm2_context, "the block's gated_residual_norm")
-        elif cls is HunyuanVideoSingleTransformerBlock:
-            replace_forward(module, _single_block_forward, "hunyuan-video single block")
-            report.add(path, module, "linear + gelu_tanh(+bias), gated_residual")
-        elif type(original_processor(module)) is HunyuanVideoAttnProcessor2_0:
-            install_processor(module, HunyuanVideoFusedAttnProcessor)
-            report.add(path, module, "qk_norm_rope per head (interleaved) on video tokens")
-            for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
-                norm = getattr(module, name, None)
-                if norm is not None:
-                    mark_fused(norm, "the attention processor")
+    patch_two_stream_model(model, report, FAMILY,
+                           (HunyuanVideoTransformerBlock, _double_block_forward),
+                           (HunyuanVideoSingleTransformerBlock, _single_block_forward),
+                           _patch_attention)

@@ -21,18 +21,16 @@ module pass; the output modulation after ``norm_out`` runs eagerly.
 from __future__ import annotations
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 
 from ... import functional as fb
 from .._common import original_forward, replace_forward
 from ._shared import (
-    FusedAttnProcessor,
-    attention_unfusable,
+    TokenQKNormAttnProcessor,
+    contains_class,
     fusable,
     grad_needed,
-    install_processor,
-    mark_fused,
-    qk_norm_weights,
+    patch_block,
+    patch_qk_norm_attention,
 )
 
 MODEL = "LTXVideoTransformer3DModel"
@@ -42,15 +40,19 @@ ROPE = "LTXVideoRotaryPosEmbed"
 
 
 def applies(module: torch.nn.Module) -> bool:
-    return any(type(m).__name__ in (MODEL, BLOCK) for m in module.modules())
+    return contains_class(module, MODEL, BLOCK)
 
 
 # --------------------------------------------------------------------------- attention
 
 
-class LTXFusedAttnProcessor(FusedAttnProcessor):
+class LTXFusedAttnProcessor(TokenQKNormAttnProcessor):
     """``LTXVideoAttnProcessor`` with q/k RMSNorm and RoPE fused. Same call signature (LTXAttention
     filters keyword arguments by it)."""
+
+    # one "head" of width heads * head_dim: the norm spans all heads and the tables hold a
+    # frequency per channel
+    rope_on_flat = True
 
     def __call__(
         self,
@@ -60,13 +62,10 @@ class LTXFusedAttnProcessor(FusedAttnProcessor):
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        cos, sin = image_rotary_emb if image_rotary_emb is not None else (None, None)
-        qk_norm = qk_norm_weights(attn, hidden_states)
-        if (qk_norm is None or grad_needed(attn, hidden_states, encoder_hidden_states)
-                or not fusable(hidden_states, qk_norm[0], qk_norm[1], cos, sin)):
-            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
-                                 image_rotary_emb)
-        weight_q, weight_k, eps = qk_norm
+        return self.run(attn, hidden_states, encoder_hidden_states, attention_mask,
+                        image_rotary_emb)
+
+    def project(self, attn, hidden_states, encoder_hidden_states, attention_mask):
         context = hidden_states if encoder_hidden_states is None else encoder_hidden_states
         batch_size, sequence_length, _ = context.shape
         if attention_mask is not None:
@@ -74,28 +73,7 @@ class LTXFusedAttnProcessor(FusedAttnProcessor):
                                                          batch_size)
             attention_mask = attention_mask.view(batch_size, attn.heads, -1,
                                                  attention_mask.shape[-1])
-
-        query = attn.to_q(hidden_states)
-        key = attn.to_k(context)
-        value = attn.to_v(context)
-        if cos is not None:
-            # one "head" of width heads * head_dim: the norm spans all heads and the tables
-            # hold a frequency per channel
-            query, key = fb.qk_norm_rope(query, key, weight_q, weight_k, cos, sin, eps=eps,
-                                         across_heads=True, interleaved=True)
-        else:
-            query = fb.rms_norm(query, weight_q, eps)
-            key = fb.rms_norm(key, weight_k, eps)
-
-        query = query.unflatten(2, (attn.heads, -1))
-        key = key.unflatten(2, (attn.heads, -1))
-        value = value.unflatten(2, (attn.heads, -1))
-        hidden_states = dispatch_attention_fn(
-            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
-            backend=self._attention_backend, parallel_config=self._parallel_config)
-        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
-        hidden_states = attn.to_out[0](hidden_states)
-        return attn.to_out[1](hidden_states)
+        return attn.to_q(hidden_states), attn.to_k(context), attn.to_v(context), attention_mask
 
 
 # --------------------------------------------------------------------------- block
@@ -182,21 +160,10 @@ def patch(model: torch.nn.Module, report, **options) -> None:
             replace_forward(module, _rope_forward, "ltx rope")
             report.add(path, module, "one [1, S, D] cos/sin table for the batch (same grid)")
         elif kind == BLOCK:
-            why = _block_unfusable(module)
-            if why:
-                report.skip(path, module, why)
-                continue
-            replace_forward(module, _block_forward, "ltx block")
-            for child in ("norm1", "norm2"):
-                mark_fused(getattr(module, child), "the block's adaln / gated_residual_norm")
-            report.add(path, module, "adaln(rms) + gated_residual + gated_residual_norm(rms) + "
-                                     "gated_residual")
+            patch_block(path, module, report, _block_unfusable(module), _block_forward,
+                        "ltx block", ("norm1", "norm2"),
+                        "adaln(rms) + gated_residual + gated_residual_norm(rms) + gated_residual")
         elif kind == ATTENTION:
-            why = attention_unfusable(module, "LTXVideoAttnProcessor")
-            if why:
-                report.skip(path, module, why)
-                continue
-            install_processor(module, LTXFusedAttnProcessor)
-            for child in ("norm_q", "norm_k"):
-                mark_fused(getattr(module, child), "the attention processor")
-            report.add(path, module, "processor: qk_norm_rope(across heads, interleaved)")
+            patch_qk_norm_attention(path, module, report, "LTXVideoAttnProcessor",
+                                    LTXFusedAttnProcessor,
+                                    "processor: qk_norm_rope(across heads, interleaved)")

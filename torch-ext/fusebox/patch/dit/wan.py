@@ -24,71 +24,42 @@ Wan's rotary embedding already builds one ``[1, S, 1, D]`` table for the whole b
 from __future__ import annotations
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_wan import _get_qkv_projections
 
 from ... import functional as fb
-from .._common import original_forward, replace_forward
+from .._common import original_forward
 from ._shared import (
-    FusedAttnProcessor,
-    attention_unfusable,
+    TokenQKNormAttnProcessor,
+    contains_class,
     fusable,
     grad_needed,
-    install_processor,
-    mark_fused,
-    qk_norm_weights,
+    patch_block,
+    patch_qk_norm_attention,
 )
 
 MODEL = "WanTransformer3DModel"
 BLOCK = "WanTransformerBlock"
 ATTENTION = "WanAttention"
+IMAGE_CROSS_ATTENTION = "image cross-attention (I2V) keeps diffusers' processor"
 
 
 def applies(module: torch.nn.Module) -> bool:
-    return any(type(m).__name__ in (MODEL, BLOCK) for m in module.modules())
+    return contains_class(module, MODEL, BLOCK)
 
 
 # --------------------------------------------------------------------------- attention
 
 
-class WanFusedAttnProcessor(FusedAttnProcessor):
-    """``WanAttnProcessor`` with the q/k RMSNorm and RoPE fused (self-attention) or the q/k
-    RMSNorm on fusebox (text cross-attention). Same call signature."""
+class WanFusedAttnProcessor(TokenQKNormAttnProcessor):
+    """``WanAttnProcessor`` with the q/k RMSNorm and RoPE fused (self-attention; the norm spans
+    all heads of a token, the [1, S, 1, D] table is shared by the heads) or the q/k RMSNorm on
+    fusebox (text cross-attention). Same call signature (the base class's)."""
 
-    def __call__(
-        self,
-        attn: torch.nn.Module,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        cos, sin = rotary_emb if rotary_emb is not None else (None, None)
-        qk_norm = qk_norm_weights(attn, hidden_states)
-        if (qk_norm is None or grad_needed(attn, hidden_states, encoder_hidden_states)
-                or not fusable(hidden_states, qk_norm[0], qk_norm[1], cos, sin)):
-            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
-                                 rotary_emb)
-        weight_q, weight_k, eps = qk_norm
-        query, key, value = _get_qkv_projections(attn, hidden_states, encoder_hidden_states)
-        if cos is None:
-            query = fb.rms_norm(query, weight_q, eps)
-            key = fb.rms_norm(key, weight_k, eps)
-        query = query.unflatten(2, (attn.heads, -1))
-        key = key.unflatten(2, (attn.heads, -1))
-        value = value.unflatten(2, (attn.heads, -1))
-        if cos is not None:
-            # the norm spans all heads of a token; the [1, S, 1, D] table is shared by the heads
-            query, key = fb.qk_norm_rope(query, key, weight_q, weight_k, cos, sin, eps=eps,
-                                         across_heads=True, interleaved=True)
+    def project(self, attn, hidden_states, encoder_hidden_states, attention_mask):
+        return (*_get_qkv_projections(attn, hidden_states, encoder_hidden_states), attention_mask)
 
-        hidden_states = dispatch_attention_fn(
-            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config if encoder_hidden_states is None else None)
-        hidden_states = hidden_states.flatten(2, 3).type_as(query)
-        hidden_states = attn.to_out[0](hidden_states)
-        return attn.to_out[1](hidden_states)
+    def parallel_config(self, encoder_hidden_states):
+        return self._parallel_config if encoder_hidden_states is None else None
 
 
 # --------------------------------------------------------------------------- block
@@ -158,29 +129,18 @@ def patch(model: torch.nn.Module, report, **options) -> None:
     for path, module in model.named_modules():
         kind = type(module).__name__
         if kind == BLOCK:
-            why = _block_unfusable(module)
-            if why:
-                report.skip(path, module, why)
-                continue
-            replace_forward(module, _block_forward, "wan block")
-            for child in ("norm1", "norm2", "norm3"):
-                if isinstance(getattr(module, child), torch.nn.LayerNorm):
-                    mark_fused(getattr(module, child), "the block's adaln / gated_residual_norm")
-            report.add(path, module, "adaln(layer, fp32 modulation) + gated_residual_norm(layer) "
-                                     "x2 + gated_residual")
+            norms = [c for c in ("norm1", "norm2", "norm3")
+                     if isinstance(getattr(module, c, None), torch.nn.LayerNorm)]
+            patch_block(path, module, report, _block_unfusable(module), _block_forward,
+                        "wan block", norms, "adaln(layer, fp32 modulation) + "
+                                            "gated_residual_norm(layer) x2 + gated_residual")
         elif kind == ATTENTION:
-            why = attention_unfusable(module, "WanAttnProcessor")
-            if not why and module.add_k_proj is not None:
-                image_cross_attention += 1
-                why = "image cross-attention (I2V) keeps diffusers' processor"
-            if why:
-                report.skip(path, module, why)
-                continue
-            install_processor(module, WanFusedAttnProcessor)
-            for child in ("norm_q", "norm_k"):
-                mark_fused(getattr(module, child), "the attention processor")
-            rope = "qk_norm_rope(across heads, interleaved)"
-            report.add(path, module, f"processor: {rope} (self) / rms_norm q, k (cross)")
+            image = getattr(module, "add_k_proj", None) is not None
+            why = patch_qk_norm_attention(
+                path, module, report, "WanAttnProcessor", WanFusedAttnProcessor,
+                "processor: qk_norm_rope(across heads, interleaved) (self) / rms_norm q, k "
+                "(cross)", why=IMAGE_CROSS_ATTENTION if image else "")
+            image_cross_attention += why == IMAGE_CROSS_ATTENTION
     if image_cross_attention:
         report.note("wan: image-conditioned cross-attention (I2V image tokens) runs diffusers' "
                     "processor")
