@@ -125,6 +125,23 @@ __device__ __forceinline__ void load_unit_params(const RopeKernelArgs& a, const 
   }
 }
 
+// Grid mode: the block's shared-memory tables of the video axes, [R] turns per position step
+// (double) then [R] axis indices, filled by the whole block. Every thread must call it.
+template <bool INTERLEAVED, bool GRID>
+__device__ __forceinline__ GridTable stage_grid_table(const RopeKernelArgs& a, unsigned char* smem) {
+  double* turns = reinterpret_cast<double*>(smem);
+  unsigned char* axis = smem + sizeof(double) * a.R;
+  if constexpr (GRID) {
+    for (int r = threadIdx.x; r < a.R; r += blockDim.x) {
+      int64_t j;
+      turns[r] = rope_grid_inv_freq(a.grid, r, a.R, INTERLEAVED) * 0.15915494309189535;  // 1 / (2 pi)
+      axis[r] = static_cast<unsigned char>(rope_grid_axis(a.grid, r, a.R, INTERLEAVED, j));
+    }
+    __syncthreads();
+  }
+  return GridTable{turns, axis};
+}
+
 // Rows of one head (ITEMS == 1) load their unit's rotation factors and weights together with
 // the data, so their latency overlaps it; wider rows load them after the reduction, where
 // they would otherwise cost registers during it.
@@ -134,18 +151,7 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
   using L = UnitLayout<INTERLEAVED, VEC>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ float scratch[kMaxThreads / 32];
-  // grid mode: [R] turns per position step (double), then [R] axes
-  double* freq = reinterpret_cast<double*>(smem_raw);
-  unsigned char* axis = smem_raw + sizeof(double) * a.R;
-  if constexpr (GRID) {
-    for (int r = threadIdx.x; r < a.R; r += blockDim.x) {
-      int64_t j;
-      freq[r] = rope_grid_inv_freq(a.grid, r, a.R, INTERLEAVED) * 0.15915494309189535;  // 1 / (2 pi)
-      axis[r] = static_cast<unsigned char>(rope_grid_axis(a.grid, r, a.R, INTERLEAVED, j));
-    }
-    __syncthreads();
-  }
-  const GridTable gtab{freq, axis};
+  const GridTable gtab = stage_grid_table<INTERLEAVED, GRID>(a, smem_raw);
 
   const int tpr = a.tpr;
   const int rb = a.rows_per_block == 1 ? 0 : threadIdx.x / tpr;
@@ -261,17 +267,7 @@ template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID
 __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKernelArgs a, const int head_groups) {
   using L = UnitLayout<INTERLEAVED, VEC>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  double* turns = reinterpret_cast<double*>(smem_raw);
-  unsigned char* axis = smem_raw + sizeof(double) * a.R;
-  if constexpr (GRID) {
-    for (int r = threadIdx.x; r < a.R; r += blockDim.x) {
-      int64_t j;
-      turns[r] = rope_grid_inv_freq(a.grid, r, a.R, INTERLEAVED) * 0.15915494309189535;  // 1 / (2 pi)
-      axis[r] = static_cast<unsigned char>(rope_grid_axis(a.grid, r, a.R, INTERLEAVED, j));
-    }
-    __syncthreads();
-  }
-  const GridTable gtab{turns, axis};
+  const GridTable gtab = stage_grid_table<INTERLEAVED, GRID>(a, smem_raw);
 
   const int tpr = a.tpr;
   const int per_token = tpr * head_groups;
