@@ -320,19 +320,6 @@ __device__ __forceinline__ void row_moments(float& n, float& mean, float& m2, in
     combine_moments(n, mean, m2, scratch[3 * (first + w)], scratch[3 * (first + w) + 1], scratch[3 * (first + w) + 2]);
 }
 
-// Sum over the whole block (1-D or 2-D); `scratch` holds one float per warp.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-  const int tid = threadIdx.y * blockDim.x + threadIdx.x;
-  const int nthreads = blockDim.x * blockDim.y;
-  v = lane_group_sum(v, 32);
-  __syncthreads();
-  if ((tid & 31) == 0) scratch[tid >> 5] = v;
-  __syncthreads();
-  float total = 0.f;
-  for (int w = 0; w < (nthreads + 31) / 32; ++w) total += scratch[w];
-  return total;
-}
-
 // ---------------------------------------------------------------- programmatic dependent launch
 // Kernels launched with `launch` may start while the previous kernel of the stream drains
 // (sm_90+). Each kernel computes its addresses, calls pdl_wait() before its first access to
