@@ -125,6 +125,14 @@ __device__ __forceinline__ void load_unit_params(const RopeKernelArgs& a, const 
   }
 }
 
+// Grid mode: the (frame, row, column) of token s, offsets included.
+__device__ __forceinline__ void grid_position(const Rope3DGrid& g, int64_t s, int64_t (&pos)[3]) {
+  const int64_t hw = g.height * g.width;
+  pos[0] = s / hw + g.offsets[0];
+  pos[1] = (s / g.width) % g.height + g.offsets[1];
+  pos[2] = s % g.width + g.offsets[2];
+}
+
 // Grid mode: the block's shared-memory tables of the video axes, [R] turns per position step
 // (double) then [R] axis indices, filled by the whole block. Every thread must call it.
 template <bool INTERLEAVED, bool GRID>
@@ -171,12 +179,7 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
   T* out = static_cast<T*>(const_cast<void*>(dst.ptr)) + b * dst.sb + s * dst.ss;
   const int rot_units = L::rotary_units(a.R);
   int64_t pos[3] = {0, 0, 0};
-  if constexpr (GRID) {
-    const int64_t hw = a.grid.height * a.grid.width;
-    pos[0] = s / hw + a.grid.offsets[0];
-    pos[1] = (s / a.grid.width) % a.grid.height + a.grid.offsets[1];
-    pos[2] = s % a.grid.width + a.grid.offsets[2];
-  }
+  if constexpr (GRID) grid_position(a.grid, s, pos);
 
   const ParamPtr& w = is_k ? a.kw : a.qw;
   // The unit -> (head in row, unit in head, channels) map of item `it`.
@@ -287,12 +290,7 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
   else
     d0 = a.R + (lane - rot_units) * VEC;
   int64_t pos[3] = {0, 0, 0};
-  if constexpr (GRID) {
-    const int64_t hw = a.grid.height * a.grid.width;
-    pos[0] = s / hw + a.grid.offsets[0];
-    pos[1] = (s / a.grid.width) % a.grid.height + a.grid.offsets[1];
-    pos[2] = s % a.grid.width + a.grid.offsets[2];
-  }
+  if constexpr (GRID) grid_position(a.grid, s, pos);
 
   pdl_wait();
   Pack<T, VEC> x0[ITEMS], x1[ITEMS];
