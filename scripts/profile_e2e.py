@@ -3,6 +3,7 @@ forwards under torch.profiler, eager and fusebox-patched side by side, biggest f
 diagnostic aid; `fusebox bench e2e` is the benchmark.
 
     python scripts/profile_e2e.py --model ltx-video [--top 30]
+    python scripts/profile_e2e.py --model qwen3-8b --decode 1   # one decode step, also compiled
 """
 
 from __future__ import annotations
@@ -31,12 +32,63 @@ def kernel_times(fn, iters: int):
     return {k: (v[0], v[1] / iters) for k, v in out.items()}
 
 
+def step_ms(fn, iters: int = 20) -> float:
+    """Median wall time of one call, synchronized (what a decode loop sees)."""
+    import statistics
+    import time
+
+    times = []
+    for _ in range(iters):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def decode_tables(fusebox, model, args, device):
+    """Kernel tables of one decode step (``args.decode`` sequences, one new token each, after a
+    prompt of ``args.tokens``) for eager, compile, patched and patched+compile."""
+    from transformers import StaticCache
+
+    batch = args.decode
+    # Every step appends one token: room for all the steps of the four variants.
+    cache = StaticCache(config=model.config, max_cache_len=args.tokens + 512)
+    prompt = torch.randint(0, model.config.vocab_size, (batch, args.tokens), device=device)
+    token = torch.randint(0, model.config.vocab_size, (batch, 1), device=device)
+    tables = []
+    with torch.inference_mode():
+        model(prompt, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        for name in ("eager", "compile", "patched", "patched+compile"):
+            if name == "patched":
+                print(fusebox.patch(model))
+            torch._dynamo.reset()
+            forward = torch.compile(model.forward, fullgraph=True) if "compile" in name else model.forward
+
+            for layer in getattr(cache, "layers", []):   # back to the end of the prompt
+                if isinstance(getattr(layer, "cumulative_length", None), torch.Tensor):
+                    layer.cumulative_length.fill_(args.tokens)
+
+            def step(forward=forward):
+                return forward(token, past_key_values=cache, use_cache=True, logits_to_keep=1)
+
+            for _ in range(3):
+                step()
+            print(f"{name}: one decode step (batch {batch}) {step_ms(step):.3f} ms wall")
+            tables.append((name, kernel_times(step, args.iters)))
+    return tables
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="ltx-video")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=2048, help="LLMs: prompt length")
+    ap.add_argument("--decode", type=int, default=0, metavar="BATCH",
+                    help="LLMs: profile one decode step at this batch on a static cache, eager and "
+                         "torch.compile'd, unpatched and patched")
     args = ap.parse_args()
 
     import fusebox
@@ -50,11 +102,15 @@ def main() -> None:
         model = family.build_model(args.model, device, torch.bfloat16).to(torch.bfloat16)
         ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device=device)
         call = lambda: model(ids, use_cache=False, logits_to_keep=1)  # noqa: E731
-    with torch.inference_mode():
-        eager = kernel_times(call, args.iters)
-        print(fusebox.patch(model))
-        patched = kernel_times(call, args.iters)
-    for name, table in (("eager", eager), ("patched", patched)):
+    if args.decode:
+        tables = decode_tables(fusebox, model, args, device)
+    else:
+        with torch.inference_mode():
+            eager = kernel_times(call, args.iters)
+            print(fusebox.patch(model))
+            patched = kernel_times(call, args.iters)
+        tables = (("eager", eager), ("patched", patched))
+    for name, table in tables:
         total = sum(t for t, _ in table.values())
         print(f"\n== {name}: {total / 1e3:.2f} ms of kernels per forward, "
               f"{sum(n for _, n in table.values()):.0f} launches")

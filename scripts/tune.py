@@ -4,7 +4,7 @@ prints one table: median us per case and setting, with the floor. A tuning aid, 
 benchmark (`fusebox bench` is).
 
     python scripts/tune.py --cases "rms_norm|2048x4096|bf16,adaln|ltx" \\
-        --settings "default;FUSEBOX_NORM_ITEMS=2;FUSEBOX_NORM_PERSISTENT=0"
+        --settings "default;FUSEBOX_NORM_ITEMS=1;FUSEBOX_NORM_STAGE=0"
 
 A case is matched by substring against the suite key ``op|shape|dtype``.
 """

@@ -231,17 +231,18 @@ __device__ __forceinline__ float load_param_scalar(const ParamPtr& p, int64_t of
 // ---------------------------------------------------------------- row indexing
 
 // Maps a row number to an element offset for each operand of a merged RowLayout.
+// Row numbers are below 2^31 (every launcher checks), so the divisions are 32-bit ones.
 struct RowIndexer {
-  int64_t size1, size2;  // sizes of the two inner row groups
-  bool flat;             // one row group (the common case): no divisions
+  uint32_t size1, size2;  // sizes of the two inner row groups
+  bool flat;              // one row group (the common case): no divisions
   __device__ __forceinline__ void split(int64_t row, int64_t& i0, int64_t& i1, int64_t& i2) const {
     if (flat) {
       i0 = i1 = 0;
       i2 = row;
       return;
     }
-    i2 = row % size2;
-    const int64_t t = row / size2;
+    const uint32_t r = uint32_t(row), t = r / size2;
+    i2 = r - t * size2;
     i1 = t % size1;
     i0 = t / size1;
   }
@@ -255,7 +256,7 @@ struct RowOffsets {
 };
 
 inline RowIndexer row_indexer(const detail::RowLayout& l) {
-  return RowIndexer{l.sizes[1], l.sizes[2], l.sizes[0] == 1 && l.sizes[1] == 1};
+  return RowIndexer{uint32_t(l.sizes[1]), uint32_t(l.sizes[2]), l.sizes[0] == 1 && l.sizes[1] == 1};
 }
 
 inline RowOffsets row_offsets(const detail::RowStrides& s) { return RowOffsets{s.s[0], s.s[1], s.s[2]}; }
@@ -283,41 +284,6 @@ __device__ __forceinline__ float row_sum(float v, int tpr, float* scratch) {
   float total = 0.f;
   for (int w = 0; w < warps; ++w) total += scratch[first + w];
   return total;
-}
-
-// Count, mean and sum of squared deviations (m2) of a row's values, from each thread's own
-// (n, mean, m2), combined pairwise (Chan et al.): one pass over the data and, for rows of
-// several warps, one barrier. Same layout rules as row_sum; `scratch` holds three floats per
-// warp. Every thread gets the row's values.
-__device__ __forceinline__ void combine_moments(float& n, float& mean, float& m2, float nb, float mb, float m2b) {
-  const float total = n + nb;
-  if (total == 0.f) return;
-  const float d = mb - mean, fb = nb / total;
-  mean += d * fb;
-  m2 += m2b + d * d * n * fb;
-  n = total;
-}
-
-__device__ __forceinline__ void row_moments(float& n, float& mean, float& m2, int tpr, float* scratch) {
-  const int width = tpr < 32 ? tpr : 32;
-  for (int off = width >> 1; off > 0; off >>= 1) {
-    const float nb = __shfl_xor_sync(0xffffffffu, n, off);
-    const float mb = __shfl_xor_sync(0xffffffffu, mean, off);
-    const float m2b = __shfl_xor_sync(0xffffffffu, m2, off);
-    combine_moments(n, mean, m2, nb, mb, m2b);
-  }
-  if (tpr <= 32) return;
-  const int warp = threadIdx.x >> 5;
-  if ((threadIdx.x & 31) == 0) {
-    scratch[3 * warp] = n;
-    scratch[3 * warp + 1] = mean;
-    scratch[3 * warp + 2] = m2;
-  }
-  __syncthreads();
-  const int warps = tpr >> 5, first = warp / warps * warps;
-  n = mean = m2 = 0.f;
-  for (int w = 0; w < warps; ++w)
-    combine_moments(n, mean, m2, scratch[3 * (first + w)], scratch[3 * (first + w) + 1], scratch[3 * (first + w) + 2]);
 }
 
 // ---------------------------------------------------------------- programmatic dependent launch

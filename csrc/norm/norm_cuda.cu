@@ -32,9 +32,10 @@ struct NormKernelArgs {
   int width;        // D
   int vec_per_row;  // D / VEC
   int tpr;          // threads per row: a power of two <= 32 or a multiple of 32
+  int tpr_log2;     // log2(tpr) where rows_per_block > 1 (tpr is then a power of two)
   int rows_per_block;
   int row_iters;    // register path: row groups per block
-  bool stage_params;  // register path: small operands go through shared-memory slots
+  bool stage_params;  // register path, ITEMS > 1: small operands go through shared-memory slots
   RowOperandArg x, branch, residual_out, out;
   RowOperandArg gate, scale, shift;  // T or the params' dtype
   ParamPtr weight, bias;
@@ -68,54 +69,52 @@ struct ParamSlots {
 // a register). A thread covers the same columns in every row, so a small operand whose row
 // pointer does not change from one row to the next (weight, bias, per-sample modulation) is
 // copied to its slots once per block, not once per row.
+// With ITEMS == 1 (rows of few vectors per thread's share, or few rows: the short critical path
+// matters more than bytes in flight) the small operands are loaded into registers right after
+// the row, with no staging.
 // NORM: what normalizes the row; RES: a branch (and optional gate) is added first and the sum
 // written out; MOD: scale and/or shift modulate the normalized row. P: dtype of every small
 // operand present.
 template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD>
 __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernelArgs a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  // [iteration parity]: a fast thread may start the next row's reduction while a slow one
-  // still reads this row's partial sums.
-  __shared__ float scratch[2][3 * kMaxThreads / 32];
+  // [iteration parity][reduction]: one float per warp for each of a row's (at most two) sums;
+  // by parity since a fast thread may start the next row's reduction while a slow one still
+  // reads this row's partial sums.
+  __shared__ float scratch[2][2][kMaxThreads / 32];
   const int tpr = a.tpr;
-  const int r = a.rows_per_block == 1 ? 0 : threadIdx.x / tpr;
+  const int r = a.rows_per_block == 1 ? 0 : int(threadIdx.x) >> a.tpr_log2;
   const int lane = threadIdx.x - r * tpr;
   const ParamSlots<P, VEC, ITEMS> slots{reinterpret_cast<Pack<P, VEC>*>(smem_raw)};
   // row pointer of each operand's slot contents
   const P *gate_in = nullptr, *weight_in = nullptr, *bias_in = nullptr, *scale_in = nullptr, *shift_in = nullptr;
   const int64_t first_group = int64_t(blockIdx.x) * a.row_iters;
-  // Issues the loads of this thread's row of group k (zeros where there is none).
-  auto load_group = [&](int k, Pack<T, VEC>(&hx)[ITEMS], Pack<T, VEC>(&bx)[RES ? ITEMS : 1]) {
-    const int64_t row = (first_group + k) * a.rows_per_block + r;
-    const bool valid = k < a.row_iters && row < a.rows;
-    int64_t i0 = 0, i1 = 0, i2 = 0;
-    if (valid) a.index.split(row, i0, i1, i2);
-    const T* x = at<const T>(a.x, i0, i1, i2, sizeof(T));
-    const T* branch = RES ? at<const T>(a.branch, i0, i1, i2, sizeof(T)) : nullptr;
-#pragma unroll
-    for (int it = 0; it < ITEMS; ++it) {
-      const int vi = lane + it * tpr;
-      hx[it] = Pack<T, VEC>{};  // zero bits: 0.0 in every dtype (padding adds nothing)
-      if (valid && vi < a.vec_per_row) {
-        hx[it] = load_pack<T, VEC>(x + vi * VEC);
-        if constexpr (RES) bx[it] = load_pack<T, VEC>(branch + vi * VEC);
-      }
-    }
-  };
-  // Loading the next group while this one is worked on would double the row registers; the
-  // occupancy that costs outweighs the overlap it buys (measured), so groups load in turn and
-  // the other resident blocks keep the loads in flight.
+  // Groups load in turn: loading the next one while this one is worked on would double the row
+  // registers, and the occupancy that costs outweighs the overlap it buys (measured); the
+  // other resident blocks keep loads in flight.
   Pack<T, VEC> h[ITEMS], b[RES ? ITEMS : 1];
   pdl_wait();
 
   for (int k = 0; k < a.row_iters; ++k) {
     const int64_t group_row = (first_group + k) * a.rows_per_block;
     if (group_row >= a.rows) break;  // uniform over the block
-    load_group(k, h, b);
     const int64_t row = group_row + r;
     const bool active = row < a.rows;
     int64_t i0 = 0, i1 = 0, i2 = 0;
     if (active) a.index.split(row, i0, i1, i2);
+    {  // this thread's share of the row (zeros where there is none)
+      const T* x = at<const T>(a.x, i0, i1, i2, sizeof(T));
+      const T* branch = RES ? at<const T>(a.branch, i0, i1, i2, sizeof(T)) : nullptr;
+#pragma unroll
+      for (int it = 0; it < ITEMS; ++it) {
+        const int vi = lane + it * tpr;
+        h[it] = Pack<T, VEC>{};  // zero bits: 0.0 in every dtype (padding adds nothing)
+        if (active && vi < a.vec_per_row) {
+          h[it] = load_pack<T, VEC>(x + vi * VEC);
+          if constexpr (RES) b[it] = load_pack<T, VEC>(branch + vi * VEC);
+        }
+      }
+    }
     // The small operands present, numbered in slot order (-1: absent).
     const P* gate = RES && a.gate.ptr ? at<const P>(a.gate, i0, i1, i2, sizeof(P)) : nullptr;
     const P* weight = NORM != NormType::kNone ? static_cast<const P*>(a.weight.ptr) : nullptr;
@@ -137,15 +136,28 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
         if (vi < a.vec_per_row) async_copy_pack(slots.at(slot, it), src + vi * VEC);
       }
     };
-    stage(gate_slot, gate, gate_in);
-    stage(weight_slot, weight, weight_in);
-    stage(bias_slot, bias, bias_in);
-    stage(scale_slot, scale, scale_in);
-    stage(shift_slot, shift, shift_in);
+    // ITEMS == 1: the operands' vectors, in the order gate, weight, bias, scale, shift.
+    Pack<P, VEC> held[5];
+    if constexpr (ITEMS == 1) {
+      if (active && lane < a.vec_per_row) {
+        const P* srcs[5] = {gate, weight, bias, scale, shift};
+#pragma unroll
+        for (int i = 0; i < 5; ++i)
+          if (srcs[i]) held[i] = load_pack<P, VEC>(srcs[i] + lane * VEC);
+      }
+    } else {
+      stage(gate_slot, gate, gate_in);
+      stage(weight_slot, weight, weight_in);
+      stage(bias_slot, bias, bias_in);
+      stage(scale_slot, scale, scale_in);
+      stage(shift_slot, shift, shift_in);
+    }
     if (k == 0) pdl_release();
-    async_copy_wait();  // only this thread's copies: its own slots
-    // Item `it` of a small operand: from its slot, or straight from global memory (cached).
-    auto param = [&](int slot, const P* src, int it) {
+    if constexpr (ITEMS > 1) async_copy_wait();  // only this thread's copies: its own slots
+    // Item `it` of small operand `which` (0-4 as in `held`): from a register, its slot, or
+    // straight from global memory (cached).
+    auto param = [&](int which, int slot, const P* src, int it) {
+      if constexpr (ITEMS == 1) return held[which];
       return a.stage_params ? *slots.at(slot, it) : load_pack<P, VEC>(src + (lane + it * tpr) * VEC);
     };
 
@@ -161,7 +173,7 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
           unpack(b[it], bv);
           if (gate_slot >= 0) {
             float gv[VEC];
-            unpack(param(gate_slot, gate, it), gv);
+            unpack(param(0, gate_slot, gate, it), gv);
 #pragma unroll
             for (int i = 0; i < VEC; ++i) bv[i] *= gv[i];
           }
@@ -175,31 +187,27 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
     if constexpr (NORM != NormType::kNone) {
       float mean = 0.f, var;
       if constexpr (NORM == NormType::kLayer) {
-        // This thread's count, mean and sum of squared deviations, combined over the row.
-        float n = 0.f, sum = 0.f;
+        // Two passes over the registers: the mean, then the squared deviations from it (as
+        // exact as the data allows; the second reduction costs one more barrier, not a read).
+        float sum = 0.f, m2 = 0.f;
 #pragma unroll
         for (int it = 0; it < ITEMS; ++it) {
-          if (lane + it * tpr < a.vec_per_row) {
-            float v[VEC];
-            unpack(h[it], v);
-            n += VEC;
+          float v[VEC];
+          unpack(h[it], v);  // padding holds zeros: adds nothing
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) sum += v[i];
-          }
+          for (int i = 0; i < VEC; ++i) sum += v[i];
         }
-        float m = n > 0.f ? sum / n : 0.f, m2 = 0.f;
+        mean = row_sum(sum, tpr, scratch[k & 1][0]) / float(a.width);
 #pragma unroll
         for (int it = 0; it < ITEMS; ++it) {
           if (lane + it * tpr < a.vec_per_row) {  // padding holds zeros, not samples
             float v[VEC];
             unpack(h[it], v);
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) m2 += (v[i] - m) * (v[i] - m);
+            for (int i = 0; i < VEC; ++i) m2 += (v[i] - mean) * (v[i] - mean);
           }
         }
-        row_moments(n, m, m2, tpr, scratch[k & 1]);
-        mean = m;
-        var = m2 / float(a.width);
+        var = row_sum(m2, tpr, scratch[k & 1][1]) / float(a.width);
       } else {
         float acc = 0.f;
 #pragma unroll
@@ -209,7 +217,7 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
 #pragma unroll
           for (int i = 0; i < VEC; ++i) acc += v[i] * v[i];
         }
-        var = row_sum(acc, tpr, scratch[k & 1]) / float(a.width);
+        var = row_sum(acc, tpr, scratch[k & 1][0]) / float(a.width);
       }
       const float rstd = rsqrtf(var + a.eps);
       if (active) {
@@ -224,22 +232,22 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
 #pragma unroll
             for (int i = 0; i < VEC; ++i) v[i] = (v[i] - mean) * rstd;
             if (weight_slot >= 0) {
-              unpack(param(weight_slot, weight, it), p);
+              unpack(param(1, weight_slot, weight, it), p);
 #pragma unroll
               for (int i = 0; i < VEC; ++i) v[i] *= a.weight_offset + p[i];
             }
             if (bias_slot >= 0) {
-              unpack(param(bias_slot, bias, it), p);
+              unpack(param(2, bias_slot, bias, it), p);
 #pragma unroll
               for (int i = 0; i < VEC; ++i) v[i] += p[i];
             }
             if (scale_slot >= 0) {
-              unpack(param(scale_slot, scale, it), p);
+              unpack(param(3, scale_slot, scale, it), p);
 #pragma unroll
               for (int i = 0; i < VEC; ++i) v[i] *= 1.f + p[i];
             }
             if (shift_slot >= 0) {
-              unpack(param(shift_slot, shift, it), p);
+              unpack(param(4, shift_slot, shift, it), p);
 #pragma unroll
               for (int i = 0; i < VEC; ++i) v[i] += p[i];
             }
@@ -350,14 +358,21 @@ __global__ void __launch_bounds__(kStreamThreads) norm_stream_kernel(const NormK
 
 // ---------------------------------------------------------------- launch plan
 
-// Vectors per thread on the register path (0: streaming path). 4 keeps 64 bytes of each
-// operand in flight per thread at the typical widths; 8 for wide rows of the ops without a
-// residual (with one, 8 vectors of x, branch and gate exceed the register budget); odd widths
-// (one element per vector) use 8.
-int pick_items(int64_t vec_per_row, bool full_vectors, bool residual) {
+// Vectors per thread on the register path (0: streaming path).
+// - 1 when one vector per thread fits the whole call into the GPU's resident threads (decode
+//   and other small calls): the shortest path from the row's loads to its stores, which is what
+//   bounds a call of one wave.
+// - otherwise 4, which keeps 64 bytes of each operand in flight per thread at the typical widths;
+//   8 for wide rows of the ops without a residual (with one, 8 vectors of x, branch and gate
+//   exceed the register budget).
+// Odd widths (one element per vector) use 8.
+int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, bool residual) {
   if (!full_vectors) return vec_per_row <= 8 * kMaxThreads ? 8 : 0;
   const int forced = tuning_knob("FUSEBOX_NORM_ITEMS", 0);
-  if ((forced == 2 || forced == 4) && vec_per_row <= forced * kMaxThreads) return forced;
+  if ((forced == 1 || forced == 4) && vec_per_row <= forced * kMaxThreads) return forced;
+  const DeviceLimits& dev = device_limits();
+  const int64_t resident_threads = int64_t(dev.sm_count) * 2048;
+  if (vec_per_row <= kMaxThreads && rows * vec_per_row <= resident_threads) return 1;
   if (vec_per_row <= 4 * kMaxThreads) return 4;
   if (vec_per_row <= 8 * kMaxThreads && !residual) return 8;
   return 0;
@@ -458,7 +473,7 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   const bool full_vectors = vec * int(dtype_size(args.x.dtype)) == 16;
   const bool res = args.branch.defined();
   const bool mod = args.scale.defined() || args.shift.defined();
-  const int items = pick_items(a.vec_per_row, full_vectors, res);
+  const int items = pick_items(a.rows, a.vec_per_row, full_vectors, res);
   const int param_dtype = shared_param_dtype(args);
   FUSEBOX_CHECK(a.rows < (int64_t(1) << 31), "too many rows: ", a.rows);
 
@@ -479,6 +494,7 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   a.rows_per_block = (a.tpr <= 32 || (a.tpr & (a.tpr - 1)) == 0) && a.tpr < kMinBlockThreads
                          ? kMinBlockThreads / a.tpr
                          : 1;
+  while ((1 << a.tpr_log2) < a.tpr) ++a.tpr_log2;
   const dim3 block(unsigned(a.tpr * a.rows_per_block));
   const int64_t groups = (a.rows + a.rows_per_block - 1) / a.rows_per_block;
   // A block may take several row groups in turn, its staged copies of constant operands then
@@ -496,7 +512,7 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   bool per_row_operand = false;
   for (const auto* st : {&s.gate, &s.scale, &s.shift}) per_row_operand |= layout.sizes[2] > 1 && st->s[2] != 0;
   const bool stage_by_default = per_row_operand || !params_f32;
-  a.stage_params = n_params > 0 && tuning_knob("FUSEBOX_NORM_STAGE", int(stage_by_default)) != 0;
+  a.stage_params = items > 1 && n_params > 0 && tuning_knob("FUSEBOX_NORM_STAGE", int(stage_by_default)) != 0;
 
   dispatch_dtype(args.x.dtype, [&](auto t) {
     using T = decltype(t);
@@ -504,8 +520,8 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
       using P = decltype(p);
       if (full_vectors) {
         constexpr int V = 16 / int(sizeof(T));
-        if (items == 2)
-          launch_rows<T, P, V, 2>(a, res, mod, n_params, groups, block, stream);
+        if (items == 1)
+          launch_rows<T, P, V, 1>(a, res, mod, n_params, groups, block, stream);
         else if (items == 4)
           launch_rows<T, P, V, 4>(a, res, mod, n_params, groups, block, stream);
         else
