@@ -359,9 +359,10 @@ __global__ void __launch_bounds__(kStreamThreads) norm_stream_kernel(const NormK
 // ---------------------------------------------------------------- launch plan
 
 // Vectors per thread on the register path (0: streaming path).
-// - 1 when one vector per thread fits the whole call into the GPU's resident threads (decode
-//   and other small calls): the shortest path from the row's loads to its stores, which is what
-//   bounds a call of one wave.
+// - 1 when one vector per thread needs at most half the GPU's resident threads (decode and
+//   other small calls): the shortest path from the row's loads to its stores, which is what
+//   bounds a call of one wave (H200: 256x4096 6.13 -> 5.89 us; at 512x4096, a full wave,
+//   7.39 -> 8.51 us, so not there).
 // - otherwise 4, which keeps 64 bytes of each operand in flight per thread at the typical widths;
 //   8 for wide rows of the ops without a residual (with one, 8 vectors of x, branch and gate
 //   exceed the register budget).
@@ -371,8 +372,7 @@ int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, bool residu
   const int forced = tuning_knob("FUSEBOX_NORM_ITEMS", 0);
   if ((forced == 1 || forced == 4) && vec_per_row <= forced * kMaxThreads) return forced;
   const DeviceLimits& dev = device_limits();
-  const int64_t resident_threads = int64_t(dev.sm_count) * 2048;
-  if (vec_per_row <= kMaxThreads && rows * vec_per_row <= resident_threads) return 1;
+  if (vec_per_row <= kMaxThreads && rows * vec_per_row <= int64_t(dev.sm_count) * 1024) return 1;
   if (vec_per_row <= 4 * kMaxThreads) return 4;
   if (vec_per_row <= 8 * kMaxThreads && !residual) return 8;
   return 0;
