@@ -7,6 +7,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 #include <utility>
 
@@ -352,9 +353,15 @@ void allow_dynamic_smem(Kernel kernel, size_t bytes) {
   FUSEBOX_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes)));
 }
 
-// An integer launch-plan override from the environment (read once per name), for tuning
-// runs; `fallback` when unset.
-int tuning_knob(const char* name, int fallback);
+// Launch-plan overrides from the environment for tuning runs (scripts/tune.py), read once per
+// process: a knob is unset unless its variable is set. Plain reads after the first call.
+struct TuningKnobs {
+  std::optional<int> norm_items;      // FUSEBOX_NORM_ITEMS: vectors per thread (1 or 4)
+  std::optional<int> norm_row_iters;  // FUSEBOX_NORM_ROW_ITERS: row groups per block (1-8)
+  std::optional<int> norm_stage;      // FUSEBOX_NORM_STAGE: small operands through shared memory
+  std::optional<int> rope_items;      // FUSEBOX_ROPE_ITEMS: heads per lane group (1, 2 or 4)
+};
+const TuningKnobs& tuning_knobs();
 
 // Whether launches use programmatic dependent launch: on sm_90+, unless FUSEBOX_PDL=0.
 bool use_pdl();

@@ -1,6 +1,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <optional>
 
 #include "common/cuda_common.cuh"
 
@@ -23,26 +24,17 @@ const DeviceLimits& device_limits() {
   return limits[device];
 }
 
-int tuning_knob(const char* name, int fallback) {
-  // The environment is read once per name; what is cached is whether the variable is set and
-  // its value, never a caller's fallback (callers pass plan-dependent fallbacks).
-  static std::mutex mu;
-  static const char* names[16] = {};
-  static bool is_set[16] = {};
-  static int values[16] = {};
-  std::lock_guard<std::mutex> lock(mu);
-  int i = 0;
-  for (; i < 16 && names[i] != nullptr; ++i)
-    if (std::strcmp(names[i], name) == 0) return is_set[i] ? values[i] : fallback;
-  const char* env = std::getenv(name);
-  const bool set = env != nullptr && *env;
-  const int v = set ? std::atoi(env) : 0;
-  if (i < 16) {
-    names[i] = name;
-    is_set[i] = set;
-    values[i] = v;
-  }
-  return set ? v : fallback;
+const TuningKnobs& tuning_knobs() {
+  static const TuningKnobs knobs = [] {
+    auto read = [](const char* name) -> std::optional<int> {
+      const char* env = std::getenv(name);
+      if (env == nullptr || *env == '\0') return std::nullopt;
+      return std::atoi(env);
+    };
+    return TuningKnobs{read("FUSEBOX_NORM_ITEMS"), read("FUSEBOX_NORM_ROW_ITERS"), read("FUSEBOX_NORM_STAGE"),
+                       read("FUSEBOX_ROPE_ITEMS")};
+  }();
+  return knobs;
 }
 
 bool use_pdl() {

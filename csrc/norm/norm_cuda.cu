@@ -369,7 +369,7 @@ __global__ void __launch_bounds__(kStreamThreads) norm_stream_kernel(const NormK
 // Odd widths (one element per vector) use 8.
 int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, bool residual) {
   if (!full_vectors) return vec_per_row <= 8 * kMaxThreads ? 8 : 0;
-  const int forced = tuning_knob("FUSEBOX_NORM_ITEMS", 0);
+  const int forced = tuning_knobs().norm_items.value_or(0);
   if ((forced == 1 || forced == 4) && vec_per_row <= forced * kMaxThreads) return forced;
   const DeviceLimits& dev = device_limits();
   if (vec_per_row <= kMaxThreads && rows * vec_per_row <= int64_t(dev.sm_count) * 1024) return 1;
@@ -500,7 +500,7 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   // A block may take several row groups in turn, its staged copies of constant operands then
   // serving every group. One group per block is the measured default (H200: the resident blocks
   // already keep enough loads in flight); FUSEBOX_NORM_ROW_ITERS (1-8) sets more for tuning runs.
-  a.row_iters = std::max(1, std::min(8, tuning_knob("FUSEBOX_NORM_ROW_ITERS", 1)));
+  a.row_iters = std::max(1, std::min(8, tuning_knobs().norm_row_iters.value_or(1)));
   const bool params_f32 = DType(param_dtype) == DType::kFloat32;
   const bool normalizes = args.norm != NormType::kNone;
   const int n_params = int(args.gate.defined()) + int(normalizes && args.weight.defined()) +
@@ -512,7 +512,7 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   bool per_row_operand = false;
   for (const auto* st : {&s.gate, &s.scale, &s.shift}) per_row_operand |= layout.sizes[2] > 1 && st->s[2] != 0;
   const bool stage_by_default = per_row_operand || !params_f32;
-  a.stage_params = items > 1 && n_params > 0 && tuning_knob("FUSEBOX_NORM_STAGE", int(stage_by_default)) != 0;
+  a.stage_params = items > 1 && n_params > 0 && tuning_knobs().norm_stage.value_or(int(stage_by_default)) != 0;
 
   dispatch_dtype(args.x.dtype, [&](auto t) {
     using T = decltype(t);

@@ -427,7 +427,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   // shuffle reductions (Qwen3 2048 tokens: 24.7 -> 22.5 us); without one, four heads share
   // the rotation factors (Wan rope_3d 40 heads: 420 us with 4, 1112 with 2).
   int head_items = heads >= 4 ? (norm ? 2 : 4) : heads >= 2 ? 2 : 1;
-  const int forced_items = tuning_knob("FUSEBOX_ROPE_ITEMS", 0);
+  const int forced_items = tuning_knobs().rope_items.value_or(0);
   if (forced_items == 1 || forced_items == 2 || forced_items == 4) head_items = forced_items;
   const int head_groups = (heads + head_items - 1) / head_items;
   if (!a.across && a.units_per_head <= 32 && head_tpr * head_groups <= kMaxThreads) {
