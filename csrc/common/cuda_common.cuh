@@ -174,7 +174,7 @@ __device__ __forceinline__ Pack<T, N> pack(const float (&in)[N]) {
 // that. Packs under 4 bytes are copied synchronously.
 template <typename T, int N>
 __device__ __forceinline__ void async_copy_pack(Pack<T, N>* smem, const T* gmem) {
-  constexpr int kBytes = Pack<T, N>::kBytes;
+  [[maybe_unused]] constexpr int kBytes = Pack<T, N>::kBytes;  // unused below sm_80
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
   if constexpr (kBytes >= 4) {
     constexpr int kChunk = kBytes < 16 ? kBytes : 16;
