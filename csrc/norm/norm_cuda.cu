@@ -402,39 +402,28 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, int n_params, int6
                  cudaStream_t stream) {
   const size_t smem = a.stage_params ? size_t(n_params) * ITEMS * block.x * sizeof(Pack<P, VEC>) : 0;
   auto go = [&](auto norm, auto r, auto m) {
-    const auto kernel =
-        norm_rows_kernel<T, P, VEC, ITEMS, decltype(norm)::value, decltype(r)::value, decltype(m)::value>;
-    // (the kernel's static shared memory counts against the same 48 KB default)
-    if (smem > 32 * 1024) allow_dynamic_smem(kernel, smem);
-    launch(kernel, dim3(unsigned((groups + a.row_iters - 1) / a.row_iters)), block, smem, stream, a);
-  };
-  using N = NormType;
-  using RMS = std::integral_constant<N, N::kRMS>;
-  using LN = std::integral_constant<N, N::kLayer>;
-  using T_ = std::true_type;
-  using F_ = std::false_type;
-  if constexpr (VEC > 1 && ITEMS == 8) {  // no residual (pick_items)
-    if (a.norm == N::kRMS)
-      mod ? go(RMS{}, F_{}, T_{}) : go(RMS{}, F_{}, F_{});
-    else
-      mod ? go(LN{}, F_{}, T_{}) : go(LN{}, F_{}, F_{});
-    (void)res;
-  } else {
-    switch (a.norm) {
-      case N::kNone: go(std::integral_constant<N, N::kNone>{}, T_{}, F_{}); break;
-      case N::kRMS:
-        if (res)
-          mod ? go(RMS{}, T_{}, T_{}) : go(RMS{}, T_{}, F_{});
-        else
-          mod ? go(RMS{}, F_{}, T_{}) : go(RMS{}, F_{}, F_{});
-        break;
-      case N::kLayer:
-        if (res)
-          mod ? go(LN{}, T_{}, T_{}) : go(LN{}, T_{}, F_{});
-        else
-          mod ? go(LN{}, F_{}, T_{}) : go(LN{}, F_{}, F_{});
-        break;
+    constexpr NormType kNorm = decltype(norm)::value;
+    constexpr bool kRes = decltype(r)::value, kMod = decltype(m)::value;
+    // Plans that pick_items and the op never make are not compiled: a residual with 8 full
+    // vectors per thread (too many registers), and a residual add alone with modulation or
+    // without its residual.
+    if constexpr ((kRes && VEC > 1 && ITEMS == 8) || (kNorm == NormType::kNone && (!kRes || kMod))) {
+      FUSEBOX_CHECK(false, "no norm kernel for this launch plan");
+    } else {
+      const auto kernel = norm_rows_kernel<T, P, VEC, ITEMS, kNorm, kRes, kMod>;
+      // (the kernel's static shared memory counts against the same 48 KB default)
+      if (smem > 32 * 1024) allow_dynamic_smem(kernel, smem);
+      launch(kernel, dim3(unsigned((groups + a.row_iters - 1) / a.row_iters)), block, smem, stream, a);
     }
+  };
+  auto with_flags = [&](auto norm) {
+    auto with_mod = [&](auto r) { mod ? go(norm, r, std::true_type{}) : go(norm, r, std::false_type{}); };
+    res ? with_mod(std::true_type{}) : with_mod(std::false_type{});
+  };
+  switch (a.norm) {
+    case NormType::kNone: with_flags(std::integral_constant<NormType, NormType::kNone>{}); break;
+    case NormType::kRMS: with_flags(std::integral_constant<NormType, NormType::kRMS>{}); break;
+    case NormType::kLayer: with_flags(std::integral_constant<NormType, NormType::kLayer>{}); break;
   }
 }
 
