@@ -98,6 +98,12 @@ def mark_fused(module: torch.nn.Module, into: str) -> None:
     add_undo(module, functools.partial(module.__dict__.pop, FUSED_INTO_ATTR, None))
 
 
+def _shared_with_original(name: str) -> property:
+    """An attribute read from and written to the replaced processor (``self.original``)."""
+    return property(lambda self: getattr(self.original, name, None),
+                    lambda self, value: setattr(self.original, name, value))
+
+
 class FusedAttnProcessor:
     """Base of the fused attention processors. Keeps the processor it replaced (``original``)
     for the calls it cannot fuse and for unpatch, and shares that processor's attention
@@ -106,21 +112,8 @@ class FusedAttnProcessor:
     def __init__(self, original):
         self.original = original
 
-    @property
-    def _attention_backend(self):
-        return getattr(self.original, "_attention_backend", None)
-
-    @_attention_backend.setter
-    def _attention_backend(self, value):
-        self.original._attention_backend = value
-
-    @property
-    def _parallel_config(self):
-        return getattr(self.original, "_parallel_config", None)
-
-    @_parallel_config.setter
-    def _parallel_config(self, value):
-        self.original._parallel_config = value
+    _attention_backend = _shared_with_original("_attention_backend")
+    _parallel_config = _shared_with_original("_parallel_config")
 
 
 class TokenQKNormAttnProcessor(FusedAttnProcessor):
