@@ -101,6 +101,29 @@ def test_kernel_first_then_fusebox_package(repo):
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
+def test_kernel_loaded_alone_then_fusebox_package(repo):
+    """The build loaded where fusebox cannot be imported registers the operators and their
+    fake implementations itself; importing fusebox afterwards reuses both."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    package_root = str(Path(fusebox.__file__).resolve().parents[1])
+    code = ("import sys; from pathlib import Path; import kernels, torch; "
+            f"k = kernels.get_local_kernel(Path({str(repo)!r})); assert k.LOADED_HERE; "
+            f"sys.path.insert(0, {package_root!r}); import fusebox; "
+            "x = torch.randn(2, 8); w = torch.ones(8); "
+            "assert torch.equal(k.rms_norm(x, w), fusebox.rms_norm(x, w)); "
+            "f = torch.compile(fusebox.rms_norm, fullgraph=True); "
+            "assert torch.equal(f(x, w), k.rms_norm(x, w)); print('ok')")
+    path = [p for p in sys.path if p and Path(p).resolve() != Path(package_root)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
 def test_layers_are_kernelize_compatible(kernel):
     for name in kernel.layers.__all__:
         cls = getattr(kernel.layers, name)

@@ -1,9 +1,9 @@
 """fusebox: fused CUDA kernels for the memory-bound layers of transformers and diffusers
 models, as PyTorch operators (eager and torch.compile)."""
 
-from ._ops import LIBRARY_PATH, LOAD_ERROR, ops
+from ._ops import LIBRARY_PATH, LOAD_ERROR, LOADED_HERE, ops
 
-if LOAD_ERROR is None:
+if LOADED_HERE:  # (an HF kernels build that loaded the library has registered them)
     from . import _fake  # noqa: F401  (registers the fake implementations)
 from .functional import (
     activation,

@@ -36,12 +36,14 @@ class _Unavailable:
 
 LOAD_ERROR = None
 LIBRARY_PATH = None
+LOADED_HERE = False  # whoever loads the library also registers the fake implementations
 try:
     # Another copy of the library (e.g. an HF `kernels` build of fusebox) may have registered
     # the namespace already; loading a second one would abort the process.
     if not hasattr(torch.ops.fusebox, "rms_norm"):
         LIBRARY_PATH = _find_library()
         torch.ops.load_library(LIBRARY_PATH)
+        LOADED_HERE = True
     ops = torch.ops.fusebox
 except (ImportError, OSError) as error:
     LOAD_ERROR = error
