@@ -34,10 +34,9 @@ _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 def _llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """transformers' ``weight * norm(x).to(x.dtype)``: the output takes the wider of x's and
     the weight's dtype."""
-    out_dtype = torch.promote_types(x.dtype, weight.dtype)
-    if x.dtype in _FUSED_DTYPES and weight.dtype in _FUSED_DTYPES and (
-            out_dtype == x.dtype or out_dtype == torch.float32):
-        return F.rms_norm(x, weight, eps, 0.0, None if out_dtype == x.dtype else out_dtype)
+    if x.dtype in _FUSED_DTYPES and weight.dtype in _FUSED_DTYPES:
+        # the promoted dtype is x's or float32 for every pair of these
+        return F.rms_norm(x, weight, eps, 0.0, torch.promote_types(x.dtype, weight.dtype))
     x32 = x.float()
     return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
 

@@ -102,8 +102,7 @@ def _make_rms_norm_forward(style: NormStyle) -> Callable:
         if not _fusable(hidden_states, weight):
             return original_forward(self)(hidden_states)
         out_dtype = style.out_dtype(hidden_states, weight)
-        return F.rms_norm(hidden_states, weight, style.eps, style.weight_offset,
-                          out_dtype if out_dtype != hidden_states.dtype else None)
+        return F.rms_norm(hidden_states, weight, style.eps, style.weight_offset, out_dtype)
     return forward
 
 

@@ -38,7 +38,6 @@ from ._shared import (
     mark_fused,
     modulated_norm,
     norm_kind,
-    out_dtype_arg,
     rows,
 )
 
@@ -51,7 +50,7 @@ def _rms_norm_forward(self, hidden_states):
     if not fusable(hidden_states, weight) or dtype not in (hidden_states.dtype, torch.float32):
         return original_forward(self)(hidden_states)
     return fb.rms_norm(rows(hidden_states), weight, self.eps,
-                       out_dtype=out_dtype_arg(hidden_states, dtype))
+                       out_dtype=dtype)
 
 
 def _layer_norm(self, x):

@@ -67,11 +67,6 @@ def rows(t: Tensor) -> Tensor:
     return t if _unit_last_stride(t) else t.contiguous()
 
 
-def out_dtype_arg(x: Tensor, dtype: torch.dtype) -> Optional[torch.dtype]:
-    """The ``out_dtype`` argument giving ``dtype`` (None for x's own dtype)."""
-    return None if dtype == x.dtype else dtype
-
-
 # --------------------------------------------------------------------------- bookkeeping
 
 
@@ -319,7 +314,7 @@ def modulated_norm(norm: torch.nn.Module, x: Tensor, scale: Tensor, shift: Tenso
         dtype = _modulation_dtype(p, x, scale, shift)
         if dtype is not None:
             return fb.adaln(rows(x), scale, shift, p.weight, p.bias, p.kind, p.eps,
-                            out_dtype=out_dtype_arg(x, dtype))
+                            out_dtype=dtype)
     return norm(x) * (1 + scale) + shift
 
 
@@ -339,7 +334,7 @@ def gated_add_norm(x: Tensor, branch: Tensor, gate: Optional[Tensor], norm: torc
         dtype = _modulation_dtype(p, x, scale, shift)
         if dtype is not None:
             return fb.gated_residual_norm(rows(x), rows(branch), gate, scale, shift, p.weight,
-                                          p.bias, p.kind, p.eps, out_dtype=out_dtype_arg(x, dtype))
+                                          p.bias, p.kind, p.eps, out_dtype=dtype)
     h = gated_add(x, branch, gate)
     return modulated_norm(norm, h, scale, shift), h
 
