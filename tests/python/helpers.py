@@ -265,6 +265,21 @@ class FuseboxOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class GraphOps:
+    """A torch.compile backend that records the fusebox operators of the captured graphs
+    (``ops``) and compiles them with aot_eager (which traces the operators' fake
+    implementations). A dispatch mode such as :class:`FuseboxOps` would make dynamo skip the
+    frame, so compiled regions are checked through their graphs instead."""
+
+    def __init__(self):
+        self.ops = set()
+
+    def __call__(self, gm, example_inputs):
+        targets = (str(n.target) for n in gm.graph.nodes)
+        self.ops |= {t.split(".")[1] for t in targets if t.startswith("fusebox.")}
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+
 def assert_patch_falls_back(model, run):
     """``run(model)`` before and after :func:`fusebox.patch`: patched, it runs no fusebox
     operator (every fused forward falls back) and gives the same output exactly. Returns the

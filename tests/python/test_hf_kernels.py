@@ -16,7 +16,8 @@ kernels = pytest.importorskip("kernels")
 transformers = pytest.importorskip("transformers")
 
 import fusebox  # noqa: E402
-from helpers import DEVICES, HAS_CUDA, rel_err, tiny_llm, token_ids  # noqa: E402
+import reference  # noqa: E402
+from helpers import DEVICES, HAS_CUDA, TOL, rel_err, tiny_llm, token_ids  # noqa: E402
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "build_hf_kernel.py"
 
@@ -75,12 +76,20 @@ def test_layout_and_metadata(repo):
 def test_get_local_kernel_runs_the_operators(kernel, device):
     x = torch.randn(4, 64, device=device)
     w = torch.randn(64, device=device)
-    assert torch.equal(kernel.rms_norm(x, w, 1e-6), fusebox.rms_norm(x, w, 1e-6))
+    assert rel_err(kernel.rms_norm(x, w, 1e-6), reference.rms_norm(x, w, 1e-6)) < TOL[torch.float32]
     gate, up = torch.randn(2, 4, 64, device=device).unbind(0)
-    assert torch.equal(kernel.gated_activation(gate, up), fusebox.gated_activation(gate, up))
+    assert rel_err(kernel.gated_activation(gate, up), reference.gated_act(gate, up, "silu")) < TOL[torch.float32]
     assert kernel.add_op_namespace_prefix("rms_norm") == "fusebox::rms_norm"
     # the namespace was registered by the fusebox package already: reused, not loaded twice
     assert kernel.ops is torch.ops.fusebox
+
+
+# both the build's and the package's rms_norm against the formula, in a child process
+_RMS_NORM_CHECK = (
+    "x = torch.randn(2, 8); w = torch.randn(8); "
+    "ref = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w; "
+    "assert torch.allclose(k.rms_norm(x, w, 1e-6), ref, atol=1e-5); "
+    "assert torch.allclose(fusebox.rms_norm(x, w, 1e-6), ref, atol=1e-5); ")
 
 
 def test_kernel_first_then_fusebox_package(repo):
@@ -92,8 +101,7 @@ def test_kernel_first_then_fusebox_package(repo):
 
     code = ("import sys; from pathlib import Path; import kernels, torch; "
             f"k = kernels.get_local_kernel(Path({str(repo)!r})); import fusebox; "
-            "x = torch.randn(2, 8); w = torch.ones(8); "
-            "assert torch.equal(k.rms_norm(x, w), fusebox.rms_norm(x, w)); print('ok')")
+            + _RMS_NORM_CHECK + "print('ok')")
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     env.setdefault("FUSEBOX_LIBRARY", fusebox.LIBRARY_PATH)
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -110,13 +118,14 @@ def test_kernel_loaded_alone_then_fusebox_package(repo):
     from pathlib import Path
 
     package_root = str(Path(fusebox.__file__).resolve().parents[1])
+    if Path(package_root).name in ("site-packages", "dist-packages"):
+        pytest.skip("fusebox is installed, so the build imports it first")
     code = ("import sys; from pathlib import Path; import kernels, torch; "
             f"k = kernels.get_local_kernel(Path({str(repo)!r})); assert k.LOADED_HERE; "
             f"sys.path.insert(0, {package_root!r}); import fusebox; "
-            "x = torch.randn(2, 8); w = torch.ones(8); "
-            "assert torch.equal(k.rms_norm(x, w), fusebox.rms_norm(x, w)); "
-            "f = torch.compile(fusebox.rms_norm, fullgraph=True); "
-            "assert torch.equal(f(x, w), k.rms_norm(x, w)); print('ok')")
+            + _RMS_NORM_CHECK
+            + "f = torch.compile(fusebox.rms_norm, fullgraph=True); "
+            "assert torch.allclose(f(x, w, 1e-6), ref, atol=1e-5); print('ok')")
     path = [p for p in sys.path if p and Path(p).resolve() != Path(package_root)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -30,6 +30,7 @@ from fusebox.patch import _common  # noqa: E402
 from fusebox.patch.dit import _modules  # noqa: E402
 from helpers import (  # noqa: E402
     FuseboxOps,
+    GraphOps,
     assert_patch_falls_back,
     assert_unpatch_keeps_hooks,
     offload_and_patch,
@@ -294,19 +295,6 @@ def _block_cases(name, model, inputs, device):
     mask = torch.ones(B, 1, 1, 29, dtype=torch.bool, device=device)
     return [(model.transformer_blocks[0], (x, c, temb, mask, rotary)),
             (model.single_transformer_blocks[0], (x, c, temb, mask, rotary))]
-
-
-class GraphOps:
-    """A torch.compile backend that records the fusebox operators of the captured graphs and
-    compiles them with aot_eager (which traces the operators' fake implementations)."""
-
-    def __init__(self):
-        self.ops = set()
-
-    def __call__(self, gm, example_inputs):
-        targets = (str(n.target) for n in gm.graph.nodes)
-        self.ops |= {t.split(".")[1] for t in targets if t.startswith("fusebox.")}
-        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
 
 @pytest.mark.parametrize("name", ["flux", "sd3", "pixart", "hunyuan_video"])
