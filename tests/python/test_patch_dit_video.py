@@ -384,8 +384,10 @@ def test_compiled_patched_model_fullgraph(case):
     ref = run(model, kw)
     fusebox.patch(model)
     torch._dynamo.reset()
-    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    backend = GraphOps()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
     assert rel_err(run(compiled, kw), ref) < FP32_TOL
+    assert {"rotary", "fused_norm"} <= backend.ops      # the fused path was traced
 
 
 # --------------------------------------------------------------------------- layouts

@@ -15,6 +15,8 @@ from fusebox.patch import _common  # noqa: E402
 from helpers import (  # noqa: E402
     DEVICES,
     LLM_FAMILIES,
+    FuseboxOps,
+    GraphOps,
     LLM_VOCAB,
     rel_err,
     tiny_llm,
@@ -209,7 +211,12 @@ def test_move_after_patch(device):
     model.to(device=device, dtype=torch.bfloat16)
     ids = token_ids(device=device)
     ref = tiny_llm("qwen2", dtype=torch.bfloat16, device=device)
-    assert rel_err(logits(model, ids).float(), logits(ref, ids).float()) < 2e-2
+    with FuseboxOps() as ops:
+        out = logits(model, ids)
+    assert ops.calls["rms_norm"] and ops.calls["fused_add_rms_norm"] and ops.calls["gated_act"]
+    assert rel_err(out.float(), logits(ref, ids).float()) < 2e-2
+    model.model.norm.weight.data.zero_()    # the fused final norm reads the moved tensor itself
+    assert not logits(model, ids).any()
 
 
 def _offload(model, how):
@@ -236,7 +243,10 @@ def test_accelerate_hooks_survive(how, patch_first):
     if not patch_first:
         fusebox.patch(model)
     assert "_hf_hook" in hooked.__dict__ and _common.is_patched(hooked)
-    assert rel_err(logits(model, ids), ref) < 1e-5
+    with FuseboxOps() as ops:
+        out = logits(model, ids)
+    assert ops.calls["rms_norm"] and ops.calls["rotary"]     # the fused forwards ran
+    assert rel_err(out, ref) < 1e-5
     if not patch_first:
         fusebox.unpatch(model)
         assert "_hf_hook" in hooked.__dict__ and not fusebox.is_patched(model)
@@ -290,9 +300,11 @@ def test_compile_fullgraph_no_graph_break(family):
     with torch.no_grad():
         explanation = torch._dynamo.explain(model)(ids)
     assert explanation.graph_break_count == 0, explanation.break_reasons
-    compiled = torch.compile(model, fullgraph=True, backend="eager")
+    backend = GraphOps()
+    compiled = torch.compile(model, fullgraph=True, backend=backend)
     with torch.no_grad():
         out = compiled(ids).logits
+    assert {"rms_norm", "rotary", "gated_act"} <= backend.ops   # the fused path was traced
     assert rel_err(out, ref) < 1e-5
 
 
