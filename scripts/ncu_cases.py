@@ -30,8 +30,7 @@ def main() -> None:
 
     runner = Runner(Timer())
     patterns = [p for p in args.cases.split(",") if p]
-    cases = [c for c in suite.select(list(suite.OP_NAMES), list(suite.GROUPS), [args.dtype], False)
-             if any(p in c.key for p in patterns)]
+    cases = suite.matching(patterns, args.dtype)
     if not cases:
         raise SystemExit(f"no suite case matches {patterns}")
     for case in cases:

@@ -32,25 +32,12 @@ def kernel_times(fn, iters: int):
     return {k: (v[0], v[1] / iters) for k, v in out.items()}
 
 
-def step_ms(fn, iters: int = 20) -> float:
-    """Median wall time of one call, synchronized (what a decode loop sees)."""
-    import statistics
-    import time
-
-    times = []
-    for _ in range(iters):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        torch.cuda.synchronize()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def decode_tables(fusebox, model, args, device):
     """Kernel tables of one decode step (``args.decode`` sequences, one new token each, after a
     prompt of ``args.tokens``) for eager, compile, patched and patched+compile."""
     from transformers import StaticCache
+
+    from fusebox.bench.e2e import common
 
     batch = args.decode
     # Every step appends one token: room for all the steps of the four variants.
@@ -75,7 +62,8 @@ def decode_tables(fusebox, model, args, device):
 
             for _ in range(3):
                 step()
-            print(f"{name}: one decode step (batch {batch}) {step_ms(step):.3f} ms wall")
+            wall = common.time_ms(step, device, warmup=0, iters=20)["median_ms"]
+            print(f"{name}: one decode step (batch {batch}) {wall:.3f} ms wall")
             tables.append((name, kernel_times(step, args.iters)))
     return tables
 

@@ -19,32 +19,19 @@ import sys
 
 
 def measure(patterns, dtype):
-    import torch
-
     from fusebox.bench import suite
-    from fusebox.bench.runner import load_fusebox
-    from fusebox.bench.timing import SMALL_BYTES, Timer, plan_sets
+    from fusebox.bench.runner import Runner
+    from fusebox.bench.timing import Timer
 
-    fb, err = load_fusebox()
-    if fb is None:
-        raise SystemExit(f"fusebox not loaded: {err}")
-    timer = Timer(warmup=10, iters=60)
-    calib = timer.calibrate()
-    cases = [c for c in suite.select(list(suite.OP_NAMES), list(suite.GROUPS), [dtype], False)
-             if any(p in c.key for p in patterns)]
-    out = {"calibration": calib, "cases": {}}
-    for case in cases:
-        n_sets, flush = plan_sets(case.nbytes, timer.l2)
-        sets = [suite.build_inputs(case, "cuda", seed=i) for i in range(n_sets)]
-        spec = case.spec
-
-        def fn(t, spec=spec, p=case.params):
-            return spec.fusebox(fb, t, p)
-
-        m = timer.measure(fn, sets, flush, case.nbytes <= 2 * SMALL_BYTES)
+    runner = Runner(Timer(warmup=10, iters=60), use_compile=False, use_liger=False)
+    if runner.fb is None:
+        raise SystemExit(f"fusebox not loaded: {runner.fb_error}")
+    out = {"calibration": runner.timer.calibrate(), "cases": {}}
+    for case in suite.matching(patterns, dtype):
+        m = runner.run_case(case, impls=("fusebox",))["impls"]["fusebox"]
+        if "us" not in m:
+            raise SystemExit(f"{case.key}: {m.get('absent')}")
         out["cases"][case.key] = {"us": m["us"], "graph_us": m.get("graph_us"), "bytes": case.nbytes}
-        del sets
-        torch.cuda.empty_cache()
     return out
 
 
@@ -79,8 +66,9 @@ def main() -> int:
     c = first["calibration"]
     print(f"copy {c['copy_tbps']:.2f} TB/s, launch {c['launch_us']:.2f} us")
     keys = list(first["cases"])
-    head = f"{'case':58s} {'MB':>8} {'floor':>7} " + " ".join(f"{s[:22]:>22}" for s in results)
-    print(head)
+    for i, s in enumerate(results):
+        print(f"[{i}] {s}")
+    print(f"{'case':58s} {'MB':>8} {'floor':>7} " + " ".join(f"{f'[{i}]':>22}" for i in range(len(results))))
     for k in keys:
         nb = first["cases"][k]["bytes"]
         floor = c["launch_us"] + nb / (c["copy_tbps"] * 1e6)

@@ -64,17 +64,9 @@ def tiny_wan(device="cpu", dtype=torch.float32, **config):
 def keep_fp32(model, dtype):
     """``model`` in ``dtype`` with its ``_keep_in_fp32_modules`` in fp32, as from_pretrained
     loads it."""
-    if dtype == torch.float32:
-        return model
-    model = model.to(dtype)
-    keep = getattr(model, "_keep_in_fp32_modules", None) or []
-    for name, module in model.named_modules():
-        if any(k in name.split(".") for k in keep):
-            module.float()
-    for name, param in model.named_parameters():
-        if name.split(".")[-1] in keep:
-            param.data = param.data.float()
-    return model
+    from fusebox.bench.e2e.dit import keep_fp32_modules
+
+    return model if dtype == torch.float32 else keep_fp32_modules(model.to(dtype))
 
 
 def wan_inputs(device="cpu", dtype=torch.float32, per_token=False, image=False):

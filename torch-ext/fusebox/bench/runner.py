@@ -5,7 +5,7 @@ reference once, then times each. Nothing here imports the fusebox operators at m
 from __future__ import annotations
 
 import time
-from typing import Callable, Optional, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 import torch
 
@@ -128,8 +128,8 @@ class Runner:
             return _bind(spec.liger, p, self._lk), None
         raise KeyError(name)
 
-    def run_case(self, case: Case) -> dict:
-        spec = case.spec
+    def run_case(self, case: Case, impls: Sequence[str] = RUN_ORDER) -> dict:
+        """Times ``impls`` (in run order) on fresh inputs of ``case``."""
         nbytes = case.nbytes
         sets_n, flush = plan_sets(nbytes, self.timer.l2)
         small = nbytes <= 2 * SMALL_BYTES
@@ -144,7 +144,7 @@ class Runner:
         ref = None
         try:
             with torch.no_grad():
-                for name in RUN_ORDER:
+                for name in (n for n in RUN_ORDER if n in impls):
                     rec["impls"][name] = self._run_impl(name, case, sets, flush, small, ref)
                     if name == "eager":
                         ref = rec["impls"][name].pop("_out", None)

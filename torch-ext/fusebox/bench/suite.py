@@ -735,6 +735,13 @@ def select(ops: Sequence[str], groups: Sequence[str], dtypes: Sequence[str],
     return cases
 
 
+def matching(patterns: Sequence[str], dtype: str) -> List[Case]:
+    """The cases of the whole suite in ``dtype`` whose key (``op|shape|dtype``) contains one of
+    ``patterns`` (the diagnostic scripts' selection)."""
+    return [c for c in select(list(OP_NAMES), list(GROUPS), [dtype])
+            if any(p in c.key for p in patterns)]
+
+
 def build_inputs(case: Case, device, seed: int = 0) -> Dict[str, torch.Tensor]:
     return case.spec.build(case.params, DTYPES[case.dtype], torch.device(device),
                            _Rand(device, seed))

@@ -22,6 +22,7 @@ from typing import Callable, Dict, List
 
 import torch
 
+from ..suite import DTYPES
 from . import common
 
 ALL_VARIANTS = ("eager", "patched", "compile", "compile-regional", "patched+compile",
@@ -29,7 +30,6 @@ ALL_VARIANTS = ("eager", "patched", "compile", "compile-regional", "patched+comp
 # whole-model compiles of 30-60 block models take minutes each: --quick keeps the regional ones
 QUICK_VARIANTS = ("eager", "patched", "compile-regional", "patched+compile-regional")
 BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 @dataclass

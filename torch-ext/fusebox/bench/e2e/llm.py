@@ -36,9 +36,10 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from ..suite import DTYPES
 from . import common
 
-TINY = "tiny-llm"   # model names are shared by all e2e families ("tiny" is the DiT one)
+TINY = "tiny-llm"   # model names are shared by all e2e families (`--model tiny` runs every tiny-*)
 MODELS = {
     "qwen3-8b": "Qwen/Qwen3-8B: 36 layers, 4096 wide, GQA 32/8, q/k RMSNorm",
     "llama-3-8b": "meta-llama/Meta-Llama-3-8B: 32 layers, 4096 wide, GQA 32/8",
@@ -84,8 +85,6 @@ CONFIGS: Dict[str, dict] = {
 }
 
 VARIANTS = ("eager", "patched", "compile", "patched+compile", "graphs", "patched+graphs")
-DEFAULT_VARIANTS = "eager,patched,compile,patched+compile"   # the e2e command's default
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def workload(name: str, args) -> dict:
@@ -229,8 +228,10 @@ def run_variant(model, variant: str, work: dict, device, ids, ref_logits, quick:
 
 
 def _variants(args, device) -> list:
+    from . import build_parser
+
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if args.variants == DEFAULT_VARIANTS and device.type == "cuda":
+    if args.variants == build_parser({}).get_default("variants") and device.type == "cuda":
         names += ["graphs", "patched+graphs"]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
