@@ -423,10 +423,20 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   // Per-head kernel (tokens are rows; up to 4 heads per lane group) when a head fits one lane
   // group and the token's lane groups fit a block.
   const int head_tpr = next_pow2(a.units_per_head);
-  // With a per-head norm, two heads per lane group keep enough lanes busy through the
-  // shuffle reductions (Qwen3 2048 tokens: 24.7 -> 22.5 us); without one, four heads share
-  // the rotation factors (Wan rope_3d 40 heads: 420 us with 4, 1112 with 2).
-  int head_items = heads >= 4 ? (norm ? 2 : 4) : heads >= 2 ? 2 : 1;
+  // Two-vector units (half-split pairs) hold twice the registers of one-vector ones.
+  const bool two_vectors = !(interleaved && vec >= 2);
+  // Heads per lane group (H200 figures):
+  // - 1 when a lane per unit needs at most half the GPU's resident threads (decode-sized calls:
+  //   the shortest path from loads to stores; Qwen3 qk-norm + rope, 1 token 7.04 -> 5.95 us,
+  //   256 tokens 7.17 -> 6.43);
+  // - with a per-head norm, 2 for two-vector units (Qwen3 2048 tokens: 22.6 us, 23.6 with 1,
+  //   24.7 with 4) and 4 for one-vector units (FLUX 4608 tokens: 44.5 us, 57.3 with 2);
+  // - without a norm, four heads share the rotation factors (Wan rope_3d 40 heads: 420 us with
+  //   4, 1112 with 2).
+  const int64_t lanes_one_head_each = sh.B * sh.S * heads * int64_t(head_tpr);
+  int head_items = heads >= 4 ? (norm && two_vectors ? 2 : 4) : heads >= 2 ? 2 : 1;
+  if (lanes_one_head_each <= int64_t(device_limits().sm_count) * 1024) head_items = 1;
+  while (head_items < 4 && head_tpr * ((heads + head_items - 1) / head_items) > kMaxThreads) head_items *= 2;
   const int forced_items = tuning_knobs().rope_items.value_or(0);
   if (forced_items == 1 || forced_items == 2 || forced_items == 4) head_items = forced_items;
   const int head_groups = (heads + head_items - 1) / head_items;
@@ -464,8 +474,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   a.rows = sh.B * sh.S * a.rows_per_token;
   const int64_t units = int64_t(a.across ? std::max(a.Hq, a.Hk) : 1) * a.units_per_head;
 
-  // Two-vector units hold twice the registers: at most 4 of them per thread.
-  const bool two_vectors = !(interleaved && vec >= 2);
+  // Two-vector units: at most 4 of them per thread.
   const int items = units <= 32 ? 1 : units <= 4 * kMaxThreads ? 4 : 8;
   FUSEBOX_CHECK(units <= int64_t(two_vectors ? 4 : 8) * kMaxThreads, "one row of the rotary kernel (",
                 a.across ? "every head of a token" : "one head", ", ", units * vec,
