@@ -249,6 +249,19 @@ struct RowIndexer {
   }
 };
 
+// q = n / d, r = n - q * d for non-negative n, d > 0: 32-bit when both fit (a 64-bit division
+// is a long subroutine; kernels that move a few vectors per thread feel it).
+__device__ __forceinline__ void divmod_index(int64_t n, int64_t d, int64_t& q, int64_t& r) {
+  if (((n | d) >> 32) == 0) {
+    const uint32_t q32 = uint32_t(n) / uint32_t(d);
+    q = q32;
+    r = int64_t(uint32_t(n) - q32 * uint32_t(d));
+  } else {
+    q = n / d;
+    r = n - q * d;
+  }
+}
+
 struct RowOffsets {
   int64_t s0, s1, s2;
   __device__ __forceinline__ int64_t at(int64_t i0, int64_t i1, int64_t i2) const {

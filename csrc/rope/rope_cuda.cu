@@ -27,6 +27,7 @@ struct RopeKernelArgs {
   int q_rows;          // rows of a token that belong to q: Hq, or 1
   int units_per_head;  // rotary units + pass-through units of one head
   int tpr, rows_per_block;
+  int step_heads, step_units;  // rows kernel: tpr as (heads, units) of a head, item to item
   RopeTensorArg q, k, qo, ko;
   ParamPtr cos, sin;
   int64_t cos_sb, cos_ss, sin_sb, sin_ss;
@@ -111,15 +112,16 @@ __device__ __forceinline__ void store_unit(T* o, int d0, int d1, bool rotary, co
   }
 }
 
+// The unit's norm weights and, where `rotation`, its rotation factors.
 template <typename T, int VEC, bool NORM, bool GRID>
 __device__ __forceinline__ void load_unit_params(const RopeKernelArgs& a, const GridTable& g, const int64_t (&pos)[3],
-                                                 int64_t b, int64_t s, const ParamPtr& w, int woff, bool rotary,
+                                                 int64_t b, int64_t s, const ParamPtr& w, int woff, bool rotation,
                                                  bool two, int d0, int d1, UnitParams<VEC>& p) {
   if (NORM && w.ptr) {
     load_param<T, VEC>(w, woff + d0, p.w0);
     if (two) load_param<T, VEC>(w, woff + d1, p.w1);
   }
-  if (rotary) {
+  if (rotation) {
     load_rotation<T, VEC, GRID>(a, g, pos, b, s, d0, p.c0, p.s0);
     if (two) load_rotation<T, VEC, GRID>(a, g, pos, b, s, d1, p.c1, p.s1);
   }
@@ -127,10 +129,12 @@ __device__ __forceinline__ void load_unit_params(const RopeKernelArgs& a, const 
 
 // Grid mode: the (frame, row, column) of token s, offsets included.
 __device__ __forceinline__ void grid_position(const Rope3DGrid& g, int64_t s, int64_t (&pos)[3]) {
-  const int64_t hw = g.height * g.width;
-  pos[0] = s / hw + g.offsets[0];
-  pos[1] = (s / g.width) % g.height + g.offsets[1];
-  pos[2] = s % g.width + g.offsets[2];
+  int64_t frame, in_frame, row, col;
+  divmod_index(s, g.height * g.width, frame, in_frame);
+  divmod_index(in_frame, g.width, row, col);
+  pos[0] = frame + g.offsets[0];
+  pos[1] = row + g.offsets[1];
+  pos[2] = col + g.offsets[2];
 }
 
 // Grid mode: the block's shared-memory tables of the video axes, [R] turns per position step
@@ -166,9 +170,12 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
   const int lane = threadIdx.x - rb * tpr;
   const int64_t row = int64_t(blockIdx.x) * a.rows_per_block + rb;
   const bool active = row < a.rows;
-  const int64_t token = active ? row / a.rows_per_token : 0;
-  const int sub = active ? int(row - token * a.rows_per_token) : 0;
-  const int64_t b = token / a.S, s = token - b * a.S;
+  int64_t token = 0, sub64 = 0, b = 0, s = 0;
+  if (active) {
+    divmod_index(row, a.rows_per_token, token, sub64);
+    divmod_index(token, a.S, b, s);
+  }
+  const int sub = int(sub64);
   const bool is_k = sub >= a.q_rows;
   const int head0 = a.across ? 0 : (is_k ? sub - a.q_rows : sub);  // first head of the row
   const int heads = a.across ? (is_k ? a.Hk : a.Hq) : 1;
@@ -182,10 +189,26 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
   if constexpr (GRID) grid_position(a.grid, s, pos);
 
   const ParamPtr& w = is_k ? a.kw : a.qw;
-  // The unit -> (head in row, unit in head, channels) map of item `it`.
-  auto unit_of = [&](int u, int& hi, int& d0, int& d1, bool& rotary) {
-    hi = heads == 1 ? 0 : u / a.units_per_head;
-    const int j = u - hi * a.units_per_head;
+  // Item `it` is unit u = lane + it * tpr of the row: head hi, unit j of the head. Walked
+  // from item to item without divisions. When tpr is a whole number of heads (step_units 0)
+  // every item is the same unit of another head, so its rotation factors are loaded once.
+  const int hi_first = lane / a.units_per_head, j_first = lane - hi_first * a.units_per_head;
+  auto walk = [&](int it, int& hi, int& j) {
+    if (it == 0) {
+      hi = hi_first;
+      j = j_first;
+      return;
+    }
+    hi += a.step_heads;
+    j += a.step_units;
+    if (j >= a.units_per_head) {
+      j -= a.units_per_head;
+      ++hi;
+    }
+  };
+  const bool same_unit = a.step_units == 0;
+  // channels of unit j of a head
+  auto channels_of = [&](int j, int& d0, int& d1, bool& rotary) {
     rotary = j < rot_units;
     d1 = 0;
     if (rotary)
@@ -198,15 +221,17 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
   // Load every unit of the row: x0 (and x1 for two-vector rotary units).
   Pack<T, VEC> x0[ITEMS], x1[ITEMS];
   UnitParams<VEC> early;
+  int hi, j;
 #pragma unroll
   for (int it = 0; it < ITEMS; ++it) {
     const int u = lane + it * tpr;
+    walk(it, hi, j);
     x0[it] = Pack<T, VEC>{};
     x1[it] = Pack<T, VEC>{};
     if (active && u < units) {
-      int hi, d0, d1;
+      int d0, d1;
       bool rotary;
-      unit_of(u, hi, d0, d1, rotary);
+      channels_of(j, d0, d1, rotary);
       const T* p = in + (head0 + hi) * src.sh;
       x0[it] = load_pack<T, VEC>(p + d0);
       if (rotary && L::kTwoVectors) x1[it] = load_pack<T, VEC>(p + d1);
@@ -232,19 +257,20 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
   }
   if (!active) return;
 
+  UnitParams<VEC> late;
 #pragma unroll
   for (int it = 0; it < ITEMS; ++it) {
     const int u = lane + it * tpr;
-    if (u >= units) continue;
-    int hi, d0, d1;
+    walk(it, hi, j);
+    if (u >= units) break;  // u grows with it
+    int d0, d1;
     bool rotary;
-    unit_of(u, hi, d0, d1, rotary);
+    channels_of(j, d0, d1, rotary);
     T* o = out + (head0 + hi) * dst.sh;
     const bool two = rotary && L::kTwoVectors;
-    UnitParams<VEC> late;
     if constexpr (!kEarlyParams)  // weights span every head when the norm does
-      load_unit_params<T, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0, rotary, two, d0, d1,
-                                           late);
+      load_unit_params<T, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0,
+                                           rotary && (it == 0 || !same_unit), two, d0, d1, late);
     const UnitParams<VEC>& p = kEarlyParams ? early : late;
     float v0[VEC], v1[VEC];
     unpack(x0[it], v0);
@@ -280,7 +306,8 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
   const int64_t token = int64_t(blockIdx.x) * a.rows_per_block + slot;
   const int heads = a.Hq + a.Hk;
   const bool active = slot < a.rows_per_block && token < a.rows && lane < a.units_per_head;
-  const int64_t b = active ? token / a.S : 0, s = active ? token - b * a.S : 0;
+  int64_t b = 0, s = 0;
+  if (active) divmod_index(token, a.S, b, s);
   const int rot_units = L::rotary_units(a.R);
   const bool rotary = lane < rot_units;
   const bool two = rotary && L::kTwoVectors;
@@ -482,6 +509,8 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   const int64_t need = (units + items - 1) / items;
   a.tpr = need <= 32 ? next_pow2(need) : int((need + 31) / 32 * 32);
   a.rows_per_block = a.tpr < 128 && (a.tpr & (a.tpr - 1)) == 0 ? 128 / a.tpr : 1;
+  a.step_heads = a.tpr / a.units_per_head;
+  a.step_units = a.tpr % a.units_per_head;
   const int64_t blocks = (a.rows + a.rows_per_block - 1) / a.rows_per_block;
   FUSEBOX_CHECK(blocks < (int64_t(1) << 31), "too many rows: ", a.rows);
   const dim3 grid(static_cast<unsigned>(blocks)), block(static_cast<unsigned>(a.tpr * a.rows_per_block));
