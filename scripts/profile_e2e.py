@@ -2,7 +2,7 @@
 forwards under torch.profiler, eager and fusebox-patched side by side, biggest first. A
 diagnostic aid; `fusebox bench e2e` is the benchmark.
 
-    python scripts/profile_e2e.py --model ltx-video [--top 30]
+    python scripts/profile_e2e.py --model ltx-video [--top 30] [--compiled]
     python scripts/profile_e2e.py --model qwen3-8b --decode 1   # one decode step, also compiled
 """
 
@@ -77,6 +77,8 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=0, metavar="BATCH",
                     help="LLMs: profile one decode step at this batch on a static cache, eager and "
                          "torch.compile'd, unpatched and patched")
+    ap.add_argument("--compiled", action="store_true",
+                    help="diffusers transformers: also the unpatched model under regional compile")
     args = ap.parse_args()
 
     import fusebox
@@ -94,10 +96,14 @@ def main() -> None:
         tables = decode_tables(fusebox, model, args, device)
     else:
         with torch.inference_mode():
-            eager = kernel_times(call, args.iters)
+            tables = [("eager", kernel_times(call, args.iters))]
+            if args.compiled:
+                from fusebox.bench.e2e import dit
+
+                with dit.compiled(model, "compile-regional", fullgraph=True):
+                    tables.append(("compile-regional", kernel_times(call, args.iters)))
             print(fusebox.patch(model))
-            patched = kernel_times(call, args.iters)
-        tables = (("eager", eager), ("patched", patched))
+            tables.append(("patched", kernel_times(call, args.iters)))
     for name, table in tables:
         total = sum(t for t, _ in table.values())
         print(f"\n== {name}: {total / 1e3:.2f} ms of kernels per forward, "

@@ -280,7 +280,7 @@ def _block_modules(model) -> List[torch.nn.Module]:
 
 
 @contextlib.contextmanager
-def _compiled(model, mode: str, fullgraph: bool):
+def compiled(model, mode: str, fullgraph: bool):
     """Yields the callable of a compile mode ("" eager, "compile", "compile-regional"), undoing
     regional compilation afterwards."""
     if not mode:
@@ -319,7 +319,7 @@ def _run_variant(model, inputs, variant, spec, device, quick, eager_out):
     try:
         for fullgraph in ((True, False) if mode else (True,)):
             try:
-                with _compiled(model, mode, fullgraph) as fn, torch.inference_mode():
+                with compiled(model, mode, fullgraph) as fn, torch.inference_mode():
                     call = lambda: _output(fn(**inputs))  # noqa: E731
                     t0 = time.perf_counter()
                     out = call()
