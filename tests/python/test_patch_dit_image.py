@@ -217,6 +217,7 @@ def test_report_sd3_pixart_hunyuan_dit():
     assert sd3["JointTransformerBlock: gated_residual_norm + gated_residual, image stream"] == 1
     assert sd3["SD35AdaLayerNormZeroX: adaln x2 (layer)"] == 1
     assert sd3["RMSNorm: rms_norm"] == 14           # per-head q/k norms of 3 joint + 1 dual attn
+    assert sd3["Attention: processor: joint attention on [B, S, H, D] q/k/v (no layout copies)"] == 4
     pixart = summary["pixart"]
     assert pixart["patched"]["BasicTransformerBlock: adaln + gated_residual + "
                              "gated_residual_norm + gated_residual"] == 2
@@ -227,6 +228,35 @@ def test_report_sd3_pixart_hunyuan_dit():
     dit = summary["dit"]["patched"]
     assert dit == {"AdaLayerNormZero: adaln (layer)": 2, "GELU: linear + gelu_tanh(+bias)": 2,
                    "LayerNorm: layer_norm": 3}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("which", ["joint", "context_pre_only", "dual_attn2"])
+def test_sd3_joint_processor_matches_diffusers(which, dtype, device):
+    # the [B, S, H, D] processor against diffusers' JointAttnProcessor2_0 on the same module
+    from diffusers.models.attention_processor import JointAttnProcessor2_0
+
+    model, _ = build("sd3", device, dtype)
+    block = {"joint": model.transformer_blocks[1], "context_pre_only": model.transformer_blocks[2],
+             "dual_attn2": model.transformer_blocks[0]}[which]
+    attn = block.attn2 if which == "dual_attn2" else block.attn
+    d = model.config.num_attention_heads * model.config.attention_head_dim
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(B, 12, d, generator=gen).to(device, dtype)
+    c = None if which == "dual_attn2" else torch.randn(B, 5, d, generator=gen).to(device, dtype)
+    with torch.no_grad():
+        ref = attn(x, encoder_hidden_states=c)
+        fusebox.patch(model)
+        assert type(attn.processor).__name__ == "SD3JointAttnProcessor"
+        assert isinstance(attn.processor.original, JointAttnProcessor2_0)
+        out = attn(x, encoder_hidden_states=c)
+    ref = ref if isinstance(ref, tuple) else (ref,)
+    out = out if isinstance(out, tuple) else (out,)
+    assert len(out) == len(ref)
+    for r, o in zip(ref, out):
+        assert o.dtype == r.dtype and o.shape == r.shape and torch.isfinite(o).all()
+        tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+        torch.testing.assert_close(o, r, **tol)
 
 
 def test_processor_keeps_attention_backend():
