@@ -425,7 +425,8 @@ def test_bench_tiny_cli(tmp_path, capsys):
     rec = doc["models"]["tiny-dit"]
     for variant in ("eager", "patched"):
         assert not rec["variants"][variant].get("error"), rec["variants"][variant]
-        assert rec["variants"][variant]["step_ms"] > 0
+        v = rec["variants"][variant]
+        assert v["step_ms"] > 0 and 0 < v["forward_min_ms"] <= v["forward_ms"]
     assert rec["variants"]["patched"]["rel_diff_vs_eager"] < 1e-4
     assert rec["variants"]["pipeline:patched"]["pipeline_s"] > 0
     assert (tmp_path / rec["summary"]["video"].split("/")[-1]).exists()

@@ -322,6 +322,7 @@ def test_e2e_bench_tiny_on_cpu(tmp_path):
     rec = doc["models"]["tiny-llm"]
     for variant in ("eager", "patched"):
         assert not rec["variants"][variant].get("error"), rec["variants"][variant]
-        assert rec["variants"][variant]["prefill_ms"] > 0
+        v = rec["variants"][variant]
+        assert 0 < v["prefill_min_ms"] <= v["prefill_ms"]
     assert rec["variants"]["patched"]["decode_tok_s_b1"] > 0
     assert rec["summary"]["patched_vs_eager_rel_diff"] < 1e-4

@@ -215,8 +215,8 @@ def run_variant(model, variant: str, work: dict, device, ids, ref_logits, quick:
             def forward():
                 return model(ids, use_cache=False, logits_to_keep=1)
 
-            out["prefill_ms"] = common.time_ms(forward, device, warmup=work["warmup"],
-                                               iters=work["iters"])["median_ms"]
+            t = common.time_ms(forward, device, warmup=work["warmup"], iters=work["iters"])
+            out["prefill_ms"], out["prefill_min_ms"] = t["median_ms"], t["min_ms"]
             out["peak_mb"] = common.peak_memory_mb(forward, device)
     if quick and "compile" in variant:
         return out, logits
