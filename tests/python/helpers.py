@@ -361,6 +361,33 @@ def tiny_llm(family, dtype=torch.float32, device="cpu", **overrides):
     return model.to(device=device, dtype=dtype)
 
 
+# Falcon's three attention layouts: multi-query with a parallel MLP (7B), grouped keys with two
+# norms (new decoder architecture: 40B/180B), one key per head with sequential residuals and
+# biases (RW)
+FALCON_VARIANTS = {
+    "falcon-7b": dict(multi_query=True, parallel_attn=True),
+    "falcon-40b": dict(new_decoder_architecture=True, num_kv_heads=2, parallel_attn=True),
+    "falcon-rw": dict(multi_query=False, parallel_attn=False, bias=True),
+}
+
+
+def tiny_falcon(variant, dtype=torch.float32, device="cpu", **overrides):
+    """A 2-layer random FalconForCausalLM (rotary unless ``alibi=True`` is passed); 1-D
+    parameters (norm weights, biases) get noise."""
+    import transformers
+
+    config = transformers.FalconConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, ffn_hidden_size=128,
+        vocab_size=LLM_VOCAB, **{**FALCON_VARIANTS[variant], **overrides})
+    torch.manual_seed(0)
+    model = transformers.FalconForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.to(device=device, dtype=dtype)
+
+
 def token_ids(batch=2, seq=24, device="cpu"):
     gen = torch.Generator().manual_seed(1)
     return torch.randint(0, LLM_VOCAB, (batch, seq), generator=gen).to(device)

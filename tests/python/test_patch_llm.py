@@ -14,11 +14,13 @@ import fusebox  # noqa: E402
 from fusebox.patch import _common  # noqa: E402
 from helpers import (  # noqa: E402
     DEVICES,
+    FALCON_VARIANTS,
     LLM_FAMILIES,
     FuseboxOps,
     GraphOps,
     LLM_VOCAB,
     rel_err,
+    tiny_falcon,
     tiny_llm,
     token_ids,
 )
@@ -30,6 +32,11 @@ FUSED_LAYER_KINDS = ("Attention", "DecoderLayer", "MLP", "RMSNorm")
 @torch.no_grad()
 def logits(model, ids):
     return model(ids).logits
+
+
+def build(name, **kwargs):
+    """A tiny model of a family (LLM_FAMILIES) or of a Falcon layout (FALCON_VARIANTS)."""
+    return tiny_falcon(name, **kwargs) if name in FALCON_VARIANTS else tiny_llm(name, **kwargs)
 
 
 def fused_forwards(model):
@@ -55,10 +62,10 @@ def test_fp32_logits_match(family, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "falcon-40b"])
 def test_bf16_within_bf16_spread(family, device):
     """bf16 patched is no further from the fp32 model than bf16 unpatched is."""
-    model32 = tiny_llm(family, device=device)
+    model32 = build(family, device=device)
     ids = token_ids(device=device)
     ref = logits(model32, ids)
     model16 = copy.deepcopy(model32).to(torch.bfloat16)
@@ -69,9 +76,9 @@ def test_bf16_within_bf16_spread(family, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", list(LLM_FAMILIES))
+@pytest.mark.parametrize("family", list(LLM_FAMILIES) + list(FALCON_VARIANTS))
 def test_greedy_generate_same_tokens(family, device):
-    model = tiny_llm(family, device=device)
+    model = build(family, device=device)
     prompt = token_ids(batch=1, seq=6, device=device)
     kwargs = dict(max_new_tokens=32, min_new_tokens=32, do_sample=False, use_cache=True,
                   pad_token_id=0)
@@ -83,11 +90,11 @@ def test_greedy_generate_same_tokens(family, device):
     assert torch.equal(out, ref)
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+@pytest.mark.parametrize("family", ["llama", "gemma3", "falcon-40b"])
 def test_eager_attention_returns_the_same_weights(family):
     """The attention interface of the config is used, and the patched attention returns what
     the original returns (attention probabilities with output_attentions)."""
-    model = tiny_llm(family)
+    model = build(family)
     model.set_attn_implementation("eager")
     ids = token_ids()
     with torch.no_grad():
@@ -180,16 +187,38 @@ def test_unknown_model_untouched():
     assert torch.equal(logits(model, ids), ref)
 
 
-def test_falcon_left_alone_and_reported():
-    config = transformers.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                       vocab_size=LLM_VOCAB)
-    model = transformers.FalconForCausalLM(config).eval()
+# layer_norm modules of a 2-layer model: per layer input (+ post-attention, or the attention and
+# MLP norms of the new architecture), plus the final ln_f
+FALCON_LAYER_NORMS = {"falcon-7b": 3, "falcon-40b": 5, "falcon-rw": 5}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("variant", list(FALCON_VARIANTS))
+def test_falcon_fp32_logits_match(variant, device):
+    model = tiny_falcon(variant, device=device)
+    ids = token_ids(device=device)
+    ref = logits(model, ids)
+    report = fusebox.patch(model)
+    patched = report.summary()["patched"]
+    assert patched["FalconAttention: rope (q/k read from the fused QKV projection)"] == 2
+    assert patched["LayerNorm: layer_norm"] == FALCON_LAYER_NORMS[variant]
+    with FuseboxOps() as ops:
+        out = logits(model, ids)
+    assert ops.calls == {"rotary": 2, "layer_norm": FALCON_LAYER_NORMS[variant]}
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_falcon_alibi_attention_left_alone():
+    model = tiny_falcon("falcon-7b", alibi=True)
     ids = token_ids()
     ref = logits(model, ids)
     report = fusebox.patch(model)
-    assert report.num_patched == 0
     reasons = {e.kind: e.what for e in report.skipped}
-    assert "no fused decoder layer" in reasons["FalconDecoderLayer"]
+    assert "ALiBi" in reasons["FalconAttention"]
+    assert "residual adds kept" in reasons["FalconDecoderLayer"]
+    assert report.summary()["patched"] == {"LayerNorm: layer_norm": 3}
+    assert rel_err(logits(model, ids), ref) < 1e-5
+    fusebox.unpatch(model)
     assert torch.equal(logits(model, ids), ref)
 
 
@@ -290,9 +319,15 @@ def test_inference_mode():
 # --------------------------------------------------------------------------- torch.compile
 
 
-@pytest.mark.parametrize("family", ["llama", "gemma3"])
+# the fused operators each family's compiled graph must hold
+COMPILED_OPS = {"llama": {"rms_norm", "rotary", "gated_act"},
+                "gemma3": {"rms_norm", "rotary", "gated_act"},
+                "falcon-40b": {"rotary", "layer_norm"}}
+
+
+@pytest.mark.parametrize("family", list(COMPILED_OPS))
 def test_compile_fullgraph_no_graph_break(family):
-    model = tiny_llm(family)
+    model = build(family)
     ids = token_ids()
     ref = logits(model, ids)
     fusebox.patch(model)
@@ -304,7 +339,7 @@ def test_compile_fullgraph_no_graph_break(family):
     compiled = torch.compile(model, fullgraph=True, backend=backend)
     with torch.no_grad():
         out = compiled(ids).logits
-    assert {"rms_norm", "rotary", "gated_act"} <= backend.ops   # the fused path was traced
+    assert COMPILED_OPS[family] <= backend.ops   # the fused path was traced
     assert rel_err(out, ref) < 1e-5
 
 

@@ -1,4 +1,5 @@
-"""transformers decoder LLMs (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3 text) on fusebox.
+"""transformers decoder LLMs (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3 text, Falcon) on
+fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
 
@@ -10,7 +11,11 @@ What is replaced, module by module (every other module keeps its forward):
   interface (``config._attn_implementation``) are called exactly as the original does;
 - the decoder layer of the known families: the residual add and the norm after it become one
   ``fused_add_rms_norm`` (pre-norm layers: attention add + ``post_attention_layernorm``;
-  Gemma2/3 sandwich layers: attention add + ``pre_feedforward_layernorm``).
+  Gemma2/3 sandwich layers: attention add + ``pre_feedforward_layernorm``);
+- Falcon (rotary, not ALiBi): its ``LayerNorm`` modules -> ``layer_norm``, and the rotary of q/k
+  read in place from the fused QKV projection -> ``rope`` (for grouped keys, before they are
+  repeated over the heads, which the model's cache then holds as it does unpatched). Its MLP
+  (one activation launch already) and parallel residual adds keep their code.
 
 A patched forward falls back to the original one when autograd needs it (fusebox operators
 have no backward) or when its inputs are outside what the operators take (e.g. float64).
@@ -21,6 +26,7 @@ when this module was written; a class that drifted is left alone and reported.
 from __future__ import annotations
 
 import inspect
+import math
 import re
 import sys
 from dataclasses import dataclass
@@ -125,6 +131,24 @@ def _add_norm(norm: torch.nn.Module, style: Optional[NormStyle], x: torch.Tensor
     return norm(h), h
 
 
+# --------------------------------------------------------------------------- LayerNorm
+
+# families whose torch.nn.LayerNorm modules are fused (their own norm formula is torch's)
+LAYER_NORM_FAMILIES = ("falcon",)
+
+
+def _layer_norm_patch(module: torch.nn.Module) -> Tuple[Optional[Callable], str]:
+    if len(module.normalized_shape) != 1:
+        return None, "LayerNorm over more than the last dimension"
+    return _layer_norm_forward, "layer_norm"
+
+
+def _layer_norm_forward(self, x):
+    if not _fusable(x, self.weight, self.bias):
+        return original_forward(self)(x)
+    return F.layer_norm(x, self.weight, self.bias, self.eps)
+
+
 # --------------------------------------------------------------------------- MLP
 
 # transformers activation class -> fusebox activation name
@@ -139,6 +163,8 @@ _GATED_MLP = "down_proj=self.down_proj(self.act_fn(self.gate_proj(x))*self.up_pr
 
 def mlp_activation(module: torch.nn.Module) -> Tuple[Optional[str], str]:
     """(fusebox activation, "") for a gated MLP fusebox can run, else (None, why not)."""
+    if type(module).__name__ == "FalconMLP":
+        return None, "not gated: up, activation (one launch already), down"
     if _GATED_MLP not in _source(type(module).forward):
         return None, "forward is not down(act(gate(x)) * up(x))"
     act = module.act_fn
@@ -242,7 +268,79 @@ def _make_attention_forward(spec: AttentionSpec, q_style: Optional[NormStyle],
     return forward
 
 
+_FALCON_ATTENTION_PARAMS = ("self", "hidden_states", "alibi", "attention_mask", "position_ids",
+                            "layer_past", "use_cache", "output_attentions", "position_embeddings",
+                            "kwargs")
+
+
+def _falcon_qkv(self, fused_qkv, cos, sin):
+    """q, k, v ``[B, H, S, D]`` (k and v with the heads the model's cache holds) from Falcon's
+    fused projection, q and k rotated. Same values as ``_split_heads`` + transposes +
+    ``apply_rotary_pos_emb``: the rotary reads q/k where the projection wrote them."""
+    if self.new_decoder_architecture:
+        # [B, S, kv groups, heads per group + 2, D]: rotate each group's key once, then repeat
+        # it over the group's query heads as the model does
+        batch, seq_len, _ = fused_qkv.shape
+        qkv = fused_qkv.view(batch, seq_len, -1, self.num_heads // self.num_kv_heads + 2,
+                             self.head_dim)
+        grouped = qkv[:, :, :, :-2]
+        query, key = F.rope(grouped.flatten(2, 3), qkv[:, :, :, -2], cos, sin)
+        key = torch.broadcast_to(key.unsqueeze(3), grouped.shape).flatten(2, 3)
+        value = torch.broadcast_to(qkv[:, :, :, [-1]], grouped.shape).flatten(2, 3)
+    else:
+        query, key, value = self._split_heads(fused_qkv)   # views of the projection
+        query, key = F.rope(query, key, cos, sin)
+    # the heads the model's cache holds: all of them (new architecture), one (multi-query)
+    kv_heads = self.num_heads if self.new_decoder_architecture else self.num_kv_heads
+    batch, seq_len = query.shape[:2]
+    key, value = (t.transpose(1, 2).reshape(batch, kv_heads, seq_len, self.head_dim)
+                  for t in (key, value))
+    return query.transpose(1, 2), key, value
+
+
+def _falcon_attention_forward(self, hidden_states, alibi, attention_mask, position_ids=None,
+                              layer_past=None, use_cache=False, output_attentions=False,
+                              position_embeddings=None, **kwargs):
+    cos, sin = position_embeddings if position_embeddings is not None else (None, None)
+    if (alibi is not None or cos is None
+            or not _fusable(hidden_states, self.query_key_value.weight, cos, sin)
+            or not cos.dtype == sin.dtype == hidden_states.dtype):
+        return original_forward(self)(hidden_states, alibi, attention_mask, position_ids,
+                                      layer_past, use_cache, output_attentions,
+                                      position_embeddings, **kwargs)
+    query, key, value = _falcon_qkv(self, self.query_key_value(hidden_states), cos, sin)
+    batch_size, _, query_length, _ = query.shape
+    if layer_past is not None:
+        key, value = layer_past.update(key, value, self.layer_idx)
+    # the rest is FalconAttention's rotary branch
+    if self.config._attn_implementation == "sdpa" and not output_attentions:
+        is_causal = self.is_causal and attention_mask is None and query_length > 1
+        attn_output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=is_causal)
+        attention_scores = None
+    else:
+        attention_scores = query @ key.transpose(-1, -2)
+        attention_scores /= math.sqrt(self.head_dim)
+        attention_scores = torch.nn.functional.softmax(attention_scores + attention_mask, dim=-1,
+                                                       dtype=hidden_states.dtype)
+        attn_output = attention_scores @ value
+    attn_output = attn_output.view(batch_size, self.num_heads, query_length, self.head_dim)
+    attn_output = attn_output.permute(0, 2, 1, 3).reshape(batch_size, query_length,
+                                                          self.num_heads * self.head_dim)
+    return self.dense(attn_output), attention_scores
+
+
+def _falcon_attention_patch(module) -> Tuple[Optional[Callable], str]:
+    if _params(type(module).forward) != _FALCON_ATTENTION_PARAMS:
+        return None, "forward signature differs from the supported transformers versions"
+    if getattr(module.config, "alibi", False):
+        return None, "ALiBi positions (no rotary to fuse)"
+    return _falcon_attention_forward, "rope (q/k read from the fused QKV projection)"
+
+
 def _attention_patch(module) -> Tuple[Optional[Callable], str]:
+    if type(module).__name__ == "FalconAttention":
+        return _falcon_attention_patch(module)
     spec = ATTENTION.get(type(module).__name__)
     if spec is None:
         return None, "no fused attention for this class"
@@ -345,6 +443,8 @@ DECODER_LAYERS: Dict[str, LayerTemplate] = {
 
 def _layer_patch(module) -> Tuple[Optional[Callable], str]:
     template = DECODER_LAYERS.get(type(module).__name__)
+    if type(module).__name__ == "FalconDecoderLayer":
+        return None, "residual adds kept as written (LayerNorm model, parallel attention + MLP)"
     if template is None:
         return None, "no fused decoder layer for this class"
     if _params(type(module).forward) != template.params:
@@ -358,9 +458,12 @@ def _layer_patch(module) -> Tuple[Optional[Callable], str]:
 # --------------------------------------------------------------------------- entry point
 
 
-def _classify(module) -> Tuple[Optional[Callable], str, bool]:
+def _classify(module, family: str) -> Tuple[Optional[Callable], str, bool]:
     """(fused forward or None, what/why, is a candidate worth reporting)."""
     name = type(module).__name__
+    if type(module) is torch.nn.LayerNorm and family in LAYER_NORM_FAMILIES:
+        fn, what = _layer_norm_patch(module)
+        return fn, what, True
     if not _is_transformers_class(type(module)):
         return None, "", False
     if name.endswith("RMSNorm"):
@@ -388,7 +491,7 @@ def patch(model: torch.nn.Module, report, **options) -> None:
     report.family = getattr(config, "model_type", "") or ""
     plan = []
     for path, module in model.named_modules():
-        fn, what, candidate = _classify(module)
+        fn, what, candidate = _classify(module, report.family)
         if fn is not None:
             plan.append((path, module, fn, what))
         elif candidate:
@@ -405,5 +508,5 @@ def patch(model: torch.nn.Module, report, **options) -> None:
     if not patched:
         report.note(f"{type(model).__name__}: no module fusebox recognizes; model left untouched")
     elif not any(e.what.startswith("fused_add_rms_norm") for e in report.patched):
-        report.note("decoder layers not fused (unknown layer class); norms, MLPs and "
-                    "attention patched where recognized")
+        report.note("decoder layers keep their residual adds (see why above); norms, MLPs "
+                    "and attention patched where recognized")

@@ -45,6 +45,7 @@ MODELS = {
     "llama-3-8b": "meta-llama/Meta-Llama-3-8B: 32 layers, 4096 wide, GQA 32/8",
     "mistral-7b": "mistralai/Mistral-7B-v0.1: 32 layers, 4096 wide, GQA 32/8, sliding window 4096",
     "gemma3-4b": "google/gemma-3-4b-it text model: 34 layers, 2560 wide, sandwich norms, q/k norm",
+    "falcon-7b": "tiiuae/falcon-7b: 32 layers, 4544 wide, multi-query 71/1, LayerNorm, parallel MLP",
     TINY: "2-layer Qwen3-style model, 128 wide (functional check; runs on CPU)",
 }
 
@@ -77,6 +78,11 @@ CONFIGS: Dict[str, dict] = {
         max_position_embeddings=131072, final_logit_softcapping=None,
         attn_logit_softcapping=None, bos_token_id=2, eos_token_id=1, pad_token_id=0,
         initializer_range=0.02),
+    "falcon-7b": dict(
+        model_type="falcon", hidden_size=4544, num_hidden_layers=32, num_attention_heads=71,
+        multi_query=True, new_decoder_architecture=False, parallel_attn=True, bias=False,
+        alibi=False, layer_norm_epsilon=1e-5, vocab_size=65024, bos_token_id=11,
+        eos_token_id=11, initializer_range=0.02),
     TINY: dict(
         model_type="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, hidden_act="silu",
@@ -139,7 +145,8 @@ def _set_variant(model, variant: str) -> None:
 @contextlib.contextmanager
 def _compiled_layers(model):
     """Each decoder layer under ``torch.compile(fullgraph=True)`` for the duration."""
-    layers = model.get_decoder().layers
+    decoder = model.get_decoder()
+    layers = decoder.layers if hasattr(decoder, "layers") else decoder.h   # Falcon: h
     originals = list(layers)
     for i, layer in enumerate(originals):
         layers[i] = torch.compile(layer, fullgraph=True)
