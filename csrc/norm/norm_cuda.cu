@@ -370,7 +370,8 @@ __global__ void __launch_bounds__(kStreamThreads) norm_stream_kernel(const NormK
 int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, bool residual) {
   if (!full_vectors) return vec_per_row <= 8 * kMaxThreads ? 8 : 0;
   const int forced = tuning_knobs().norm_items.value_or(0);
-  if ((forced == 1 || forced == 4) && vec_per_row <= forced * kMaxThreads) return forced;
+  if ((forced == 1 || forced == 4 || (forced == 8 && !residual)) && vec_per_row <= forced * kMaxThreads)
+    return forced;
   const DeviceLimits& dev = device_limits();
   if (vec_per_row <= kMaxThreads && rows * vec_per_row <= int64_t(dev.sm_count) * 1024) return 1;
   if (vec_per_row <= 4 * kMaxThreads) return 4;
