@@ -1,0 +1,74 @@
+"""Launch plans the tuning variables can force (FUSEBOX_NORM_ITEMS, FUSEBOX_ROPE_ITEMS, used
+by scripts/tune.py): each still computes the reference result on CUDA."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from helpers import requires_cuda
+
+# Run in a child process: the core reads its tuning variables once per process.
+_FORCED_PLAN_CHILD = """
+import sys
+import torch
+sys.path[:0] = sys.argv[1:3]
+import fusebox
+import reference as ref
+from helpers import BF16, F32, assert_close, call, randn, small, weight
+
+gen = torch.Generator().manual_seed(7)
+for dtype in (BF16, F32):
+    for rows, width in ((3, 2048), (64, 3072), (130, 4096), (5, 769)):
+        x = randn(gen, (rows, width), dtype, "cuda")
+        res = randn(gen, (rows, width), dtype, "cuda")
+        w, b = weight(gen, width, dtype, "cuda"), small(gen, (width,), dtype, "cuda")
+        scale, shift = small(gen, (1, width), dtype, "cuda"), small(gen, (1, width), dtype, "cuda")
+        assert_close(call(fusebox.layer_norm, x, w, b, eps=1e-5),
+                     ref.layer_norm(x, w, b, eps=1e-5), dtype, name="layer_norm")
+        assert_close(call(fusebox.rms_norm, x, w, eps=1e-6), ref.rms_norm(x, w, eps=1e-6), dtype,
+                     name="rms_norm")
+        assert_close(call(fusebox.adaln, x, scale, shift, w, b, norm_type="layer"),
+                     ref.modulate(ref.layer_norm(x, w, b, eps=1e-6), scale, shift), dtype,
+                     name="adaln")
+        normed, h = call(fusebox.fused_add_rms_norm, x, res, w, eps=1e-6)
+        expect_normed, expect_h = ref.fused_add_rms_norm(x, res, w, eps=1e-6)
+        assert_close(h, expect_h, dtype, name="h")
+        assert_close(normed, expect_normed, dtype, name="fused_add_rms_norm")
+    # rotary, per-head lane groups: decode-sized and larger token counts, GQA and equal heads
+    for tokens, heads, kv_heads in ((1, 32, 8), (300, 32, 8), (40, 24, 24)):
+        q = randn(gen, (1, tokens, heads, 128), dtype, "cuda")
+        k = randn(gen, (1, tokens, kv_heads, 128), dtype, "cuda")
+        cos, sin = randn(gen, (1, tokens, 128), dtype, "cuda"), randn(gen, (1, tokens, 128), dtype, "cuda")
+        qw, kw = weight(gen, 128, dtype, "cuda"), weight(gen, 128, dtype, "cuda")
+        for interleaved in (False, True):
+            q_out, k_out = call(fusebox.rope, q, k, cos, sin, interleaved=interleaved)
+            assert_close(q_out, ref.rope(q, cos, sin, interleaved), dtype, name="rope q")
+            assert_close(k_out, ref.rope(k, cos, sin, interleaved), dtype, name="rope k")
+            q_out, k_out = call(fusebox.qk_norm_rope, q, k, qw, kw, cos, sin, eps=1e-6,
+                                interleaved=interleaved)
+            assert_close(q_out, ref.qk_norm_rope(q, qw, cos, sin, 1e-6, False, interleaved),
+                         dtype, name="qk_norm_rope q")
+            assert_close(k_out, ref.qk_norm_rope(k, kw, cos, sin, 1e-6, False, interleaved),
+                         dtype, name="qk_norm_rope k")
+print("ok")
+"""
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("setting", ["FUSEBOX_NORM_ITEMS=1", "FUSEBOX_NORM_ITEMS=4",
+                                     "FUSEBOX_NORM_ITEMS=8", "FUSEBOX_ROPE_ITEMS=1",
+                                     "FUSEBOX_ROPE_ITEMS=2", "FUSEBOX_ROPE_ITEMS=4"])
+def test_forced_launch_plans(setting):
+    """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8
+    applies to ops without a residual; the residual op keeps its default plan)."""
+    here = Path(__file__).resolve().parent
+    name, value = setting.split("=")
+    env = dict(os.environ, **{name: value})
+    child = subprocess.run(
+        [sys.executable, "-c", _FORCED_PLAN_CHILD, str(here), str(here.parents[1] / "torch-ext")],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert child.returncode == 0 and child.stdout.strip().endswith("ok"), child.stderr[-3000:]
