@@ -163,8 +163,6 @@ _GATED_MLP = "down_proj=self.down_proj(self.act_fn(self.gate_proj(x))*self.up_pr
 
 def mlp_activation(module: torch.nn.Module) -> Tuple[Optional[str], str]:
     """(fusebox activation, "") for a gated MLP fusebox can run, else (None, why not)."""
-    if type(module).__name__ == "FalconMLP":
-        return None, "not gated: up, activation (one launch already), down"
     if _GATED_MLP not in _source(type(module).forward):
         return None, "forward is not down(act(gate(x)) * up(x))"
     act = module.act_fn
@@ -339,8 +337,6 @@ def _falcon_attention_patch(module) -> Tuple[Optional[Callable], str]:
 
 
 def _attention_patch(module) -> Tuple[Optional[Callable], str]:
-    if type(module).__name__ == "FalconAttention":
-        return _falcon_attention_patch(module)
     spec = ATTENTION.get(type(module).__name__)
     if spec is None:
         return None, "no fused attention for this class"
@@ -443,8 +439,6 @@ DECODER_LAYERS: Dict[str, LayerTemplate] = {
 
 def _layer_patch(module) -> Tuple[Optional[Callable], str]:
     template = DECODER_LAYERS.get(type(module).__name__)
-    if type(module).__name__ == "FalconDecoderLayer":
-        return None, "residual adds kept as written (LayerNorm model, parallel attention + MLP)"
     if template is None:
         return None, "no fused decoder layer for this class"
     if _params(type(module).forward) != template.params:
@@ -458,6 +452,15 @@ def _layer_patch(module) -> Tuple[Optional[Callable], str]:
 # --------------------------------------------------------------------------- entry point
 
 
+# Classes with their own patch or a known reason to be left, ahead of the name patterns below.
+SPECIAL_CLASSES: Dict[str, Callable[[torch.nn.Module], Tuple[Optional[Callable], str]]] = {
+    "FalconAttention": _falcon_attention_patch,
+    "FalconMLP": lambda m: (None, "not gated: up, activation (one launch already), down"),
+    "FalconDecoderLayer": lambda m: (
+        None, "residual adds kept as written (LayerNorm model, parallel attention + MLP)"),
+}
+
+
 def _classify(module, family: str) -> Tuple[Optional[Callable], str, bool]:
     """(fused forward or None, what/why, is a candidate worth reporting)."""
     name = type(module).__name__
@@ -466,6 +469,9 @@ def _classify(module, family: str) -> Tuple[Optional[Callable], str, bool]:
         return fn, what, True
     if not _is_transformers_class(type(module)):
         return None, "", False
+    if name in SPECIAL_CLASSES:
+        fn, what = SPECIAL_CLASSES[name](module)
+        return fn, what, True
     if name.endswith("RMSNorm"):
         style = norm_style(module)
         if style is None:

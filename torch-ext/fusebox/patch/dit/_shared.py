@@ -222,12 +222,21 @@ def install_processor(attn: torch.nn.Module, processor_class) -> None:
     add_undo(attn, functools.partial(attn.set_processor, original))
 
 
-def attention_unfusable(attn: torch.nn.Module, processor_class: str) -> str:
-    """Why an attention module with q/k ``torch.nn.RMSNorm`` norms keeps its processor (""
-    when a fused one can replace it)."""
+def custom_processor(attn: torch.nn.Module, processor_class: str) -> str:
+    """Why ``attn``'s processor is not the diffusers ``processor_class`` a fused one replaces
+    ("" when it is)."""
     processor = original_processor(attn)
     if type(processor).__name__ != processor_class:
         return f"custom processor {type(processor).__name__}"
+    return ""
+
+
+def attention_unfusable(attn: torch.nn.Module, processor_class: str) -> str:
+    """Why an attention module with q/k ``torch.nn.RMSNorm`` norms keeps its processor (""
+    when a fused one can replace it)."""
+    why = custom_processor(attn, processor_class)
+    if why:
+        return why
     norms = (getattr(attn, "norm_q", None), getattr(attn, "norm_k", None))
     if not all(isinstance(n, torch.nn.RMSNorm) for n in norms):
         return "q/k norms are not torch.nn.RMSNorm"

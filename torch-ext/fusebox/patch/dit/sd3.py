@@ -24,8 +24,8 @@ from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
 from .._common import replace_forward
 from ._shared import (
-    FusedAttnProcessor, gated_add, gated_add_norm, grad_needed, install_processor, mark_fused,
-    original_processor,
+    FusedAttnProcessor, custom_processor, gated_add, gated_add_norm, grad_needed,
+    install_processor, mark_fused,
 )
 
 FAMILY = "sd3"
@@ -73,9 +73,9 @@ class SD3JointAttnProcessor(FusedAttnProcessor):
 
 def _attention_unfusable(attn) -> str:
     """Why an attention module keeps its processor ("" when the joint one can replace it)."""
-    processor = original_processor(attn)
-    if type(processor).__name__ != "JointAttnProcessor2_0":
-        return f"custom processor {type(processor).__name__}"
+    why = custom_processor(attn, "JointAttnProcessor2_0")
+    if why:
+        return why
     head_dim = attn.inner_dim // attn.heads
     for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
         norm = getattr(attn, name, None)
