@@ -259,6 +259,39 @@ def test_sd3_joint_processor_matches_diffusers(which, dtype, device):
         torch.testing.assert_close(o, r, **tol)
 
 
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_rows_on_a_stream_slice(bias, dtype, device, monkeypatch):
+    # one stream's slice of a joint [B, S, C] output: multiplied where it lies, one GEMM per
+    # batch with the bias inside it, equal to F.linear of the same slice
+    from fusebox.patch.dit import _shared
+
+    gen = torch.Generator().manual_seed(5)
+    proj = torch.nn.Linear(24, 40, bias=bias).to(device, dtype)
+    joint = torch.randn(3, 17, 24, generator=gen).to(device, dtype)
+    image, context = joint[:, :11], joint[:, 11:]
+    calls = Counter()
+    for name in ("mm", "addmm"):
+        real = getattr(torch, name)
+        monkeypatch.setattr(torch, name, lambda *a, _r=real, _n=name, **k: (calls.update([_n]), _r(*a, **k))[1])
+    with torch.no_grad():
+        for part in (image, context):
+            assert not part.is_contiguous()
+            out = _shared.linear_rows(proj, part)
+            ref = torch.nn.functional.linear(part.contiguous(), proj.weight, proj.bias)
+            assert out.shape == ref.shape and out.dtype == ref.dtype and torch.isfinite(out).all()
+            tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=1e-2, atol=1e-2)
+            torch.testing.assert_close(out, ref, **tol)
+    assert calls["addmm" if bias else "mm"] == 2 * 3      # one per batch of each slice
+    # inputs it leaves to the module: one batch (already contiguous), hooks, autograd
+    calls.clear()
+    with torch.no_grad():
+        _shared.linear_rows(proj, joint[:1, :11])
+    proj.weight.requires_grad_(True)
+    _shared.linear_rows(proj, image)
+    assert not calls
+
+
 def test_processor_keeps_attention_backend():
     model, _ = build("flux")
     attn = model.transformer_blocks[0].attn

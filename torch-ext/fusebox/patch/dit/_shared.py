@@ -371,6 +371,32 @@ def linear_gelu(proj: torch.nn.Module, x: Tensor, approximate: str = "tanh") -> 
     return torch.nn.functional.gelu(h, approximate=approximate)
 
 
+MAX_SLICE_GEMMS = 8  # batches multiplied one by one; more take the copy F.linear makes
+
+
+def linear_rows(proj: torch.nn.Module, x: Tensor) -> Tensor:
+    """``proj(x)`` for ``x`` a slice of a longer sequence (one stream of a joint attention
+    output): ``[B, S, C]`` with contiguous rows whose batches are not adjacent when B > 1.
+    ``F.linear`` copies such an input and then adds the bias in a separate pass; in eager calls
+    each batch's rows are multiplied where they lie instead, the bias inside the GEMM. Compiled
+    graphs keep the module call (the compiler fuses the copy into the attention's epilogue)."""
+    eligible = (type(proj) is torch.nn.Linear and not has_hooks(proj) and x.dim() == 3
+                and 1 < x.shape[0] <= MAX_SLICE_GEMMS and not x.is_contiguous()
+                and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+                and x.dtype == proj.weight.dtype and x.device == proj.weight.device
+                and not torch.compiler.is_compiling() and not needs_autograd(x, proj.weight))
+    if not eligible:
+        return proj(x)
+    out = x.new_empty(x.shape[0], x.shape[1], proj.out_features)
+    weight_t = proj.weight.t()
+    for b in range(x.shape[0]):
+        if proj.bias is None:
+            torch.mm(x[b], weight_t, out=out[b])
+        else:
+            torch.addmm(proj.bias, x[b], weight_t, out=out[b])
+    return out
+
+
 def linear_act(proj: torch.nn.Module, act: torch.nn.Module, x: Tensor) -> Tensor:
     """``act(proj(x))``, fused when ``act`` is a torch GELU."""
     if type(act) is torch.nn.GELU and act.approximate in GELU_KINDS:

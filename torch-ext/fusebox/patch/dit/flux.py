@@ -31,6 +31,7 @@ from ._shared import (
     FusedAttnProcessor,
     install_processor,
     linear_act,
+    linear_rows,
     norm_rope,
     original_processor,
     patch_two_stream_model,
@@ -83,9 +84,8 @@ class FluxFusedAttnProcessor(FusedAttnProcessor):
             encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
                 [encoder_hidden_states.shape[1],
                  hidden_states.shape[1] - encoder_hidden_states.shape[1]], dim=1)
-            hidden_states = attn.to_out[0](hidden_states.contiguous())
-            hidden_states = attn.to_out[1](hidden_states)
-            encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
+            hidden_states = attn.to_out[1](linear_rows(attn.to_out[0], hidden_states))
+            encoder_hidden_states = linear_rows(attn.to_add_out, encoder_hidden_states)
             return hidden_states, encoder_hidden_states
         return hidden_states
 

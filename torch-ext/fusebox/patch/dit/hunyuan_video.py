@@ -32,6 +32,7 @@ from ._shared import (
     fusable,
     grad_needed,
     install_processor,
+    linear_rows,
     linear_act,
     mark_fused,
     norm_rope,
@@ -99,10 +100,9 @@ class HunyuanVideoFusedAttnProcessor(FusedAttnProcessor):
                 hidden_states[:, -encoder_hidden_states.shape[1]:],
             )
             if getattr(attn, "to_out", None) is not None:
-                hidden_states = attn.to_out[0](hidden_states)
-                hidden_states = attn.to_out[1](hidden_states)
+                hidden_states = attn.to_out[1](linear_rows(attn.to_out[0], hidden_states))
             if getattr(attn, "to_add_out", None) is not None:
-                encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+                encoder_hidden_states = linear_rows(attn.to_add_out, encoder_hidden_states)
         return hidden_states, encoder_hidden_states
 
 

@@ -12,7 +12,10 @@ diffusers' ``JointAttnProcessor2_0`` transposes them to ``[B, heads, S, head_dim
 the q/k norms read strided rows, the concatenation of the two streams copies into a heads-first
 layout, and flattening the attention output copies it back. Here the norms read contiguous rows,
 the streams are concatenated along the sequence in the projections' layout, and the attention
-takes transposed views of it, so its output flattens without a copy. Same math, same order.
+takes transposed views of it, so its output flattens without a copy; each stream's output
+projection then reads its slice of that output in place (``linear_rows``: with CFG's batch of
+2, ``F.linear`` would copy the slice and add the bias in a separate pass). Same math, same
+order.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 from .._common import replace_forward
 from ._shared import (
     FusedAttnProcessor, custom_processor, gated_add, gated_add_norm, grad_needed,
-    install_processor, mark_fused,
+    install_processor, linear_rows, mark_fused,
 )
 
 FAMILY = "sd3"
@@ -67,8 +70,8 @@ class SD3JointAttnProcessor(FusedAttnProcessor):
         tokens = hidden_states.shape[1]
         out, context_out = out[:, :tokens], out[:, tokens:]
         if not attn.context_pre_only:
-            context_out = attn.to_add_out(context_out)
-        return attn.to_out[1](attn.to_out[0](out)), context_out
+            context_out = linear_rows(attn.to_add_out, context_out)
+        return attn.to_out[1](linear_rows(attn.to_out[0], out)), context_out
 
 
 def _attention_unfusable(attn) -> str:
