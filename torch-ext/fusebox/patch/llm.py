@@ -11,8 +11,7 @@ What is replaced, module by module (every other module keeps its forward):
   interface (``config._attn_implementation``) are called exactly as the original does;
 - the decoder layer of the known families: the residual add and the norm after it become one
   ``fused_add_rms_norm`` (pre-norm layers: attention add + ``post_attention_layernorm``;
-  Gemma2/3 sandwich layers: attention add + ``pre_feedforward_layernorm``); in pre-norm layers
-  the MLP residual add runs inside the down projection's GEMM (``addmm``);
+  Gemma2/3 sandwich layers: attention add + ``pre_feedforward_layernorm``);
 - Falcon (rotary, not ALiBi): its ``LayerNorm`` modules -> ``layer_norm``, and the rotary of q/k
   read in place from the fused QKV projection -> ``rope`` (for grouped keys, before they are
   repeated over the heads, which the model's cache then holds as it does unpatched). Its MLP
@@ -36,7 +35,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .. import functional as F
-from ._common import has_hooks, is_patched, needs_autograd, original_forward, replace_forward
+from ._common import has_hooks, needs_autograd, original_forward, replace_forward
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -376,32 +375,9 @@ def _attention_then_add_norm(self, fused_norm: torch.nn.Module, style: NormStyle
     return _add_norm(fused_norm, style, hidden_states, residual)
 
 
-def _mlp_plus_residual(mlp: torch.nn.Module, activation: Optional[str], x: torch.Tensor,
-                       residual: torch.Tensor) -> torch.Tensor:
-    """``residual + mlp(x)``. When fusebox runs the gated MLP and its down projection is a plain
-    Linear without bias or hooks, the residual is the GEMM's accumulator input (``addmm``), so
-    the add costs no pass over memory of its own. The sum is then rounded once, where the
-    module rounds the projection and then the sum (one rounding step closer to fp32)."""
-    down = getattr(mlp, "down_proj", None)
-    if (activation is None or not is_patched(mlp) or type(down) is not torch.nn.Linear
-            or down.bias is not None or has_hooks(mlp) or has_hooks(down)
-            or not _fusable(x, residual, down.weight) or not residual.is_contiguous()
-            or not (x.dtype == residual.dtype == down.weight.dtype)
-            or residual.device != down.weight.device):
-        return residual + mlp(x)
-    gate, up = mlp.gate_proj(x), mlp.up_proj(x)
-    if not (gate.dtype == up.dtype == residual.dtype):
-        return residual + down(mlp.act_fn(gate) * up)
-    hidden = F.gated_activation(gate, up, activation)
-    width = residual.shape[-1]
-    out = torch.addmm(residual.view(-1, width), hidden.reshape(-1, hidden.shape[-1]), down.weight.t())
-    return out.view(residual.shape)
-
-
-def _make_prenorm_layer_forward(style: NormStyle, mlp_act: Optional[str]) -> Callable:
+def _make_prenorm_layer_forward(style: NormStyle) -> Callable:
     """Llama-style layer: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))`` with the
-    attention add and norm2 fused, and the MLP residual add inside the down projection's GEMM
-    (``mlp_act``: the gated MLP's fusebox activation, None when the MLP is not fusebox's)."""
+    attention add and norm2 fused."""
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=False, position_embeddings=None, **kwargs):
         if not _fusable(hidden_states, self.post_attention_layernorm.weight):
@@ -413,11 +389,11 @@ def _make_prenorm_layer_forward(style: NormStyle, mlp_act: Optional[str]) -> Cal
             attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, use_cache=use_cache,
             position_embeddings=position_embeddings, **kwargs)
-        return _mlp_plus_residual(self.mlp, mlp_act, normed, hidden_states)
+        return hidden_states + self.mlp(normed)
     return forward
 
 
-def _make_sandwich_layer_forward(style: NormStyle, mlp_act: Optional[str]) -> Callable:
+def _make_sandwich_layer_forward(style: NormStyle) -> Callable:
     """Gemma2/3 layer: ``h = x + norm2(attn(norm1(x))); out = h + norm4(mlp(norm3(h)))`` with
     the attention add and norm3 fused."""
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
@@ -438,7 +414,7 @@ def _make_sandwich_layer_forward(style: NormStyle, mlp_act: Optional[str]) -> Ca
 class LayerTemplate:
     params: Tuple[str, ...]
     fused_norm: str                       # the norm that absorbs the attention residual add
-    make: Callable[[NormStyle, Optional[str]], Callable]  # (fused norm style, MLP activation)
+    make: Callable[[NormStyle], Callable]
 
 
 _PRENORM = LayerTemplate(
@@ -470,11 +446,7 @@ def _layer_patch(module) -> Tuple[Optional[Callable], str]:
     style = norm_style(getattr(module, template.fused_norm))
     if style is None:
         return None, f"{template.fused_norm} formula not recognized"
-    mlp_act = mlp_activation(module.mlp)[0] if hasattr(module, "mlp") else None
-    what = f"fused_add_rms_norm (attention residual + {template.fused_norm})"
-    if mlp_act is not None and template is _PRENORM:
-        what += ", MLP residual in down_proj's GEMM"
-    return template.make(style, mlp_act), what
+    return template.make(style), f"fused_add_rms_norm (attention residual + {template.fused_norm})"
 
 
 # --------------------------------------------------------------------------- entry point
