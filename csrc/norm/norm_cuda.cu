@@ -35,7 +35,7 @@ struct NormKernelArgs {
   int tpr_log2;     // log2(tpr) where rows_per_block > 1 (tpr is then a power of two)
   int rows_per_block;
   int row_iters;    // register path: row groups per block
-  bool stage_params;  // register path, ITEMS > 1: small operands go through shared-memory slots
+  bool stage_params;  // register path, ITEMS > 2: small operands go through shared-memory slots
   RowOperandArg x, branch, residual_out, out;
   RowOperandArg gate, scale, shift;  // T or the params' dtype
   ParamPtr weight, bias;
@@ -69,7 +69,7 @@ struct ParamSlots {
 // a register). A thread covers the same columns in every row, so a small operand whose row
 // pointer does not change from one row to the next (weight, bias, per-sample modulation) is
 // copied to its slots once per block, not once per row.
-// With ITEMS == 1 (rows of few vectors per thread's share, or few rows: the short critical path
+// With ITEMS <= 2 (rows of few vectors per thread's share, or few rows: the short critical path
 // matters more than bytes in flight) the small operands are loaded into registers right after
 // the row, with no staging.
 // NORM: what normalizes the row; RES: a branch (and optional gate) is added first and the sum
@@ -88,7 +88,9 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
   const ParamSlots<P, VEC, ITEMS> slots{reinterpret_cast<Pack<P, VEC>*>(smem_raw)};
   // row pointer of each operand's slot contents
   const P *gate_in = nullptr, *weight_in = nullptr, *bias_in = nullptr, *scale_in = nullptr, *shift_in = nullptr;
-  const int64_t first_group = int64_t(blockIdx.x) * a.row_iters;
+  // Row numbers stay below 2^31 (the launcher checks), so row arithmetic is 32-bit.
+  const uint32_t first_group = blockIdx.x * uint32_t(a.row_iters);
+  const uint32_t rows = uint32_t(a.rows);
   // Groups load in turn: loading the next one while this one is worked on would double the row
   // registers, and the occupancy that costs outweighs the overlap it buys (measured); the
   // other resident blocks keep loads in flight.
@@ -96,10 +98,10 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
   pdl_wait();
 
   for (int k = 0; k < a.row_iters; ++k) {
-    const int64_t group_row = (first_group + k) * a.rows_per_block;
-    if (group_row >= a.rows) break;  // uniform over the block
-    const int64_t row = group_row + r;
-    const bool active = row < a.rows;
+    const uint32_t group_row = (first_group + k) * uint32_t(a.rows_per_block);
+    if (group_row >= rows) break;  // uniform over the block
+    const uint32_t row = group_row + r;
+    const bool active = row < rows;
     int64_t i0 = 0, i1 = 0, i2 = 0;
     if (active) a.index.split(row, i0, i1, i2);
     {  // this thread's share of the row (zeros where there is none)
@@ -136,14 +138,19 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
         if (vi < a.vec_per_row) async_copy_pack(slots.at(slot, it), src + vi * VEC);
       }
     };
-    // ITEMS == 1: the operands' vectors, in the order gate, weight, bias, scale, shift.
-    Pack<P, VEC> held[5];
-    if constexpr (ITEMS == 1) {
-      if (active && lane < a.vec_per_row) {
-        const P* srcs[5] = {gate, weight, bias, scale, shift};
+    // ITEMS <= 2: the operands' vectors, in the order gate, weight, bias, scale, shift.
+    constexpr bool kHeldParams = ITEMS <= 2;
+    Pack<P, VEC> held[kHeldParams ? 5 : 1][ITEMS];
+    if constexpr (kHeldParams) {
+      const P* srcs[5] = {gate, weight, bias, scale, shift};
 #pragma unroll
-        for (int i = 0; i < 5; ++i)
-          if (srcs[i]) held[i] = load_pack<P, VEC>(srcs[i] + lane * VEC);
+      for (int it = 0; it < ITEMS; ++it) {
+        const int vi = lane + it * tpr;
+        if (active && vi < a.vec_per_row) {
+#pragma unroll
+          for (int i = 0; i < 5; ++i)
+            if (srcs[i]) held[i][it] = load_pack<P, VEC>(srcs[i] + vi * VEC);
+        }
       }
     } else {
       stage(gate_slot, gate, gate_in);
@@ -153,11 +160,11 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
       stage(shift_slot, shift, shift_in);
     }
     if (k == 0) pdl_release();
-    if constexpr (ITEMS > 1) async_copy_wait();  // only this thread's copies: its own slots
+    if constexpr (!kHeldParams) async_copy_wait();  // only this thread's copies: its own slots
     // Item `it` of small operand `which` (0-4 as in `held`): from a register, its slot, or
     // straight from global memory (cached).
     auto param = [&](int which, int slot, const P* src, int it) {
-      if constexpr (ITEMS == 1) return held[which];
+      if constexpr (kHeldParams) return held[which][it];
       return a.stage_params ? *slots.at(slot, it) : load_pack<P, VEC>(src + (lane + it * tpr) * VEC);
     };
 
@@ -370,7 +377,7 @@ __global__ void __launch_bounds__(kStreamThreads) norm_stream_kernel(const NormK
 int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, bool residual) {
   if (!full_vectors) return vec_per_row <= 8 * kMaxThreads ? 8 : 0;
   const int forced = tuning_knobs().norm_items.value_or(0);
-  if ((forced == 1 || forced == 4 || (forced == 8 && !residual)) && vec_per_row <= forced * kMaxThreads)
+  if ((forced == 1 || forced == 2 || forced == 4 || (forced == 8 && !residual)) && vec_per_row <= forced * kMaxThreads)
     return forced;
   const DeviceLimits& dev = device_limits();
   if (vec_per_row <= kMaxThreads && rows * vec_per_row <= int64_t(dev.sm_count) * 1024) return 1;
@@ -502,7 +509,7 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   bool per_row_operand = false;
   for (const auto* st : {&s.gate, &s.scale, &s.shift}) per_row_operand |= layout.sizes[2] > 1 && st->s[2] != 0;
   const bool stage_by_default = per_row_operand || !params_f32;
-  a.stage_params = items > 1 && n_params > 0 && tuning_knobs().norm_stage.value_or(int(stage_by_default)) != 0;
+  a.stage_params = items > 2 && n_params > 0 && tuning_knobs().norm_stage.value_or(int(stage_by_default)) != 0;
 
   dispatch_dtype(args.x.dtype, [&](auto t) {
     using T = decltype(t);
@@ -512,6 +519,8 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
         constexpr int V = 16 / int(sizeof(T));
         if (items == 1)
           launch_rows<T, P, V, 1>(a, res, mod, n_params, groups, block, stream);
+        else if (items == 2)
+          launch_rows<T, P, V, 2>(a, res, mod, n_params, groups, block, stream);
         else if (items == 4)
           launch_rows<T, P, V, 4>(a, res, mod, n_params, groups, block, stream);
         else

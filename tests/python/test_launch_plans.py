@@ -33,6 +33,14 @@ for dtype in (BF16, F32):
         assert_close(call(fusebox.adaln, x, scale, shift, w, b, norm_type="layer"),
                      ref.modulate(ref.layer_norm(x, w, b, eps=1e-6), scale, shift), dtype,
                      name="adaln")
+        # per-row gate / scale / shift (per-token modulation) with a residual and a LayerNorm
+        gate, tscale, tshift = (small(gen, (rows, width), dtype, "cuda") for _ in range(3))
+        out, h = call(fusebox.gated_residual_norm, x, res, gate, tscale, tshift, w, b,
+                      norm_type="layer", eps=1e-6)
+        expect_out, expect_h = ref.gated_residual_norm(x, res, gate, tscale, tshift, w, b,
+                                                       norm_type="layer", eps=1e-6)
+        assert_close(h, expect_h, dtype, name="gated_residual_norm h")
+        assert_close(out, expect_out, dtype, name="gated_residual_norm")
         normed, h = call(fusebox.fused_add_rms_norm, x, res, w, eps=1e-6)
         expect_normed, expect_h = ref.fused_add_rms_norm(x, res, w, eps=1e-6)
         assert_close(h, expect_h, dtype, name="h")
@@ -59,7 +67,7 @@ print("ok")
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("setting", ["FUSEBOX_NORM_ITEMS=1", "FUSEBOX_NORM_ITEMS=4",
+@pytest.mark.parametrize("setting", ["FUSEBOX_NORM_ITEMS=1", "FUSEBOX_NORM_ITEMS=2", "FUSEBOX_NORM_ITEMS=4",
                                      "FUSEBOX_NORM_ITEMS=8", "FUSEBOX_ROPE_ITEMS=1",
                                      "FUSEBOX_ROPE_ITEMS=2", "FUSEBOX_ROPE_ITEMS=4"])
 def test_forced_launch_plans(setting):
