@@ -370,17 +370,22 @@ __global__ void __launch_bounds__(kStreamThreads) norm_stream_kernel(const NormK
 //   other small calls): the shortest path from the row's loads to its stores, which is what
 //   bounds a call of one wave (H200: 256x4096 6.13 -> 5.89 us; at 512x4096, a full wave,
 //   7.39 -> 8.51 us, so not there).
+// - 2 for a plain residual add + norm (fused_add_rms_norm: no gate, no modulation) of rows up to
+//   512 vectors: x and the residual in flight with the small operands in registers (H200:
+//   2048x2048 13.98 -> 13.44 us, [1x512x4096] 9.78 -> 9.18 against 4 vectors; the norm alone
+//   and the modulated ops are slower with 2, e.g. rms_norm 2048x2048 8.86 -> 9.92).
 // - otherwise 4, which keeps 64 bytes of each operand in flight per thread at the typical widths;
 //   8 for wide rows of the ops without a residual (with one, 8 vectors of x, branch and gate
 //   exceed the register budget).
 // Odd widths (one element per vector) use 8.
-int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, bool residual) {
+int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, bool residual, bool plain_residual) {
   if (!full_vectors) return vec_per_row <= 8 * kMaxThreads ? 8 : 0;
   const int forced = tuning_knobs().norm_items.value_or(0);
   if ((forced == 1 || forced == 2 || forced == 4 || (forced == 8 && !residual)) && vec_per_row <= forced * kMaxThreads)
     return forced;
   const DeviceLimits& dev = device_limits();
   if (vec_per_row <= kMaxThreads && rows * vec_per_row <= int64_t(dev.sm_count) * 1024) return 1;
+  if (plain_residual && vec_per_row <= kMaxThreads) return 2;
   if (vec_per_row <= 4 * kMaxThreads) return 4;
   if (vec_per_row <= 8 * kMaxThreads && !residual) return 8;
   return 0;
@@ -470,7 +475,8 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   const bool full_vectors = vec * int(dtype_size(args.x.dtype)) == 16;
   const bool res = args.branch.defined();
   const bool mod = args.scale.defined() || args.shift.defined();
-  const int items = pick_items(a.rows, a.vec_per_row, full_vectors, res);
+  const bool plain_residual = res && !args.gate.defined() && !mod && args.norm != NormType::kNone;
+  const int items = pick_items(a.rows, a.vec_per_row, full_vectors, res, plain_residual);
   const int param_dtype = shared_param_dtype(args);
   FUSEBOX_CHECK(a.rows < (int64_t(1) << 31), "too many rows: ", a.rows);
 
