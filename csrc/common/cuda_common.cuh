@@ -285,12 +285,13 @@ __device__ __forceinline__ float lane_group_sum(float v, int width) {
 
 // Sum over the `tpr` threads of one row, rows laid out along threadIdx.x (row r owns threads
 // [r * tpr, (r + 1) * tpr)). tpr is a power of two <= 32 (a shuffle within the warp) or a
-// multiple of 32 (shuffles, then one barrier through `scratch`, one float per warp of the
-// block, and every thread adds its row's warp sums; measured faster than combining them by
-// shuffles, whose dependent steps add latency). Rows of several warps share a block only when
-// tpr is a power of two. Every thread of the block must call it. A kernel that reduces more
-// than once uses a separate scratch array per reduction, so no barrier is needed before the
-// writes.
+// multiple of 32: shuffles, one barrier through `scratch` (one float per warp of the block),
+// then each group of `width` lanes (the row's warp count rounded up to a power of two) reads
+// the row's warp sums, one per lane, and combines them by shuffles, so every lane ends with
+// the total after log2(width) steps instead of a loop over the warps. Rows of several warps
+// share a block only when tpr is a power of two. Every thread of the block must call it. A
+// kernel that reduces more than once uses a separate scratch array per reduction, so no
+// barrier is needed before the writes.
 __device__ __forceinline__ float row_sum(float v, int tpr, float* scratch) {
   if (tpr <= 32) return lane_group_sum(v, tpr);
   v = lane_group_sum(v, 32);
@@ -298,8 +299,10 @@ __device__ __forceinline__ float row_sum(float v, int tpr, float* scratch) {
   if ((threadIdx.x & 31) == 0) scratch[warp] = v;
   __syncthreads();
   const int warps = tpr >> 5, first = tpr == int(blockDim.x) ? 0 : warp & ~(warps - 1);
-  float total = 0.f;
-  for (int w = 0; w < warps; ++w) total += scratch[first + w];
+  const int width = 1 << (32 - __clz(warps - 1));  // power of two >= warps (warps >= 2)
+  const int w = threadIdx.x & (width - 1);
+  float total = w < warps ? scratch[first + w] : 0.f;
+  for (int off = width >> 1; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
   return total;
 }
 
