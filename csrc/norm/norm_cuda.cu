@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
     };
     // ITEMS <= 2: the operands' vectors, in the order gate, weight, bias, scale, shift.
     constexpr bool kHeldParams = ITEMS <= 2;
-    Pack<P, VEC> held[kHeldParams ? 5 : 1][ITEMS];
+    Pack<P, VEC> held[kHeldParams ? 5 : 1][kHeldParams ? ITEMS : 1];
     if constexpr (kHeldParams) {
       const P* srcs[5] = {gate, weight, bias, scale, shift};
 #pragma unroll
@@ -371,9 +371,10 @@ __global__ void __launch_bounds__(kStreamThreads) norm_stream_kernel(const NormK
 //   bounds a call of one wave (H200: 256x4096 6.13 -> 5.89 us; at 512x4096, a full wave,
 //   7.39 -> 8.51 us, so not there).
 // - 2 for a plain residual add + norm (fused_add_rms_norm: no gate, no modulation) of rows up to
-//   512 vectors: x and the residual in flight with the small operands in registers (H200:
-//   2048x2048 13.98 -> 13.44 us, [1x512x4096] 9.78 -> 9.18 against 4 vectors; the norm alone
-//   and the modulated ops are slower with 2, e.g. rms_norm 2048x2048 8.86 -> 9.92).
+//   512 vectors: x and the residual in flight with the small operands in registers. Measured
+//   together with the shuffle row sum against the previous kernels (H200, 2026-11-24 tune/4):
+//   2048x2048 13.79 -> 13.17 us, [1x512x4096] 9.50 -> 8.90; the norm alone and the modulated
+//   ops were slower with 2 in every run that forced it (bench/NOTES.md).
 // - otherwise 4, which keeps 64 bytes of each operand in flight per thread at the typical widths;
 //   8 for wide rows of the ops without a residual (with one, 8 vectors of x, branch and gate
 //   exceed the register budget).

@@ -353,10 +353,15 @@ def gated_add_norm(x: Tensor, branch: Tensor, gate: Optional[Tensor], norm: torc
 GELU_KINDS = {"tanh": "gelu_tanh", "none": "gelu"}
 
 
+def _plain_linear(proj: torch.nn.Module) -> bool:
+    """A plain Linear that no hook (offload, casting) wraps: its weight and bias are the ones its
+    own forward would use, so a fused path may read them directly."""
+    return type(proj) is torch.nn.Linear and not has_hooks(proj)
+
+
 def _bias_foldable(proj: torch.nn.Module) -> bool:
-    """Can the projection's bias move into the activation? Only for a plain Linear that no hook
-    (offload, casting) wraps: its weight is then the one its own forward would use."""
-    return type(proj) is torch.nn.Linear and proj.bias is not None and not has_hooks(proj)
+    """Can the projection's bias move into the activation?"""
+    return _plain_linear(proj) and proj.bias is not None
 
 
 def linear_gelu(proj: torch.nn.Module, x: Tensor, approximate: str = "tanh") -> Tensor:
@@ -380,11 +385,9 @@ def linear_rows(proj: torch.nn.Module, x: Tensor) -> Tensor:
     ``F.linear`` copies such an input and then adds the bias in a separate pass; in eager calls
     each batch's rows are multiplied where they lie instead, the bias inside the GEMM. Compiled
     graphs keep the module call (the compiler fuses the copy into the attention's epilogue)."""
-    eligible = (type(proj) is torch.nn.Linear and not has_hooks(proj) and x.dim() == 3
-                and 1 < x.shape[0] <= MAX_SLICE_GEMMS and not x.is_contiguous()
-                and x.stride(2) == 1 and x.stride(1) == x.shape[2]
-                and x.dtype == proj.weight.dtype and x.device == proj.weight.device
-                and not torch.compiler.is_compiling() and not needs_autograd(x, proj.weight))
+    eligible = (_plain_linear(proj) and x.dim() == 3 and 1 < x.shape[0] <= MAX_SLICE_GEMMS
+                and not x.is_contiguous() and x.stride(2) == 1 and x.stride(1) == x.shape[2]
+                and not torch.compiler.is_compiling() and fusable(x, like_x=(proj.weight,)))
     if not eligible:
         return proj(x)
     out = x.new_empty(x.shape[0], x.shape[1], proj.out_features)
