@@ -373,8 +373,9 @@ __global__ void __launch_bounds__(kStreamThreads) norm_stream_kernel(const NormK
 // - 2 for a plain residual add + norm (fused_add_rms_norm: no gate, no modulation) of rows up to
 //   512 vectors: x and the residual in flight with the small operands in registers. Measured
 //   together with the shuffle row sum against the previous kernels (H200, 2026-11-24 tune/4):
-//   2048x2048 13.79 -> 13.17 us, [1x512x4096] 9.50 -> 8.90; the norm alone and the modulated
-//   ops were slower with 2 in every run that forced it (bench/NOTES.md).
+//   2048x2048 13.79 -> 13.17 us, [1x512x4096] 9.50 -> 8.90. The norm alone and the modulated
+//   ops were slower with 2 in the one run that forced it (tune/2, whose row sum was still the
+//   faulty first version: to re-measure, bench/NOTES.md).
 // - otherwise 4, which keeps 64 bytes of each operand in flight per thread at the typical widths;
 //   8 for wide rows of the ops without a residual (with one, 8 vectors of x, branch and gate
 //   exceed the register budget).
