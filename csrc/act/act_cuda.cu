@@ -1,6 +1,8 @@
 // Elementwise activation kernel over rows: out = act(a + bias) [* b]. Each thread moves
 // kItems vectors of a row; column chunks spread wide rows over several blocks so that even one
-// row (decode) fills more than one SM. The activation and the presence of `b` / bias are
+// row (decode) fills more than one SM. Operands whose rows are packed end to end (no bias)
+// may instead run as one long row (`flat`): every block full, consecutive blocks on
+// consecutive memory. The activation and the presence of `b` / bias are
 // template parameters, so the per-element loop is straight-line code, and kItems stays small
 // to keep the kernel short (instruction fetch is part of the latency of short launches).
 #include "act/act_impl.h"
@@ -17,6 +19,7 @@ struct ActKernelArgs {
   int64_t rows;
   int vec_per_row;
   int rows_per_block;
+  bool flat;  // one row of rows * width elements: the chunk is blockIdx.x
   const void* a;
   const void* b;
   void* out;
@@ -26,14 +29,14 @@ struct ActKernelArgs {
 
 template <typename T, int VEC, Activation ACT, bool GATED, bool BIAS>
 __global__ void __launch_bounds__(kBlockThreads) activation_kernel(const ActKernelArgs p) {
-  const int64_t row = int64_t(blockIdx.x) * p.rows_per_block + threadIdx.y;
+  const int64_t row = p.flat ? 0 : int64_t(blockIdx.x) * p.rows_per_block + threadIdx.y;
   if (row >= p.rows) return;
   int64_t i0, i1, i2;
   p.index.split(row, i0, i1, i2);
   const T* a = static_cast<const T*>(p.a) + p.sa.at(i0, i1, i2);
   const T* b = GATED ? static_cast<const T*>(p.b) + p.sb.at(i0, i1, i2) : nullptr;
   T* out = static_cast<T*>(p.out) + p.sout.at(i0, i1, i2);
-  const int first = blockIdx.y * kItems * blockDim.x + threadIdx.x;
+  const int first = (p.flat ? blockIdx.x : blockIdx.y) * kItems * blockDim.x + threadIdx.x;
 
   pdl_wait();
   Pack<T, VEC> va[kItems], vb[kItems];
@@ -85,15 +88,27 @@ void activation_cuda(const ActPlan& plan, int vec, cudaStream_t stream) {
   p.bias = ParamPtr{plan.bias->defined() ? plan.bias->data : nullptr,
                     plan.bias->defined() && plan.bias->dtype == DType::kFloat32};
 
+  // Flat: one row group, every operand's rows width apart, no bias (its column would need a
+  // division per vector), element offsets within 32 bits. FUSEBOX_ACT_FLAT=0 keeps the row
+  // plan, for tuning runs.
+  const int64_t total_vecs = p.rows * p.vec_per_row;
+  const bool packed = plan.sa.s[2] == width && plan.sout.s[2] == width && (!p.b || plan.sb.s[2] == width);
+  p.flat = tuning_knobs().act_flat.value_or(1) != 0 && p.index.flat && packed && !p.bias.ptr &&
+           p.rows > 1 && (total_vecs + kBlockThreads * kItems) * vec < (int64_t(1) << 31);
+  if (p.flat) {
+    p.rows = 1;
+    p.vec_per_row = int(total_vecs);
+  }
   int tpr = next_pow2((p.vec_per_row + kItems - 1) / kItems);
   if (tpr > kBlockThreads) tpr = kBlockThreads;
   p.rows_per_block = kBlockThreads / tpr;
   const int64_t chunks = (p.vec_per_row + int64_t(tpr) * kItems - 1) / (int64_t(tpr) * kItems);
-  FUSEBOX_CHECK(chunks <= 65535, "row width ", width, " is too wide for the activation kernel");
+  FUSEBOX_CHECK(p.flat || chunks <= 65535, "row width ", width, " is too wide for the activation kernel");
   const int64_t blocks = (p.rows + p.rows_per_block - 1) / p.rows_per_block;
   FUSEBOX_CHECK(blocks < (int64_t(1) << 31), "too many rows: ", p.rows);
   const dim3 block(tpr, p.rows_per_block);
-  const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(chunks));
+  const dim3 grid = p.flat ? dim3(static_cast<unsigned>(chunks))
+                           : dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(chunks));
   dispatch_dtype(plan.a->dtype, [&](auto t) {
     using T = decltype(t);
     dispatch_vec<T>(vec, [&](auto v) {

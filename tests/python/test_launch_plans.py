@@ -1,5 +1,5 @@
-"""Launch plans the tuning variables can force (FUSEBOX_NORM_ITEMS, FUSEBOX_ROPE_ITEMS, used
-by scripts/tune.py): each still computes the reference result on CUDA."""
+"""Launch plans the tuning variables can force (FUSEBOX_NORM_ITEMS, FUSEBOX_ROPE_ITEMS,
+FUSEBOX_ACT_FLAT, used by scripts/tune.py): each still computes the reference result on CUDA."""
 
 import os
 import subprocess
@@ -61,6 +61,20 @@ for dtype in (BF16, F32):
                          dtype, name="qk_norm_rope q")
             assert_close(k_out, ref.qk_norm_rope(k, kw, cos, sin, 1e-6, False, interleaved),
                          dtype, name="qk_norm_rope k")
+    # activations: packed rows (one long row unless FUSEBOX_ACT_FLAT=0), a bias and a strided
+    # input (the row plan either way), odd widths
+    for rows, width in ((1, 11008), (37, 4104), (9, 1001)):
+        gate, up = randn(gen, (rows, width), dtype, "cuda"), randn(gen, (rows, width), dtype, "cuda")
+        for name in ("silu", "gelu_tanh"):
+            assert_close(call(fusebox.gated_activation, gate, up, name),
+                         ref.gated_act(gate, up, name), dtype, name=f"gated {name}")
+        bias = small(gen, (width,), dtype, "cuda")
+        assert_close(call(fusebox.activation, gate, bias, "gelu_tanh"),
+                     ref.bias_act(gate, bias, "gelu_tanh"), dtype, name="bias gelu_tanh")
+        packed = randn(gen, (rows, 2 * width), dtype, "cuda")
+        assert_close(call(fusebox.gated_activation, packed[:, :width], packed[:, width:], "silu"),
+                     ref.gated_act(packed[:, :width], packed[:, width:], "silu"), dtype,
+                     name="gated strided")
 print("ok")
 """
 
@@ -69,7 +83,8 @@ print("ok")
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting", ["FUSEBOX_NORM_ITEMS=1", "FUSEBOX_NORM_ITEMS=2", "FUSEBOX_NORM_ITEMS=4",
                                      "FUSEBOX_NORM_ITEMS=8", "FUSEBOX_ROPE_ITEMS=1",
-                                     "FUSEBOX_ROPE_ITEMS=2", "FUSEBOX_ROPE_ITEMS=4"])
+                                     "FUSEBOX_ROPE_ITEMS=2", "FUSEBOX_ROPE_ITEMS=4",
+                                     "FUSEBOX_ACT_FLAT=0", "FUSEBOX_ACT_FLAT=1"])
 def test_forced_launch_plans(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8
     applies to ops without a residual; the residual op keeps its default plan)."""

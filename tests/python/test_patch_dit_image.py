@@ -32,8 +32,10 @@ from helpers import (  # noqa: E402
     FuseboxOps,
     GraphOps,
     assert_patch_falls_back,
+    assert_close,
     assert_unpatch_keeps_hooks,
     offload_and_patch,
+    poison_allocator,
     rel_err,
 )
 
@@ -290,6 +292,43 @@ def test_linear_rows_on_a_stream_slice(bias, dtype, device, monkeypatch):
         _shared.linear_rows(proj, joint[:1, :11])
     _shared.linear_rows(proj, image)
     assert not calls
+
+
+@pytest.mark.parametrize("epilogue", [True, False])
+@pytest.mark.parametrize("approximate", ["tanh", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_linear_gelu_matches_float64(dtype, approximate, epilogue, device, monkeypatch):
+    # gelu(x @ W^T + b) of the feed-forward's first projection, against a float64 reference:
+    # on CUDA the tanh form runs as one GEMM with the bias + GELU epilogue (unless switched
+    # off), every other case as the matmul then fusebox's bias + GELU pass
+    from fusebox.patch.dit import _shared
+
+    monkeypatch.setattr(_shared, "GEMM_GELU", epilogue)
+    calls = Counter()
+    real = torch._addmm_activation
+    monkeypatch.setattr(torch, "_addmm_activation",
+                        lambda *a, **k: (calls.update(["epilogue"]), real(*a, **k))[1])
+    gen = torch.Generator().manual_seed(11)
+    cases = [((2, 37, 24), 40), ((3, 5, 64), 129), ((1, 1, 16), 8), ((7, 33), 72)]
+    for shape, n in cases:
+        proj = torch.nn.Linear(shape[-1], n).to(device, dtype)
+        with torch.no_grad():
+            proj.weight.copy_(torch.randn(n, shape[-1], generator=gen) / shape[-1] ** 0.5)
+            proj.bias.copy_(torch.randn(n, generator=gen))
+        x = torch.randn(*shape, generator=gen).to(device, dtype)
+        inputs = [x]
+        if x.dim() == 3:  # rows of a longer sequence: not contiguous
+            inputs.append(torch.randn(shape[0], shape[1] + 4, shape[2], generator=gen)
+                          .to(device, dtype)[:, 2:-2])
+        for xin in inputs:
+            with torch.no_grad(), poison_allocator(device):
+                out = _shared.linear_gelu(proj, xin, approximate)
+            ref = torch.nn.functional.gelu(
+                torch.nn.functional.linear(xin.double(), proj.weight.double(), proj.bias.double()),
+                approximate=approximate)
+            assert_close(out, ref.to(device), dtype, name=f"linear_gelu {tuple(xin.shape)}->{n}")
+    expect_epilogue = device == "cuda" and approximate == "tanh" and epilogue
+    assert calls["epilogue"] == (6 if expect_epilogue else 0)
 
 
 def test_processor_keeps_attention_backend():

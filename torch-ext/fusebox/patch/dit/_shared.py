@@ -13,6 +13,7 @@ and otherwise runs the eager formula, so a patched block never changes what a mo
 from __future__ import annotations
 
 import functools
+import os
 from typing import Callable, NamedTuple, Optional, Tuple
 
 import torch
@@ -364,11 +365,28 @@ def _bias_foldable(proj: torch.nn.Module) -> bool:
     return _plain_linear(proj) and proj.bias is not None
 
 
+# The GEMM applies bias + GELU-tanh in its epilogue (``torch._addmm_activation``: cuBLASLt's
+# GELU_BIAS epilogue, the tanh form on CUDA) instead of writing the product for a separate pass
+# to read back. FUSEBOX_GEMM_GELU=0 keeps the separate pass, for side-by-side measurements.
+GEMM_GELU = os.environ.get("FUSEBOX_GEMM_GELU", "1") != "0"
+
+
+def _gemm_gelu_ok(proj: torch.nn.Module, x: Tensor, approximate: str) -> bool:
+    # CUDA only: on CPU the same op applies the exact (erf) GELU.
+    return (GEMM_GELU and approximate == "tanh" and x.is_cuda and x.dim() >= 2
+            and proj.weight.dtype == x.dtype and proj.bias.dtype == x.dtype)
+
+
 def linear_gelu(proj: torch.nn.Module, x: Tensor, approximate: str = "tanh") -> Tensor:
-    """``gelu(proj(x))``: the matmul without bias, then bias + GELU in one pass (the
+    """``gelu(proj(x))``: on CUDA with the tanh form, one GEMM whose epilogue adds the bias
+    and applies the GELU; otherwise the matmul without bias, then bias + GELU in one pass (the
     projection run as a module, then the GELU alone, when its bias cannot move)."""
     kind = GELU_KINDS[approximate]
     if _bias_foldable(proj) and fusable(x, proj.bias, like_x=(proj.weight,)):
+        if _gemm_gelu_ok(proj, x, approximate):
+            flat = torch._addmm_activation(proj.bias, x.reshape(-1, x.shape[-1]), proj.weight.t(),
+                                           use_gelu=True)
+            return flat.view(*x.shape[:-1], proj.out_features)
         return fb.activation(torch.nn.functional.linear(x, proj.weight), proj.bias, kind)
     h = proj(x)
     if fusable(h):
