@@ -252,6 +252,11 @@ def rope_tables(gen, kind, layout, b, s, r, interleaved, dtype=F32, device="cpu"
 # --------------------------------------------------------------------------- patched models
 
 
+# A DiT feed-forward's bias + GELU-tanh runs as fusebox's act pass or, on CUDA, in the epilogue
+# of the projection's GEMM (aten._addmm_activation): the counters below count both as "act".
+GEMM_GELU_OP = "_addmm_activation"
+
+
 class FuseboxOps(TorchDispatchMode):
     """Counts the fusebox operators a region runs (``calls``: operator name -> count)."""
 
@@ -262,6 +267,8 @@ class FuseboxOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func.namespace == "fusebox":
             self.calls[func._opname] += 1
+        elif func._opname == GEMM_GELU_OP:
+            self.calls["act"] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -275,8 +282,10 @@ class GraphOps:
         self.ops = set()
 
     def __call__(self, gm, example_inputs):
-        targets = (str(n.target) for n in gm.graph.nodes)
+        targets = [str(n.target) for n in gm.graph.nodes]
         self.ops |= {t.split(".")[1] for t in targets if t.startswith("fusebox.")}
+        if any(GEMM_GELU_OP in t for t in targets):
+            self.ops.add("act")
         return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
 
 
