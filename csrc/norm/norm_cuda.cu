@@ -375,12 +375,18 @@ __global__ void __launch_bounds__(kStreamThreads) norm_stream_kernel(const NormK
 //   together with the shuffle row sum against the previous kernels (H200, 2026-11-24 tune/4):
 //   2048x2048 13.79 -> 13.17 us, [1x512x4096] 9.50 -> 8.90. The norm alone and the modulated
 //   ops were slower with 2 in the one run that forced it (tune/2, whose row sum was still the
-//   faulty first version: to re-measure, bench/NOTES.md).
+//   faulty first version; re-measured in tune/norm_items, see bench/NOTES.md: slower for the norm alone and the
+//   per-sample modulated ops, e.g. LayerNorm LTX 19.0 -> 20.4 us, adaln FLUX 24.3 -> 30.0).
+// - 2 as well for rows of up to 256 vectors whose modulation or gate changes from row to row
+//   (per-token modulation): their operands load with the row into registers instead of being
+//   staged (same run: adaln Wan 1.3B per token 162.8 -> 148.5 us, LTX per token 25.6 -> 25.0,
+//   gated_residual_norm LTX per token 41.5 -> 40.9; at 640 vectors, Wan 14B, 524 -> 689).
 // - otherwise 4, which keeps 64 bytes of each operand in flight per thread at the typical widths;
 //   8 for wide rows of the ops without a residual (with one, 8 vectors of x, branch and gate
 //   exceed the register budget).
 // Odd widths (one element per vector) use 8.
-int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, bool residual, bool plain_residual) {
+int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, bool residual, bool plain_residual,
+               bool per_row_operand) {
   if (!full_vectors) return vec_per_row <= 8 * kMaxThreads ? 8 : 0;
   const int forced = tuning_knobs().norm_items.value_or(0);
   if ((forced == 1 || forced == 2 || forced == 4 || (forced == 8 && !residual)) && vec_per_row <= forced * kMaxThreads)
@@ -388,6 +394,7 @@ int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, bool residu
   const DeviceLimits& dev = device_limits();
   if (vec_per_row <= kMaxThreads && rows * vec_per_row <= int64_t(dev.sm_count) * 1024) return 1;
   if (plain_residual && vec_per_row <= kMaxThreads) return 2;
+  if (per_row_operand && vec_per_row <= 256) return 2;
   if (vec_per_row <= 4 * kMaxThreads) return 4;
   if (vec_per_row <= 8 * kMaxThreads && !residual) return 8;
   return 0;
@@ -478,7 +485,10 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   const bool res = args.branch.defined();
   const bool mod = args.scale.defined() || args.shift.defined();
   const bool plain_residual = res && !args.gate.defined() && !mod && args.norm != NormType::kNone;
-  const int items = pick_items(a.rows, a.vec_per_row, full_vectors, res, plain_residual);
+  // An operand that changes from row to row (per-token modulation or gate).
+  bool per_row_operand = false;
+  for (const auto* st : {&s.gate, &s.scale, &s.shift}) per_row_operand |= layout.sizes[2] > 1 && st->s[2] != 0;
+  const int items = pick_items(a.rows, a.vec_per_row, full_vectors, res, plain_residual, per_row_operand);
   const int param_dtype = shared_param_dtype(args);
   FUSEBOX_CHECK(a.rows < (int64_t(1) << 31), "too many rows: ", a.rows);
 
@@ -514,8 +524,6 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   // Staging pays when an operand changes from row to row (its copy overlaps the row's loads)
   // or is 16-bit; fp32 operands that stay the same for every row are read straight from
   // global memory (L1 hits), which keeps more rows resident (Wan 14B adaln: 355 -> 291 us).
-  bool per_row_operand = false;
-  for (const auto* st : {&s.gate, &s.scale, &s.shift}) per_row_operand |= layout.sizes[2] > 1 && st->s[2] != 0;
   const bool stage_by_default = per_row_operand || !params_f32;
   a.stage_params = items > 2 && n_params > 0 && tuning_knobs().norm_stage.value_or(int(stage_by_default)) != 0;
 

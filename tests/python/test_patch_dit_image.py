@@ -328,7 +328,7 @@ def test_linear_gelu_matches_float64(dtype, approximate, epilogue, device, monke
                 approximate=approximate)
             assert_close(out, ref.to(device), dtype, name=f"linear_gelu {tuple(xin.shape)}->{n}")
     expect_epilogue = device == "cuda" and approximate == "tanh" and epilogue
-    assert calls["epilogue"] == (6 if expect_epilogue else 0)
+    assert calls["epilogue"] == (7 if expect_epilogue else 0)   # 3 cases x 2 inputs + 1
 
 
 def test_processor_keeps_attention_backend():

@@ -430,3 +430,34 @@ def test_bench_tiny_cli(tmp_path, capsys):
     assert rec["variants"]["patched"]["rel_diff_vs_eager"] < 1e-4
     assert rec["variants"]["pipeline:patched"]["pipeline_s"] > 0
     assert (tmp_path / rec["summary"]["video"].split("/")[-1]).exists()
+
+
+def test_bench_attention_backend_reaches_every_variant(tmp_path, monkeypatch):
+    # --attention-backend is set once on the model; the patched processors share it
+    from diffusers.models import attention_dispatch
+
+    from fusebox.bench.e2e import main
+
+    seen = []
+    real = attention_dispatch.dispatch_attention_fn
+
+    def spy(*args, backend=None, **kwargs):
+        seen.append(str(getattr(backend, "value", backend)))
+        return real(*args, backend=backend, **kwargs)
+
+    import importlib
+
+    for mod in ("diffusers.models.transformers.transformer_ltx", "fusebox.patch.dit._shared"):
+        monkeypatch.setattr(importlib.import_module(mod), "dispatch_attention_fn", spy)
+    rc = main(["--model", "tiny-dit", "--device", "cpu", "--quick", "--dtype", "fp32",
+               "--variants", "eager,patched", "--attention-backend", "_native_math",
+               "--out", str(tmp_path)])
+    assert rc == 0
+    import json
+
+    rec = json.loads((tmp_path / "results_e2e.json").read_text())["models"]["tiny-dit"]
+    assert rec["summary"]["attention_backend"] == "_native_math"
+    for variant in ("eager", "patched"):
+        assert not rec["variants"][variant].get("error"), rec["variants"][variant]
+    assert rec["variants"]["patched"]["rel_diff_vs_eager"] < 1e-4
+    assert seen and set(seen) == {"_native_math"}

@@ -48,6 +48,9 @@ def build_parser(models: Dict[str, object]) -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="fewer iterations and smaller workloads")
     p.add_argument("--out", default=None, help="results folder (default: bench/results/<date>_<gpu>_<commit>_e2e/)")
     p.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    p.add_argument("--attention-backend", default=None, metavar="NAME",
+                   help="diffusers models: the attention backend every variant runs "
+                        "(model.set_attention_backend, e.g. _native_cudnn; default: diffusers' own)")
     p.add_argument("--pipeline", action="store_true",
                    help="diffusers models: also run the full pipeline and write its output file")
     return p

@@ -517,6 +517,10 @@ def run(name: str, args) -> dict:
            "summary": {"workload": spec.workload, "dtype": args.dtype, "steps": spec.steps,
                        "forwards_per_step": spec.forwards_per_step}}
     model = build(spec, device, dtype)
+    backend = getattr(args, "attention_backend", None)
+    if backend:  # before any variant: the patched processors share it with the originals
+        model.set_attention_backend(backend)
+        rec["summary"]["attention_backend"] = backend
     inputs = spec.inputs(device, dtype)
     rec["summary"]["params_b"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 3)
     eager_out = None

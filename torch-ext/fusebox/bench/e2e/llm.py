@@ -259,6 +259,8 @@ def run(name: str, args) -> dict:
     record = {"model": name, "description": MODELS[name], "variants": {}, "summary": {},
               "workload": {k: v for k, v in work.items() if k not in ("iters", "warmup")},
               "dtype": args.dtype, "device": str(device)}
+    if getattr(args, "attention_backend", None):
+        record["summary"]["attention_backend"] = "not applied (a diffusers option)"
     logits = {}
     for variant in _variants(args, device):
         try:
