@@ -419,6 +419,7 @@ def test_bench_tiny_cli(tmp_path, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "tiny-dit" in out
+    assert "  patched ...\n" in out and "  patched: forward_ms " in out   # progress per variant
     import json
 
     doc = json.loads((tmp_path / "results_e2e.json").read_text())

@@ -34,6 +34,21 @@ def time_ms(fn: Callable[[], object], device, warmup: int = 3, iters: int = 10) 
     return {"median_ms": statistics.median(ts), "min_ms": min(ts), "iters": iters}
 
 
+PROGRESS_KEYS = ("forward_ms", "prefill_ms", "decode_tok_s_b1", "decode_tok_s_b16", "compile_s")
+
+
+def progress(variant: str, rec: Optional[dict] = None) -> None:
+    """A line when a variant starts (``rec`` None) and one with its headline figures when it
+    ends, so that a long run (a whole-model compile takes minutes) shows where it is."""
+    if rec is None:
+        print(f"  {variant} ...", flush=True)
+    elif rec.get("error"):
+        print(f"  {variant}: error: {str(rec['error'])[:200]}", flush=True)
+    else:
+        figures = [f"{k} {v:.4g}" for k, v in rec.items() if k in PROGRESS_KEYS and isinstance(v, (int, float))]
+        print(f"  {variant}: {', '.join(figures) or 'done'}", flush=True)
+
+
 def peak_memory_mb(fn: Callable[[], object], device) -> Optional[float]:
     if torch.device(device).type != "cuda":
         return None

@@ -525,6 +525,7 @@ def run(name: str, args) -> dict:
     rec["summary"]["params_b"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 3)
     eager_out = None
     for variant in _variants(args):
+        common.progress(variant)
         try:
             vrec, out = _run_variant(model, inputs, variant, spec, device, args.quick, eager_out)
             if variant == "eager":
@@ -534,6 +535,7 @@ def run(name: str, args) -> dict:
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         rec["variants"][variant] = vrec
+        common.progress(variant, vrec)
     torch._dynamo.reset()
     if eager_out is not None and dtype != torch.float32:
         try:

@@ -259,21 +259,23 @@ def run(name: str, args) -> dict:
     record = {"model": name, "description": MODELS[name], "variants": {}, "summary": {},
               "workload": {k: v for k, v in work.items() if k not in ("iters", "warmup")},
               "dtype": args.dtype, "device": str(device)}
-    if getattr(args, "attention_backend", None):
-        record["summary"]["attention_backend"] = "not applied (a diffusers option)"
     logits = {}
     for variant in _variants(args, device):
+        common.progress(variant)
         try:
             result, logits[variant] = run_variant(model, variant, work, device, ids,
                                                   ref_logits, args.quick)
         except Exception as error:  # noqa: BLE001  (one failing variant must not end the run)
             result = {"error": f"{type(error).__name__}: {error}"[:500]}
         record["variants"][variant] = result
+        common.progress(variant, result)
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
     _set_variant(model, "eager")
     record["summary"] = summarize(record["variants"], logits)
+    if getattr(args, "attention_backend", None):
+        record["summary"]["attention_backend"] = "not applied (a diffusers option)"
     return record
 
 
