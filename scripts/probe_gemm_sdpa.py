@@ -10,12 +10,13 @@ bench/results/*/tune/gemm_bias_and_sdpa.txt), kernel time by CUDA events, median
     python scripts/probe_gemm_sdpa.py
 """
 
-import statistics
 import sys
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ffn_gelu import time_us  # scripts/ffn_gelu.py: CUDA-event median
 
 GEMMS = {  # name: (M, K, N)
     "ltx qkvo": (5376, 2048, 2048), "ltx ff-down": (5376, 8192, 2048),
@@ -30,21 +31,6 @@ ATTENTION = {  # name: (B, H, S, D); qwen3 is causal
 }
 
 
-def time_us(fn, iters=30):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(iters):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) * 1e3)
-    return statistics.median(times)
-
-
 def main() -> int:
     if not torch.cuda.is_available():
         print("probe_gemm_sdpa: no CUDA GPU; nothing to time")
@@ -55,8 +41,8 @@ def main() -> int:
         x = torch.randn(m, k, device="cuda", dtype=dt)
         w = torch.randn(n, k, device="cuda", dtype=dt) / k ** 0.5
         b = torch.randn(n, device="cuda", dtype=dt)
-        biased, plain = time_us(lambda: F.linear(x, w, b)), time_us(lambda: F.linear(x, w))
-        addmm = time_us(lambda: torch.addmm(b, x, w.t()))
+        biased, plain = time_us(lambda: F.linear(x, w, b), 5, 30), time_us(lambda: F.linear(x, w), 5, 30)
+        addmm = time_us(lambda: torch.addmm(b, x, w.t()), 5, 30)
         print(f"{name:16s} {m}x{k}->{n}: linear+bias {biased:8.1f}  mm {plain:8.1f}  addmm {addmm:8.1f}"
               f"  bias/mm {biased / plain:.3f}  tflops(mm) {2 * m * k * n / plain / 1e6:.0f}")
     print("SDPA backends (B,H,S,D), bf16")
@@ -68,7 +54,7 @@ def main() -> int:
         for backend in (SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
             try:
                 with sdpa_kernel(backend):
-                    us = time_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), 10)
+                    us = time_us(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), 5, 10)
                 row.append(f"{backend.name[:6]} {us:8.1f} ({flops / us / 1e6:.0f} TF/s)")
             except RuntimeError as ex:
                 row.append(f"{backend.name[:6]} err {str(ex)[:60]}")
