@@ -20,13 +20,10 @@ module pass; the output modulation after ``norm_out`` runs eagerly.
 
 from __future__ import annotations
 
-import functools
-
 import torch
-from torch.nn.modules import module as _nn_module
 
 from ... import functional as fb
-from .._common import has_hooks, original_forward, replace_forward
+from .._common import original_forward, replace_forward
 from ._shared import (
     TokenQKNormAttnProcessor,
     contains_class,
@@ -82,34 +79,6 @@ class LTXFusedAttnProcessor(TokenQKNormAttnProcessor):
 # --------------------------------------------------------------------------- block
 
 
-@functools.lru_cache(maxsize=None)
-def _is_diffusers_ltx_forward(cls: type) -> bool:
-    """Is ``cls.forward`` diffusers' own ``LTXAttention.forward`` (not a subclass's or a
-    replacement)?"""
-    forward = cls.forward
-    return (getattr(forward, "__qualname__", "") == "LTXAttention.forward"
-            and getattr(forward, "__module__", "").startswith("diffusers."))
-
-
-def _call_attention(attn: torch.nn.Module, hidden_states, encoder_hidden_states=None,
-                    attention_mask=None, image_rotary_emb=None):
-    """``attn(...)`` for an ``LTXAttention``: its forward only filters keyword arguments against
-    ``inspect.signature`` of the processor, on every call (tens of microseconds of host time, and
-    the patched forward is host-bound at LTX's sizes), then calls the processor. With no extra
-    keyword arguments there is nothing to filter, so the processor is called directly when the
-    module would run exactly that forward: no hooks of any kind, no instance-level forward,
-    not compiled on its own."""
-    direct = (_is_diffusers_ltx_forward(type(attn))
-              and "forward" not in attn.__dict__ and attn._compiled_call_impl is None
-              and not (attn._forward_hooks or attn._forward_pre_hooks or has_hooks(attn))
-              and not (_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks))
-    if direct:
-        return attn.processor(attn, hidden_states, encoder_hidden_states, attention_mask,
-                              image_rotary_emb)
-    return attn(hidden_states=hidden_states, encoder_hidden_states=encoder_hidden_states,
-                attention_mask=attention_mask, image_rotary_emb=image_rotary_emb)
-
-
 def _block_forward(
     block: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -131,12 +100,12 @@ def _block_forward(
 
     norm_hidden_states = fb.adaln(hidden_states, scale_msa, shift_msa, block.norm1.weight,
                                   norm_type="rms", eps=block.norm1.eps)
-    attn_hidden_states = _call_attention(block.attn1, norm_hidden_states,
-                                         image_rotary_emb=image_rotary_emb)
+    attn_hidden_states = block.attn1(hidden_states=norm_hidden_states, encoder_hidden_states=None,
+                                     image_rotary_emb=image_rotary_emb)
     hidden_states = fb.gated_residual(hidden_states, attn_hidden_states, gate_msa)
 
-    attn_hidden_states = _call_attention(block.attn2, hidden_states, encoder_hidden_states,
-                                         encoder_attention_mask)
+    attn_hidden_states = block.attn2(hidden_states, encoder_hidden_states=encoder_hidden_states,
+                                     image_rotary_emb=None, attention_mask=encoder_attention_mask)
     norm_hidden_states, hidden_states = fb.gated_residual_norm(
         hidden_states, attn_hidden_states, None, scale_mlp, shift_mlp, block.norm2.weight,
         norm_type="rms", eps=block.norm2.eps)
