@@ -2,7 +2,7 @@
 forwards under torch.profiler, eager and fusebox-patched side by side, biggest first. A
 diagnostic aid; `fusebox bench e2e` is the benchmark.
 
-    python scripts/profile_e2e.py --model ltx-video [--top 30] [--compiled] [--host]
+    python scripts/profile_e2e.py --model ltx-video [--top 30] [--compiled]
     python scripts/profile_e2e.py --model qwen3-8b --decode 1   # one decode step, also compiled
 """
 
@@ -68,40 +68,6 @@ def decode_tables(fusebox, model, args, device):
     return tables
 
 
-def host_block_ms(model, call, runs: int = 3):
-    """Host time to enqueue each repeated block of one forward while the GPU is held busy
-    (``torch.cuda._sleep``), so the host never waits for it: (forward enqueue ms, per-block ms),
-    medians over ``runs``. A block whose host time exceeds its kernel time leaves the GPU idle;
-    an enqueue near the hold's length means the forward waited (a sync or a full launch queue)."""
-    import statistics
-    import time
-
-    from fusebox.bench.e2e.dit import BLOCK_LISTS
-
-    blocks = [b for name in BLOCK_LISTS for b in getattr(model, name, None) or ()]
-    starts, spans = {}, []
-    handles = [b.register_forward_pre_hook(lambda m, a: starts.__setitem__(id(m), time.perf_counter()))
-               for b in blocks]
-    handles += [b.register_forward_hook(lambda m, a, o: spans.append(time.perf_counter() - starts[id(m)]))
-                for b in blocks]
-    try:
-        call()
-        torch.cuda.synchronize()
-        enqueue, per_block = [], []
-        for _ in range(runs):
-            spans.clear()
-            torch.cuda._sleep(400_000_000)  # ~0.2 s at 2 GHz
-            t0 = time.perf_counter()
-            call()
-            enqueue.append((time.perf_counter() - t0) * 1e3)
-            torch.cuda.synchronize()
-            per_block.append(statistics.median(spans[:8]) * 1e3 if spans else float("nan"))
-        return statistics.median(enqueue), statistics.median(per_block), len(blocks)
-    finally:
-        for h in handles:
-            h.remove()
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="ltx-video")
@@ -113,9 +79,6 @@ def main() -> None:
                          "torch.compile'd, unpatched and patched")
     ap.add_argument("--compiled", action="store_true",
                     help="diffusers transformers: also the unpatched model under regional compile")
-    ap.add_argument("--host", action="store_true",
-                    help="diffusers transformers: host time to enqueue a forward and its first "
-                         "blocks with the GPU held busy, eager and patched")
     args = ap.parse_args()
 
     import fusebox
@@ -139,15 +102,8 @@ def main() -> None:
 
                 with dit.compiled(model, "compile-regional", fullgraph=True):
                     tables.append(("compile-regional", kernel_times(call, args.iters)))
-            if args.host:
-                host = [("eager", host_block_ms(model, call))]
             print(fusebox.patch(model))
             tables.append(("patched", kernel_times(call, args.iters)))
-            if args.host:
-                host.append(("patched", host_block_ms(model, call)))
-                for name, (forward_ms, block_ms, n) in host:
-                    print(f"{name}: host enqueue of one forward {forward_ms:.2f} ms, "
-                          f"{block_ms:.3f} ms per block (median of the first 8 of {n})")
     for name, table in tables:
         total = sum(t for t, _ in table.values())
         print(f"\n== {name}: {total / 1e3:.2f} ms of kernels per forward, "
