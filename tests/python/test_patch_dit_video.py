@@ -462,3 +462,19 @@ def test_bench_attention_backend_reaches_every_variant(tmp_path, monkeypatch):
         assert not rec["variants"][variant].get("error"), rec["variants"][variant]
     assert rec["variants"]["patched"]["rel_diff_vs_eager"] < 1e-4
     assert seen and set(seen) == {"_native_math"}
+
+
+def test_bench_graph_variants_need_cuda(tmp_path):
+    # the CUDA-graph variants are opt-in; without a GPU they record why they did not run
+    from fusebox.bench.e2e import main
+
+    rc = main(["--model", "tiny-dit", "--device", "cpu", "--quick", "--dtype", "fp32",
+               "--variants", "patched,graphs,patched+graphs", "--out", str(tmp_path)])
+    assert rc == 0
+    import json
+
+    rec = json.loads((tmp_path / "results_e2e.json").read_text())["models"]["tiny-dit"]
+    assert list(rec["variants"]) == ["eager", "patched", "graphs", "patched+graphs"]
+    assert rec["variants"]["patched"]["rel_diff_vs_eager"] < 1e-4
+    for variant in ("graphs", "patched+graphs"):
+        assert "CUDA graphs need a CUDA device" in rec["variants"][variant]["error"]

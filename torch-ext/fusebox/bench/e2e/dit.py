@@ -7,7 +7,9 @@ under ``torch.inference_mode`` (two for Wan, whose pipeline runs the two CFG bra
 forwards); the run is ``steps`` of them.
 
 Variants: ``eager``, ``patched`` (:func:`fusebox.patch`), ``compile`` (whole model),
-``compile-regional`` (``compile_repeated_blocks``, else each block), and ``patched+`` each compile.
+``compile-regional`` (``compile_repeated_blocks``, else each block), ``graphs`` (the forward
+captured once in a CUDA graph and replayed: no host time per launch), and ``patched+`` each of
+those. The graph variants are opt-in (``--variants``).
 Every variant's output is compared with eager's; the bf16 spread (bf16 eager vs the fp32 model of
 the same weights) says how large a difference bf16 itself makes.
 """
@@ -26,7 +28,7 @@ from ..suite import DTYPES
 from . import common
 
 ALL_VARIANTS = ("eager", "patched", "compile", "compile-regional", "patched+compile",
-                "patched+compile-regional")
+                "patched+compile-regional", "graphs", "patched+graphs")
 # whole-model compiles of 30-60 block models take minutes each: --quick keeps the regional ones
 QUICK_VARIANTS = ("eager", "patched", "compile-regional", "patched+compile-regional")
 BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
@@ -279,6 +281,26 @@ def _block_modules(model) -> List[torch.nn.Module]:
     return [b for name in BLOCK_LISTS for b in getattr(model, name, None) or []]
 
 
+def graphed(model, inputs: dict, device) -> Callable[[], torch.Tensor]:
+    """One forward on ``inputs`` captured in a CUDA graph (after warm-up forwards on a side
+    stream, as capture requires); returns a call that replays it and gives its output."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            _output(model(**inputs))
+    torch.cuda.current_stream(device).wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _output(model(**inputs))
+
+    def replay():
+        graph.replay()
+        return out
+
+    return replay
+
+
 @contextlib.contextmanager
 def compiled(model, mode: str, fullgraph: bool):
     """Yields the callable of a compile mode ("" eager, "compile", "compile-regional"), undoing
@@ -304,6 +326,49 @@ def compiled(model, mode: str, fullgraph: bool):
 # --------------------------------------------------------------------------- variants
 
 
+def _time_graphed(model, inputs, device, quick, rec):
+    """(timing, output) of replaying one captured forward."""
+    if device.type != "cuda":
+        raise RuntimeError("CUDA graphs need a CUDA device")
+    with torch.inference_mode():
+        t0 = time.perf_counter()
+        call = graphed(model, inputs, device)
+        rec["capture_s"] = time.perf_counter() - t0
+        torch.cuda.reset_peak_memory_stats()
+        warmup, iters = (1, 3) if quick else (3, 10)
+        t = common.time_ms(call, device, warmup=warmup, iters=iters)
+        rec["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+        return t, call().clone()
+
+
+def _time_compiled(model, inputs, mode, device, quick, rec):
+    """(timing, output) of the forward under a compile mode ("" eager); a compile that breaks
+    the graph under ``fullgraph=True`` is retried without it (the error is recorded)."""
+    for fullgraph in ((True, False) if mode else (True,)):
+        try:
+            with compiled(model, mode, fullgraph) as fn, torch.inference_mode():
+                call = lambda: _output(fn(**inputs))  # noqa: E731
+                t0 = time.perf_counter()
+                out = call()
+                common.sync(device)
+                if mode:
+                    rec["compile_s"] = time.perf_counter() - t0
+                    rec["fullgraph"] = int(fullgraph)
+                warmup, iters = (1, 3) if quick else (3, 10)
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                t = common.time_ms(call, device, warmup=warmup, iters=iters)
+                if device.type == "cuda":
+                    rec["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
+                return t, out
+        except Exception as e:  # noqa: BLE001  (a graph break under fullgraph: retry without)
+            if not fullgraph or not mode:
+                raise
+            rec["fullgraph_error"] = _error(e)
+            torch._dynamo.reset()
+    raise AssertionError("unreachable")
+
+
 def _run_variant(model, inputs, variant, spec, device, quick, eager_out):
     import fusebox
 
@@ -317,28 +382,10 @@ def _run_variant(model, inputs, variant, spec, device, quick, eager_out):
         rec["modules_patched"] = report.num_patched
         rec["patch_summary"] = report.summary()
     try:
-        for fullgraph in ((True, False) if mode else (True,)):
-            try:
-                with compiled(model, mode, fullgraph) as fn, torch.inference_mode():
-                    call = lambda: _output(fn(**inputs))  # noqa: E731
-                    t0 = time.perf_counter()
-                    out = call()
-                    common.sync(device)
-                    if mode:
-                        rec["compile_s"] = time.perf_counter() - t0
-                        rec["fullgraph"] = int(fullgraph)
-                    warmup, iters = (1, 3) if quick else (3, 10)
-                    if device.type == "cuda":
-                        torch.cuda.reset_peak_memory_stats()
-                    t = common.time_ms(call, device, warmup=warmup, iters=iters)
-                    if device.type == "cuda":
-                        rec["peak_mb"] = torch.cuda.max_memory_allocated() / 2**20
-                break
-            except Exception as e:  # noqa: BLE001  (a graph break under fullgraph: retry without)
-                if not fullgraph or not mode:
-                    raise
-                rec["fullgraph_error"] = _error(e)
-                torch._dynamo.reset()
+        if mode == "graphs":
+            t, out = _time_graphed(model, inputs, device, quick, rec)
+        else:
+            t, out = _time_compiled(model, inputs, mode, device, quick, rec)
         step_ms = t["median_ms"] * spec.forwards_per_step
         rec.update(forward_ms=t["median_ms"], forward_min_ms=t["min_ms"], step_ms=step_ms, run_s=step_ms * spec.steps / 1e3,
                    steps_per_s=1e3 / step_ms)
