@@ -375,8 +375,9 @@ __global__ void __launch_bounds__(kStreamThreads) norm_stream_kernel(const NormK
 //   together with the shuffle row sum against the previous kernels (H200, 2026-11-24 tune/4):
 //   2048x2048 13.79 -> 13.17 us, [1x512x4096] 9.50 -> 8.90. The norm alone and the modulated
 //   ops were slower with 2 in the one run that forced it (tune/2, whose row sum was still the
-//   faulty first version; re-measured in tune/norm_items, see bench/NOTES.md: slower for the norm alone and the
-//   per-sample modulated ops, e.g. LayerNorm LTX 19.0 -> 20.4 us, adaln FLUX 24.3 -> 30.0).
+//   faulty first version). Re-measured with the correct one (2026-11-24_h200_b6c53a1
+//   tune/norm_items): slower for the norm alone and the per-sample modulated ops, e.g.
+//   LayerNorm LTX 19.0 -> 20.4 us, adaln FLUX 24.3 -> 30.0.
 // - 2 as well for rows of up to 256 vectors whose modulation or gate changes from row to row
 //   (per-token modulation): their operands load with the row into registers instead of being
 //   staged (same run: adaln Wan 1.3B per token 162.8 -> 148.5 us, LTX per token 25.6 -> 25.0,
