@@ -34,7 +34,8 @@ def time_ms(fn: Callable[[], object], device, warmup: int = 3, iters: int = 10) 
     return {"median_ms": statistics.median(ts), "min_ms": min(ts), "iters": iters}
 
 
-PROGRESS_KEYS = ("forward_ms", "prefill_ms", "decode_tok_s_b1", "decode_tok_s_b16", "compile_s")
+PROGRESS_KEYS = ("forward_ms", "prefill_ms", "decode_tok_s_b1", "decode_tok_s_b16", "compile_s",
+                 "capture_s")
 
 
 def progress(variant: str, rec: Optional[dict] = None) -> None:
