@@ -478,3 +478,19 @@ def test_bench_graph_variants_need_cuda(tmp_path):
     assert rec["variants"]["patched"]["rel_diff_vs_eager"] < 1e-4
     for variant in ("graphs", "patched+graphs"):
         assert "CUDA graphs need a CUDA device" in rec["variants"][variant]["error"]
+
+
+def test_bench_variants_default_and_explicit():
+    # an explicit list is run as given, even when it names the LLM default set in --quick mode
+    from types import SimpleNamespace
+
+    from fusebox.bench.e2e import dit
+
+    quick = SimpleNamespace(variants=None, quick=True)
+    assert dit._variants(quick) == list(dit.QUICK_VARIANTS)
+    assert dit._variants(SimpleNamespace(variants=None, quick=False)) == list(dit.DEFAULT_VARIANTS)
+    explicit = SimpleNamespace(variants="eager,patched,compile,patched+compile", quick=True)
+    assert dit._variants(explicit) == ["eager", "patched", "compile", "patched+compile"]
+    assert dit._variants(SimpleNamespace(variants="graphs", quick=True)) == ["eager", "graphs"]
+    with pytest.raises(ValueError, match="unknown variant"):
+        dit._variants(SimpleNamespace(variants="eager,fast", quick=True))

@@ -41,9 +41,10 @@ def build_parser(models: Dict[str, object]) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True,
                    help="model name (see below); comma-separated for several; tiny = every tiny-* config")
-    p.add_argument("--variants", default="eager,patched,compile,patched+compile",
-                   help="comma-separated subset of eager, patched, compile, patched+compile "
-                        "(families may add more, e.g. compile-regional)")
+    p.add_argument("--variants", default=None,
+                   help="comma-separated subset of eager, patched, compile, patched+compile; "
+                        "diffusers models add compile-regional, graphs and their patched+ forms, "
+                        "LLMs graphs and patched+graphs (default: each family's own set)")
     p.add_argument("--dtype", default="bf16", help="bf16 (default), fp16 or fp32")
     p.add_argument("--quick", action="store_true", help="fewer iterations and smaller workloads")
     p.add_argument("--out", default=None, help="results folder (default: bench/results/<date>_<gpu>_<commit>_e2e/)")

@@ -27,8 +27,9 @@ import torch
 from ..suite import DTYPES
 from . import common
 
-ALL_VARIANTS = ("eager", "patched", "compile", "compile-regional", "patched+compile",
-                "patched+compile-regional", "graphs", "patched+graphs")
+DEFAULT_VARIANTS = ("eager", "patched", "compile", "compile-regional", "patched+compile",
+                    "patched+compile-regional")
+ALL_VARIANTS = DEFAULT_VARIANTS + ("graphs", "patched+graphs")
 # whole-model compiles of 30-60 block models take minutes each: --quick keeps the regional ones
 QUICK_VARIANTS = ("eager", "patched", "compile-regional", "patched+compile-regional")
 BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
@@ -403,10 +404,8 @@ def _error(e: BaseException) -> str:
 
 
 def _variants(args) -> List[str]:
-    from . import build_parser
-
-    if args.variants == build_parser({}).get_default("variants"):
-        return list(QUICK_VARIANTS if args.quick else ALL_VARIANTS)
+    if args.variants is None:
+        return list(QUICK_VARIANTS if args.quick else DEFAULT_VARIANTS)
     names = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in names if v not in ALL_VARIANTS]
     if unknown:

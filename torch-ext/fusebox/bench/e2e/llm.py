@@ -234,11 +234,12 @@ def run_variant(model, variant: str, work: dict, device, ids, ref_logits, quick:
     return out, logits
 
 
-def _variants(args, device) -> list:
-    from . import build_parser
+DEFAULT_VARIANTS = "eager,patched,compile,patched+compile"  # plus the graph pair on a GPU
 
-    names = [v.strip() for v in args.variants.split(",") if v.strip()]
-    if args.variants == build_parser({}).get_default("variants") and device.type == "cuda":
+
+def _variants(args, device) -> list:
+    names = [v.strip() for v in (args.variants or DEFAULT_VARIANTS).split(",") if v.strip()]
+    if args.variants is None and device.type == "cuda":
         names += ["graphs", "patched+graphs"]
     unknown = [v for v in names if v not in VARIANTS]
     if unknown:
