@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ffn_gelu import time_us  # scripts/ffn_gelu.py: CUDA-event median
+from ffn_gelu import time_us  # scripts/ffn_gelu.py: the benchmark's event timer
 
 GEMMS = {  # name: (M, K, N)
     "ltx qkvo": (5376, 2048, 2048), "ltx ff-down": (5376, 8192, 2048),

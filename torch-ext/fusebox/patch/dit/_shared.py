@@ -372,9 +372,10 @@ GEMM_GELU = os.environ.get("FUSEBOX_GEMM_GELU", "1") != "0"
 
 
 def _gemm_gelu_ok(proj: torch.nn.Module, x: Tensor, approximate: str) -> bool:
-    # CUDA only: on CPU the same op applies the exact (erf) GELU.
+    # CUDA only: on CPU the same op applies the exact (erf) GELU. The epilogue takes the bias in
+    # x's dtype (the caller's fusable() has checked the weight's).
     return (GEMM_GELU and approximate == "tanh" and x.is_cuda and x.dim() >= 2
-            and proj.weight.dtype == x.dtype and proj.bias.dtype == x.dtype)
+            and proj.bias.dtype == x.dtype)
 
 
 def linear_gelu(proj: torch.nn.Module, x: Tensor, approximate: str = "tanh") -> Tensor:
