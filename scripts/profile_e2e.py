@@ -4,6 +4,7 @@ diagnostic aid; `fusebox bench e2e` is the benchmark.
 
     python scripts/profile_e2e.py --model ltx-video [--top 30] [--compiled]
     python scripts/profile_e2e.py --model qwen3-8b --decode 1   # one decode step, also compiled
+    python scripts/profile_e2e.py --model ltx-video --timeline  # where the GPU waits, patched
 """
 
 from __future__ import annotations
@@ -30,6 +31,85 @@ def kernel_times(fn, iters: int):
             out[e.name][0] += e.device_time / iters
             out[e.name][1] += 1
     return {k: (v[0], v[1] / iters) for k, v in out.items()}
+
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cuStreamSynchronize", "cuCtxSynchronize", "cuMemcpyDtoH", "cuMemcpyHtoD")
+
+
+def timeline(fn, top: int) -> None:
+    """Idle time of the GPU during one forward, from a CPU + CUDA trace: each gap between two
+    kernels is "host" when the next kernel was launched after the GPU had gone idle (the GPU
+    waited for Python and the launch path), else "device" (launch latency behind queued work).
+    The profiler's own per-op cost inflates the host share, so the wall time of an unprofiled
+    forward is printed beside the profiled span."""
+    import json
+    import tempfile
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    wall_ms = (time.perf_counter() - t0) * 1e3
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                     key=lambda e: e["ts"])
+    runtime = {e["args"]["correlation"]: e for e in events
+               if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+    syncs = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
+             and e.get("name", "").startswith(SYNC_CALLS)]
+
+    def launching_op(ts: float) -> str:
+        """The innermost CPU op running at host time ts."""
+        best = None
+        for e in ops:
+            if e["ts"] > ts:
+                break
+            if e["ts"] + e.get("dur", 0) >= ts and (best is None or e["dur"] <= best["dur"]):
+                best = e
+        return best["name"] if best else "?"
+
+    span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
+    busy = host_idle = device_idle = 0.0
+    end = kernels[0]["ts"]
+    gaps = []
+    for k in kernels:
+        if k["ts"] > end:
+            launch = runtime.get(k.get("args", {}).get("correlation"))
+            gap = k["ts"] - end
+            if launch is not None and launch["ts"] + launch.get("dur", 0) > end:
+                host_idle += gap
+                gaps.append((gap, launching_op(launch["ts"]), k["name"]))
+            else:
+                device_idle += gap
+        busy += max(0.0, k["ts"] + k["dur"] - max(k["ts"], end))
+        end = max(end, k["ts"] + k["dur"])
+    print(f"\n== timeline: {len(kernels)} kernels; unprofiled forward {wall_ms:.2f} ms wall; profiled span "
+          f"{span / 1e3:.2f} ms: GPU busy {busy / 1e3:.2f} ms, idle waiting for a launch {host_idle / 1e3:.2f} ms "
+          f"({len(gaps)} gaps), idle behind queued launches {device_idle / 1e3:.2f} ms")
+    print(f"synchronizing calls in the forward: {len(syncs)} "
+          f"({', '.join(sorted({e['name'] for e in syncs})) or 'none'})")
+    by_op = defaultdict(lambda: [0.0, 0])
+    for gap, op, _ in gaps:
+        by_op[op][0] += gap
+        by_op[op][1] += 1
+    print("GPU idle before a late launch, by the CPU op that launched:")
+    for op, (t, n) in sorted(by_op.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{t / 1e3:8.3f} ms {n:6d}x  {op[:100]}")
+    print("largest gaps:")
+    for gap, op, name in sorted(gaps, reverse=True)[:10]:
+        print(f"{gap:8.1f} us  {op[:50]:50s} -> {name[:60]}")
 
 
 def decode_tables(fusebox, model, args, device):
@@ -77,6 +157,9 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=0, metavar="BATCH",
                     help="LLMs: profile one decode step at this batch on a static cache, eager and "
                          "torch.compile'd, unpatched and patched")
+    ap.add_argument("--timeline", action="store_true",
+                    help="the GPU's idle time in one patched forward, split into waiting for the host "
+                         "and launch latency, by the launching op")
     ap.add_argument("--compiled", action="store_true",
                     help="diffusers transformers: also the unpatched model under regional compile")
     args = ap.parse_args()
@@ -104,6 +187,8 @@ def main() -> None:
                     tables.append(("compile-regional", kernel_times(call, args.iters)))
             print(fusebox.patch(model))
             tables.append(("patched", kernel_times(call, args.iters)))
+            if args.timeline:
+                timeline(call, args.top)
     for name, table in tables:
         total = sum(t for t, _ in table.values())
         print(f"\n== {name}: {total / 1e3:.2f} ms of kernels per forward, "

@@ -34,6 +34,7 @@ struct RopeKernelArgs {
   Rope3DGrid grid;
   ParamPtr qw, kw;
   bool across;  // one norm over every head of a tensor (weights [H * D])
+  bool early_rotation;  // rows kernel, one unit per thread: its rotation factors load with the data
   float eps, weight_offset;
 };
 
@@ -217,6 +218,11 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
       d0 = a.R + (j - rot_units) * VEC;
   };
 
+  // Wide rows whose items are one unit of several heads may load that unit's rotation factors
+  // with the data (early_rotation), so the latency of the table overlaps the loads.
+  const bool early_rotation = !kEarlyParams && a.early_rotation && same_unit;
+  UnitParams<VEC> late;
+
   pdl_wait();
   // Load every unit of the row: x0 (and x1 for two-vector rotary units).
   Pack<T, VEC> x0[ITEMS], x1[ITEMS];
@@ -238,6 +244,10 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
       if constexpr (kEarlyParams)
         load_unit_params<T, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0, rotary,
                                              rotary && L::kTwoVectors, d0, d1, early);
+      else if (early_rotation && it == 0 && rotary) {
+        load_rotation<T, VEC, GRID>(a, gtab, pos, b, s, d0, late.c0, late.s0);
+        if (L::kTwoVectors) load_rotation<T, VEC, GRID>(a, gtab, pos, b, s, d1, late.c1, late.s1);
+      }
     }
   }
   pdl_release();
@@ -257,7 +267,6 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
   }
   if (!active) return;
 
-  UnitParams<VEC> late;
 #pragma unroll
   for (int it = 0; it < ITEMS; ++it) {
     const int u = lane + it * tpr;
@@ -270,7 +279,8 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
     const bool two = rotary && L::kTwoVectors;
     if constexpr (!kEarlyParams)  // weights span every head when the norm does
       load_unit_params<T, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0,
-                                           rotary && (it == 0 || !same_unit), two, d0, d1, late);
+                                           rotary && !early_rotation && (it == 0 || !same_unit), two, d0, d1,
+                                           late);
     const UnitParams<VEC>& p = kEarlyParams ? early : late;
     float v0[VEC], v1[VEC];
     unpack(x0[it], v0);
@@ -502,7 +512,12 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   const int64_t units = int64_t(a.across ? std::max(a.Hq, a.Hk) : 1) * a.units_per_head;
 
   // Two-vector units: at most 4 of them per thread.
-  const int items = units <= 32 ? 1 : units <= 4 * kMaxThreads ? 4 : 8;
+  int items = units <= 32 ? 1 : units <= 4 * kMaxThreads ? 4 : 8;
+  const int forced_row_items = tuning_knobs().rope_row_items.value_or(0);
+  if ((forced_row_items == 1 && units <= kMaxThreads) || (forced_row_items == 4 && units <= 4 * kMaxThreads) ||
+      (forced_row_items == 8 && !two_vectors && vec > 1))
+    items = forced_row_items;
+  a.early_rotation = tuning_knobs().rope_early.value_or(0) != 0;
   FUSEBOX_CHECK(units <= int64_t(two_vectors ? 4 : 8) * kMaxThreads, "one row of the rotary kernel (",
                 a.across ? "every head of a token" : "one head", ", ", units * vec,
                 " channels) is too wide; at most ", (two_vectors ? 4 * 2 : 8) * kMaxThreads * vec, " are supported");

@@ -7,6 +7,7 @@ import torch
 
 from helpers import (
     DEVICES,
+    requires_cuda,
     FuseboxOps,
     GraphOps,
     assert_patch_falls_back,
@@ -478,6 +479,25 @@ def test_bench_graph_variants_need_cuda(tmp_path):
     assert rec["variants"]["patched"]["rel_diff_vs_eager"] < 1e-4
     for variant in ("graphs", "patched+graphs"):
         assert "CUDA graphs need a CUDA device" in rec["variants"][variant]["error"]
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_bench_graph_variants_replay_the_forward(tmp_path):
+    # on CUDA a captured forward replays to the eager output, patched or not
+    from fusebox.bench.e2e import main
+
+    rc = main(["--model", "tiny-dit", "--device", "cuda", "--quick", "--dtype", "fp32",
+               "--variants", "patched,graphs,patched+graphs", "--out", str(tmp_path)])
+    assert rc == 0
+    import json
+
+    rec = json.loads((tmp_path / "results_e2e.json").read_text())["models"]["tiny-dit"]
+    for variant in ("patched", "graphs", "patched+graphs"):
+        v = rec["variants"][variant]
+        assert not v.get("error"), v
+        assert v["forward_ms"] > 0 and v["rel_diff_vs_eager"] < 1e-4, v
+    assert rec["variants"]["patched+graphs"]["capture_s"] > 0
 
 
 def test_bench_variants_default_and_explicit():
