@@ -302,9 +302,14 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
 // A lane's unit is the same in all its heads, so its rotation factors (and, for the norm, its
 // weight vectors) are loaded or computed once per token and reused ITEMS times; the heads'
 // data are all loaded before the first use. The per-head RMS is a shuffle over the lanes.
+// Half-split pairs of whole vectors (kPartner) give each lane one vector: the lane takes its
+// partner's (R/2 channels away), normalized, from the partner lane by a shuffle, so it holds
+// one vector and one set of rotation factors instead of two (half the registers, twice the
+// resident warps).
 template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
 __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKernelArgs a, const int head_groups) {
   using L = UnitLayout<INTERLEAVED, VEC>;
+  constexpr bool kPartner = !INTERLEAVED && VEC >= 2;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const GridTable gtab = stage_grid_table<INTERLEAVED, GRID>(a, smem_raw);
 
@@ -318,14 +323,18 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
   const bool active = slot < a.rows_per_block && token < a.rows && lane < a.units_per_head;
   int64_t b = 0, s = 0;
   if (active) divmod_index(token, a.S, b, s);
-  const int rot_units = L::rotary_units(a.R);
+  const int rot_units = kPartner ? a.R / VEC : L::rotary_units(a.R);
   const bool rotary = lane < rot_units;
-  const bool two = rotary && L::kTwoVectors;
+  const bool two = rotary && L::kTwoVectors && !kPartner;
   int d0, d1 = 0;
-  if (rotary)
-    L::channels(lane, a.R, d0, d1);
+  if (kPartner || !rotary)  // one vector per lane: rotary lanes, then pass-through lanes
+    d0 = kPartner ? lane * VEC : a.R + (lane - rot_units) * VEC;
   else
-    d0 = a.R + (lane - rot_units) * VEC;
+    L::channels(lane, a.R, d0, d1);
+  // kPartner: the lane R/2 channels away, and the sign of its term (-x1 sin in the first half)
+  const int half = rot_units / 2;
+  const int partner = !rotary ? lane : lane < half ? lane + half : lane - half;
+  const float partner_sign = lane < half ? -1.f : 1.f;
   int64_t pos[3] = {0, 0, 0};
   if constexpr (GRID) grid_position(a.grid, s, pos);
 
@@ -376,10 +385,17 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
         v1[i] *= rstd * (w.ptr && two ? a.weight_offset + w1[i] : 1.f);
       }
     }
+    if constexpr (kPartner) {  // every lane takes part in the shuffle
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        const float other = __shfl_sync(0xffffffffu, v0[i], partner, tpr);
+        if (rotary) v0[i] = v0[i] * rot.c0[i] + partner_sign * other * rot.s0[i];
+      }
+    }
     if (!(active && h < heads)) continue;
     const RopeTensorArg& dst = is_k ? a.ko : a.qo;
     T* o = static_cast<T*>(const_cast<void*>(dst.ptr)) + b * dst.sb + s * dst.ss + (is_k ? h - a.Hq : h) * dst.sh;
-    store_unit<L, T, VEC>(o, d0, d1, rotary, v0, v1, rot);
+    store_unit<L, T, VEC>(o, d0, d1, rotary && !kPartner, v0, v1, rot);
   }
 }
 
@@ -458,10 +474,13 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   const int heads = a.Hq + a.Hk;
 
   // Per-head kernel (tokens are rows; up to 4 heads per lane group) when a head fits one lane
-  // group and the token's lane groups fit a block.
-  const int head_tpr = next_pow2(a.units_per_head);
-  // Two-vector units (half-split pairs) hold twice the registers of one-vector ones.
+  // group and the token's lane groups fit a block. There half-split pairs of whole vectors
+  // take one lane per vector (the partner comes by a shuffle).
+  const int head_units = !interleaved && vec >= 2 ? a.D / vec : a.units_per_head;
+  const int head_tpr = next_pow2(head_units);
+  // Two-vector units (half-split pairs, the rows kernel) hold twice the registers of one-vector ones.
   const bool two_vectors = !(interleaved && vec >= 2);
+  const bool head_two_vectors = vec == 1;  // pairs of single elements in either style
   // Heads per lane group (H200 figures):
   // - 1 when a lane per unit needs at most half the GPU's resident threads (decode-sized calls:
   //   the shortest path from loads to stores; Qwen3 qk-norm + rope, 1 token 7.04 -> 5.95 us,
@@ -471,13 +490,14 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   // - without a norm, four heads share the rotation factors (Wan rope_3d 40 heads: 420 us with
   //   4, 1112 with 2).
   const int64_t lanes_one_head_each = sh.B * sh.S * heads * int64_t(head_tpr);
-  int head_items = heads >= 4 ? (norm && two_vectors ? 2 : 4) : heads >= 2 ? 2 : 1;
+  int head_items = heads >= 4 ? (norm && head_two_vectors ? 2 : 4) : heads >= 2 ? 2 : 1;
   if (lanes_one_head_each <= int64_t(device_limits().sm_count) * 1024) head_items = 1;
   while (head_items < 4 && head_tpr * ((heads + head_items - 1) / head_items) > kMaxThreads) head_items *= 2;
   const int forced_items = tuning_knobs().rope_items.value_or(0);
   if (forced_items == 1 || forced_items == 2 || forced_items == 4) head_items = forced_items;
   const int head_groups = (heads + head_items - 1) / head_items;
-  if (!a.across && a.units_per_head <= 32 && head_tpr * head_groups <= kMaxThreads) {
+  if (!a.across && head_units <= 32 && head_tpr * head_groups <= kMaxThreads) {
+    a.units_per_head = head_units;
     a.tpr = head_tpr;
     const int items = head_items;
     a.rows = sh.B * sh.S;
@@ -517,7 +537,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   if ((forced_row_items == 1 && units <= kMaxThreads) || (forced_row_items == 4 && units <= 4 * kMaxThreads) ||
       (forced_row_items == 8 && !two_vectors && vec > 1))
     items = forced_row_items;
-  a.early_rotation = tuning_knobs().rope_early.value_or(0) != 0;
+  a.early_rotation = tuning_knobs().rope_early.value_or(1) != 0;
   FUSEBOX_CHECK(units <= int64_t(two_vectors ? 4 : 8) * kMaxThreads, "one row of the rotary kernel (",
                 a.across ? "every head of a token" : "one head", ", ", units * vec,
                 " channels) is too wide; at most ", (two_vectors ? 4 * 2 : 8) * kMaxThreads * vec, " are supported");
