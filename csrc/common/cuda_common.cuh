@@ -381,6 +381,7 @@ struct TuningKnobs {
   std::optional<int> rope_items;      // FUSEBOX_ROPE_ITEMS: heads per lane group (1, 2 or 4)
   std::optional<int> rope_row_items;  // FUSEBOX_ROPE_ROW_ITEMS: units per thread of wide rows (1, 4, 8)
   std::optional<int> rope_early;      // FUSEBOX_ROPE_EARLY: wide rows load rotation factors with the data
+  std::optional<int> rope_batched;    // FUSEBOX_ROPE_BATCHED: per-head sums shuffled together, weights early
   std::optional<int> act_flat;        // FUSEBOX_ACT_FLAT: packed rows as one long row (0 or 1)
 };
 const TuningKnobs& tuning_knobs();

@@ -34,7 +34,6 @@ struct RopeKernelArgs {
   Rope3DGrid grid;
   ParamPtr qw, kw;
   bool across;  // one norm over every head of a tensor (weights [H * D])
-  bool early_rotation;  // rows kernel, one unit per thread: its rotation factors load with the data
   float eps, weight_offset;
 };
 
@@ -157,10 +156,14 @@ __device__ __forceinline__ GridTable stage_grid_table(const RopeKernelArgs& a, u
 
 // Rows of one head (ITEMS == 1) load their unit's rotation factors and weights together with
 // the data, so their latency overlaps it; wider rows load them after the reduction, where
-// they would otherwise cost registers during it.
-template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
+// they would otherwise cost registers during it. EARLY_ROTATION: wide rows whose items are
+// the same unit of several heads (step_units 0) load that unit's rotation factors with the
+// data; it is a template parameter because holding them through the reduction costs the
+// other rows registers even when not taken.
+template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID, bool EARLY_ROTATION>
 __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernelArgs a) {
   constexpr bool kEarlyParams = ITEMS == 1;
+  constexpr bool kEarlyRotation = EARLY_ROTATION && !kEarlyParams;
   using L = UnitLayout<INTERLEAVED, VEC>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ float scratch[kMaxThreads / 32];
@@ -218,10 +221,7 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
       d0 = a.R + (j - rot_units) * VEC;
   };
 
-  // Wide rows whose items are one unit of several heads may load that unit's rotation factors
-  // with the data (early_rotation), so the latency of the table overlaps the loads.
-  const bool early_rotation = !kEarlyParams && a.early_rotation && same_unit;
-  UnitParams<VEC> late;
+  UnitParams<VEC> late;  // kEarlyRotation: filled before the reduction
 
   pdl_wait();
   // Load every unit of the row: x0 (and x1 for two-vector rotary units).
@@ -244,7 +244,7 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
       if constexpr (kEarlyParams)
         load_unit_params<T, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0, rotary,
                                              rotary && L::kTwoVectors, d0, d1, early);
-      else if (early_rotation && it == 0 && rotary) {
+      else if (kEarlyRotation && it == 0 && rotary) {
         load_rotation<T, VEC, GRID>(a, gtab, pos, b, s, d0, late.c0, late.s0);
         if (L::kTwoVectors) load_rotation<T, VEC, GRID>(a, gtab, pos, b, s, d1, late.c1, late.s1);
       }
@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
     const bool two = rotary && L::kTwoVectors;
     if constexpr (!kEarlyParams)  // weights span every head when the norm does
       load_unit_params<T, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0,
-                                           rotary && !early_rotation && (it == 0 || !same_unit), two, d0, d1,
+                                           rotary && !kEarlyRotation && (it == 0 || !same_unit), two, d0, d1,
                                            late);
     const UnitParams<VEC>& p = kEarlyParams ? early : late;
     float v0[VEC], v1[VEC];
@@ -302,14 +302,13 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
 // A lane's unit is the same in all its heads, so its rotation factors (and, for the norm, its
 // weight vectors) are loaded or computed once per token and reused ITEMS times; the heads'
 // data are all loaded before the first use. The per-head RMS is a shuffle over the lanes.
-// Half-split pairs of whole vectors (kPartner) give each lane one vector: the lane takes its
-// partner's (R/2 channels away), normalized, from the partner lane by a shuffle, so it holds
-// one vector and one set of rotation factors instead of two (half the registers, twice the
-// resident warps).
-template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
+template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID, bool BATCHED>
 __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKernelArgs a, const int head_groups) {
   using L = UnitLayout<INTERLEAVED, VEC>;
-  constexpr bool kPartner = !INTERLEAVED && VEC >= 2;
+  // BATCHED: the per-head sums of all ITEMS heads shuffle together; with one-vector units the
+  // q and k norm weights of the lane's unit are also read once, with the data.
+  constexpr bool kBatched = BATCHED && NORM;
+  constexpr bool kEarlyWeights = kBatched && !L::kTwoVectors;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const GridTable gtab = stage_grid_table<INTERLEAVED, GRID>(a, smem_raw);
 
@@ -323,22 +322,29 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
   const bool active = slot < a.rows_per_block && token < a.rows && lane < a.units_per_head;
   int64_t b = 0, s = 0;
   if (active) divmod_index(token, a.S, b, s);
-  const int rot_units = kPartner ? a.R / VEC : L::rotary_units(a.R);
+  const int rot_units = L::rotary_units(a.R);
   const bool rotary = lane < rot_units;
-  const bool two = rotary && L::kTwoVectors && !kPartner;
+  const bool two = rotary && L::kTwoVectors;
   int d0, d1 = 0;
-  if (kPartner || !rotary)  // one vector per lane: rotary lanes, then pass-through lanes
-    d0 = kPartner ? lane * VEC : a.R + (lane - rot_units) * VEC;
-  else
+  if (rotary)
     L::channels(lane, a.R, d0, d1);
-  // kPartner: the lane R/2 channels away, and the sign of its term (-x1 sin in the first half)
-  const int half = rot_units / 2;
-  const int partner = !rotary ? lane : lane < half ? lane + half : lane - half;
-  const float partner_sign = lane < half ? -1.f : 1.f;
+  else
+    d0 = a.R + (lane - rot_units) * VEC;
   int64_t pos[3] = {0, 0, 0};
   if constexpr (GRID) grid_position(a.grid, s, pos);
-
   pdl_wait();
+  float wq[VEC], wk[VEC];
+  if constexpr (kEarlyWeights) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) wq[i] = wk[i] = 1.f;
+    if (active && a.qw.ptr) load_param<T, VEC>(a.qw, d0, wq);
+    if (active && a.kw.ptr) load_param<T, VEC>(a.kw, d0, wk);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      wq[i] = a.qw.ptr ? a.weight_offset + wq[i] : 1.f;
+      wk[i] = a.kw.ptr ? a.weight_offset + wk[i] : 1.f;
+    }
+  }
   Pack<T, VEC> x0[ITEMS], x1[ITEMS];
 #pragma unroll
   for (int it = 0; it < ITEMS; ++it) {
@@ -361,6 +367,25 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
   }
   pdl_release();
 
+  float rstd[ITEMS];
+  if constexpr (kBatched) {
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) {
+      float v0[VEC], v1[VEC];
+      unpack(x0[it], v0);
+      unpack(x1[it], v1);
+      rstd[it] = 0.f;
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) rstd[it] += v0[i] * v0[i] + v1[i] * v1[i];
+    }
+    for (int off = tpr >> 1; off > 0; off >>= 1) {  // every lane takes part
+#pragma unroll
+      for (int it = 0; it < ITEMS; ++it) rstd[it] += __shfl_xor_sync(0xffffffffu, rstd[it], off);
+    }
+#pragma unroll
+    for (int it = 0; it < ITEMS; ++it) rstd[it] = rsqrtf(rstd[it] / float(a.D) + a.eps);
+  }
+
 #pragma unroll
   for (int it = 0; it < ITEMS; ++it) {
     const int h = hg + it * head_groups;
@@ -368,11 +393,19 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
     float v0[VEC], v1[VEC];
     unpack(x0[it], v0);
     unpack(x1[it], v1);
-    if constexpr (NORM) {
-      float acc = 0.f;
+    if constexpr (kEarlyWeights) {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) acc += v0[i] * v0[i] + v1[i] * v1[i];
-      const float rstd = rsqrtf(lane_group_sum(acc, tpr) / float(a.D) + a.eps);  // every lane takes part
+      for (int i = 0; i < VEC; ++i) v0[i] *= rstd[it] * (is_k ? wk[i] : wq[i]);
+    } else if constexpr (NORM) {
+      float r;
+      if constexpr (kBatched) {
+        r = rstd[it];
+      } else {
+        float acc = 0.f;
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc += v0[i] * v0[i] + v1[i] * v1[i];
+        r = rsqrtf(lane_group_sum(acc, tpr) / float(a.D) + a.eps);  // every lane takes part
+      }
       const ParamPtr& w = is_k ? a.kw : a.qw;
       float w0[VEC], w1[VEC];
       if (active && w.ptr) {  // [D] per head: L1 hits after the first head
@@ -381,21 +414,14 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
       }
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        v0[i] *= rstd * (w.ptr ? a.weight_offset + w0[i] : 1.f);
-        v1[i] *= rstd * (w.ptr && two ? a.weight_offset + w1[i] : 1.f);
-      }
-    }
-    if constexpr (kPartner) {  // every lane takes part in the shuffle
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        const float other = __shfl_sync(0xffffffffu, v0[i], partner, tpr);
-        if (rotary) v0[i] = v0[i] * rot.c0[i] + partner_sign * other * rot.s0[i];
+        v0[i] *= r * (w.ptr ? a.weight_offset + w0[i] : 1.f);
+        v1[i] *= r * (w.ptr && two ? a.weight_offset + w1[i] : 1.f);
       }
     }
     if (!(active && h < heads)) continue;
     const RopeTensorArg& dst = is_k ? a.ko : a.qo;
     T* o = static_cast<T*>(const_cast<void*>(dst.ptr)) + b * dst.sb + s * dst.ss + (is_k ? h - a.Hq : h) * dst.sh;
-    store_unit<L, T, VEC>(o, d0, d1, rotary && !kPartner, v0, v1, rot);
+    store_unit<L, T, VEC>(o, d0, d1, rotary, v0, v1, rot);
   }
 }
 
@@ -408,16 +434,22 @@ ParamPtr param(const TensorView& t) {
   return ParamPtr{t.defined() ? t.data : nullptr, t.defined() && t.dtype == DType::kFloat32};
 }
 
-// Launches the per-head kernel (HEADS) or the rows kernel.
+// Launches the per-head kernel (HEADS) or the rows kernel (early rotation factors compiled
+// for the 4-unit rows of whole vectors only: the wide across-heads rows that use them).
 template <bool HEADS, typename T, int VEC, int ITEMS>
 void launch_rope(const RopeKernelArgs& a, int head_groups, bool interleaved, bool norm, bool grid_mode, dim3 grid,
-                 dim3 block, size_t smem, cudaStream_t stream) {
+                 dim3 block, size_t smem, cudaStream_t stream, bool early_rotation = false) {
   auto go = [&](auto il, auto nm, auto gr) {
     constexpr bool I = decltype(il)::value, N = decltype(nm)::value, G = decltype(gr)::value;
     if constexpr (HEADS)
-      launch(rope_heads_kernel<T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups);
+      tuning_knobs().rope_batched.value_or(0) != 0
+          ? launch(rope_heads_kernel<T, VEC, ITEMS, I, N, G, true>, grid, block, smem, stream, a, head_groups)
+          : launch(rope_heads_kernel<T, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a, head_groups);
+    else if constexpr (ITEMS == 4 && VEC > 1)
+      early_rotation ? launch(rope_rows_kernel<T, VEC, ITEMS, I, N, G, true>, grid, block, smem, stream, a)
+                     : launch(rope_rows_kernel<T, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a);
     else
-      launch(rope_rows_kernel<T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a);
+      launch(rope_rows_kernel<T, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a);
   };
   auto with_src = [&](auto il, auto nm) {
     grid_mode ? go(il, nm, std::true_type{}) : go(il, nm, std::false_type{});
@@ -474,13 +506,10 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   const int heads = a.Hq + a.Hk;
 
   // Per-head kernel (tokens are rows; up to 4 heads per lane group) when a head fits one lane
-  // group and the token's lane groups fit a block. There half-split pairs of whole vectors
-  // take one lane per vector (the partner comes by a shuffle).
-  const int head_units = !interleaved && vec >= 2 ? a.D / vec : a.units_per_head;
-  const int head_tpr = next_pow2(head_units);
-  // Two-vector units (half-split pairs, the rows kernel) hold twice the registers of one-vector ones.
+  // group and the token's lane groups fit a block.
+  const int head_tpr = next_pow2(a.units_per_head);
+  // Two-vector units (half-split pairs) hold twice the registers of one-vector ones.
   const bool two_vectors = !(interleaved && vec >= 2);
-  const bool head_two_vectors = vec == 1;  // pairs of single elements in either style
   // Heads per lane group (H200 figures):
   // - 1 when a lane per unit needs at most half the GPU's resident threads (decode-sized calls:
   //   the shortest path from loads to stores; Qwen3 qk-norm + rope, 1 token 7.04 -> 5.95 us,
@@ -490,14 +519,13 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   // - without a norm, four heads share the rotation factors (Wan rope_3d 40 heads: 420 us with
   //   4, 1112 with 2).
   const int64_t lanes_one_head_each = sh.B * sh.S * heads * int64_t(head_tpr);
-  int head_items = heads >= 4 ? (norm && head_two_vectors ? 2 : 4) : heads >= 2 ? 2 : 1;
+  int head_items = heads >= 4 ? (norm && two_vectors ? 2 : 4) : heads >= 2 ? 2 : 1;
   if (lanes_one_head_each <= int64_t(device_limits().sm_count) * 1024) head_items = 1;
   while (head_items < 4 && head_tpr * ((heads + head_items - 1) / head_items) > kMaxThreads) head_items *= 2;
   const int forced_items = tuning_knobs().rope_items.value_or(0);
   if (forced_items == 1 || forced_items == 2 || forced_items == 4) head_items = forced_items;
   const int head_groups = (heads + head_items - 1) / head_items;
-  if (!a.across && head_units <= 32 && head_tpr * head_groups <= kMaxThreads) {
-    a.units_per_head = head_units;
+  if (!a.across && a.units_per_head <= 32 && head_tpr * head_groups <= kMaxThreads) {
     a.tpr = head_tpr;
     const int items = head_items;
     a.rows = sh.B * sh.S;
@@ -537,7 +565,6 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   if ((forced_row_items == 1 && units <= kMaxThreads) || (forced_row_items == 4 && units <= 4 * kMaxThreads) ||
       (forced_row_items == 8 && !two_vectors && vec > 1))
     items = forced_row_items;
-  a.early_rotation = tuning_knobs().rope_early.value_or(1) != 0;
   FUSEBOX_CHECK(units <= int64_t(two_vectors ? 4 : 8) * kMaxThreads, "one row of the rotary kernel (",
                 a.across ? "every head of a token" : "one head", ", ", units * vec,
                 " channels) is too wide; at most ", (two_vectors ? 4 * 2 : 8) * kMaxThreads * vec, " are supported");
@@ -546,6 +573,9 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   a.rows_per_block = a.tpr < 128 && (a.tpr & (a.tpr - 1)) == 0 ? 128 / a.tpr : 1;
   a.step_heads = a.tpr / a.units_per_head;
   a.step_units = a.tpr % a.units_per_head;
+  // Items that are one unit of several heads share its rotation factors: loaded with the data,
+  // their latency overlaps it (Wan 14B qk-norm + rope 536 -> 453 us; [1d174ba] tune).
+  const bool early_rotation = a.step_units == 0 && tuning_knobs().rope_early.value_or(1) != 0;
   const int64_t blocks = (a.rows + a.rows_per_block - 1) / a.rows_per_block;
   FUSEBOX_CHECK(blocks < (int64_t(1) << 31), "too many rows: ", a.rows);
   const dim3 grid(static_cast<unsigned>(blocks)), block(static_cast<unsigned>(a.tpr * a.rows_per_block));
@@ -557,7 +587,9 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
       constexpr int V = decltype(v)::value;
       switch (items) {
         case 1: launch_rope<false, T, V, 1>(a, 0, interleaved, norm, args.use_grid, grid, block, smem, stream); break;
-        case 4: launch_rope<false, T, V, 4>(a, 0, interleaved, norm, args.use_grid, grid, block, smem, stream); break;
+        case 4:
+          launch_rope<false, T, V, 4>(a, 0, interleaved, norm, args.use_grid, grid, block, smem, stream, early_rotation);
+          break;
         default:  // interleaved pairs in whole vectors (see above)
           if constexpr (V > 1) launch_rope<false, T, V, 8>(a, 0, interleaved, norm, args.use_grid, grid, block, smem, stream);
           break;
