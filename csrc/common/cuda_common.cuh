@@ -278,9 +278,19 @@ inline RowOffsets row_offsets(const detail::RowStrides& s) { return RowOffsets{s
 // ---------------------------------------------------------------- reductions
 
 // Sum over the `width` consecutive lanes (a power of two <= 32) that share a row.
+// N independent sums at once: their shuffles interleave instead of waiting on each other.
+template <int N>
+__device__ __forceinline__ void lane_group_sums(float (&v)[N], int width) {
+  for (int off = width >> 1; off > 0; off >>= 1) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) v[i] += __shfl_xor_sync(0xffffffffu, v[i], off);
+  }
+}
+
 __device__ __forceinline__ float lane_group_sum(float v, int width) {
-  for (int off = width >> 1; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  return v;
+  float sums[1] = {v};
+  lane_group_sums(sums, width);
+  return sums[0];
 }
 
 // Sum over the `tpr` threads of one row, rows laid out along threadIdx.x (row r owns threads
@@ -379,9 +389,7 @@ struct TuningKnobs {
   std::optional<int> norm_row_iters;  // FUSEBOX_NORM_ROW_ITERS: row groups per block (1-8)
   std::optional<int> norm_stage;      // FUSEBOX_NORM_STAGE: small operands through shared memory
   std::optional<int> rope_items;      // FUSEBOX_ROPE_ITEMS: heads per lane group (1, 2 or 4)
-  std::optional<int> rope_row_items;  // FUSEBOX_ROPE_ROW_ITEMS: units per thread of wide rows (1, 4, 8)
-  std::optional<int> rope_early;      // FUSEBOX_ROPE_EARLY: wide rows load rotation factors with the data
-  std::optional<int> rope_batched;    // FUSEBOX_ROPE_BATCHED: per-head sums shuffled together, weights early
+  std::optional<int> rope_early;      // FUSEBOX_ROPE_EARLY=0: wide rows load rotation factors after the sum
   std::optional<int> act_flat;        // FUSEBOX_ACT_FLAT: packed rows as one long row (0 or 1)
 };
 const TuningKnobs& tuning_knobs();

@@ -32,7 +32,7 @@ const TuningKnobs& tuning_knobs() {
       return std::atoi(env);
     };
     return TuningKnobs{read("FUSEBOX_NORM_ITEMS"), read("FUSEBOX_NORM_ROW_ITERS"), read("FUSEBOX_NORM_STAGE"),
-                       read("FUSEBOX_ROPE_ITEMS"), read("FUSEBOX_ROPE_ROW_ITEMS"), read("FUSEBOX_ROPE_EARLY"), read("FUSEBOX_ROPE_BATCHED"),
+                       read("FUSEBOX_ROPE_ITEMS"), read("FUSEBOX_ROPE_EARLY"),
                        read("FUSEBOX_ACT_FLAT")};
   }();
   return knobs;

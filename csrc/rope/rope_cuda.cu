@@ -302,13 +302,12 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
 // A lane's unit is the same in all its heads, so its rotation factors (and, for the norm, its
 // weight vectors) are loaded or computed once per token and reused ITEMS times; the heads'
 // data are all loaded before the first use. The per-head RMS is a shuffle over the lanes.
-template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID, bool BATCHED>
+template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
 __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKernelArgs a, const int head_groups) {
   using L = UnitLayout<INTERLEAVED, VEC>;
-  // BATCHED: the per-head sums of all ITEMS heads shuffle together; with one-vector units the
-  // q and k norm weights of the lane's unit are also read once, with the data.
-  constexpr bool kBatched = BATCHED && NORM;
-  constexpr bool kEarlyWeights = kBatched && !L::kTwoVectors;
+  // With one-vector units the q and k norm weights of the lane's unit are read once, with the
+  // data (two-vector units read theirs per head, from L1: holding both would cost registers).
+  constexpr bool kEarlyWeights = NORM && !L::kTwoVectors;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   const GridTable gtab = stage_grid_table<INTERLEAVED, GRID>(a, smem_raw);
 
@@ -367,8 +366,9 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
   }
   pdl_release();
 
+  // The per-head sums of all ITEMS heads shuffle together (FLUX 46.4 -> 42.2 us, [490c7db] tune).
   float rstd[ITEMS];
-  if constexpr (kBatched) {
+  if constexpr (NORM) {
 #pragma unroll
     for (int it = 0; it < ITEMS; ++it) {
       float v0[VEC], v1[VEC];
@@ -378,10 +378,7 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
 #pragma unroll
       for (int i = 0; i < VEC; ++i) rstd[it] += v0[i] * v0[i] + v1[i] * v1[i];
     }
-    for (int off = tpr >> 1; off > 0; off >>= 1) {  // every lane takes part
-#pragma unroll
-      for (int it = 0; it < ITEMS; ++it) rstd[it] += __shfl_xor_sync(0xffffffffu, rstd[it], off);
-    }
+    lane_group_sums(rstd, tpr);  // every lane takes part
 #pragma unroll
     for (int it = 0; it < ITEMS; ++it) rstd[it] = rsqrtf(rstd[it] / float(a.D) + a.eps);
   }
@@ -397,15 +394,7 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
 #pragma unroll
       for (int i = 0; i < VEC; ++i) v0[i] *= rstd[it] * (is_k ? wk[i] : wq[i]);
     } else if constexpr (NORM) {
-      float r;
-      if constexpr (kBatched) {
-        r = rstd[it];
-      } else {
-        float acc = 0.f;
-#pragma unroll
-        for (int i = 0; i < VEC; ++i) acc += v0[i] * v0[i] + v1[i] * v1[i];
-        r = rsqrtf(lane_group_sum(acc, tpr) / float(a.D) + a.eps);  // every lane takes part
-      }
+      const float r = rstd[it];
       const ParamPtr& w = is_k ? a.kw : a.qw;
       float w0[VEC], w1[VEC];
       if (active && w.ptr) {  // [D] per head: L1 hits after the first head
@@ -442,9 +431,7 @@ void launch_rope(const RopeKernelArgs& a, int head_groups, bool interleaved, boo
   auto go = [&](auto il, auto nm, auto gr) {
     constexpr bool I = decltype(il)::value, N = decltype(nm)::value, G = decltype(gr)::value;
     if constexpr (HEADS)
-      tuning_knobs().rope_batched.value_or(0) != 0
-          ? launch(rope_heads_kernel<T, VEC, ITEMS, I, N, G, true>, grid, block, smem, stream, a, head_groups)
-          : launch(rope_heads_kernel<T, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a, head_groups);
+      launch(rope_heads_kernel<T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups);
     else if constexpr (ITEMS == 4 && VEC > 1)
       early_rotation ? launch(rope_rows_kernel<T, VEC, ITEMS, I, N, G, true>, grid, block, smem, stream, a)
                      : launch(rope_rows_kernel<T, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a);
@@ -515,7 +502,8 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   //   the shortest path from loads to stores; Qwen3 qk-norm + rope, 1 token 7.04 -> 5.95 us,
   //   256 tokens 7.17 -> 6.43);
   // - with a per-head norm, 2 for two-vector units (Qwen3 2048 tokens: 22.6 us, 23.6 with 1,
-  //   24.7 with 4) and 4 for one-vector units (FLUX 4608 tokens: 44.5 us, 57.3 with 2);
+  //   24.7 with 4) and 4 for one-vector units (FLUX 4608 tokens: 42.0 us, 42.2 with 2 since
+  //   the heads' sums shuffle together; 44.5 against 57.3 before, [490c7db] tune);
   // - without a norm, four heads share the rotation factors (Wan rope_3d 40 heads: 420 us with
   //   4, 1112 with 2).
   const int64_t lanes_one_head_each = sh.B * sh.S * heads * int64_t(head_tpr);
@@ -560,11 +548,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   const int64_t units = int64_t(a.across ? std::max(a.Hq, a.Hk) : 1) * a.units_per_head;
 
   // Two-vector units: at most 4 of them per thread.
-  int items = units <= 32 ? 1 : units <= 4 * kMaxThreads ? 4 : 8;
-  const int forced_row_items = tuning_knobs().rope_row_items.value_or(0);
-  if ((forced_row_items == 1 && units <= kMaxThreads) || (forced_row_items == 4 && units <= 4 * kMaxThreads) ||
-      (forced_row_items == 8 && !two_vectors && vec > 1))
-    items = forced_row_items;
+  const int items = units <= 32 ? 1 : units <= 4 * kMaxThreads ? 4 : 8;
   FUSEBOX_CHECK(units <= int64_t(two_vectors ? 4 : 8) * kMaxThreads, "one row of the rotary kernel (",
                 a.across ? "every head of a token" : "one head", ", ", units * vec,
                 " channels) is too wide; at most ", (two_vectors ? 4 * 2 : 8) * kMaxThreads * vec, " are supported");
