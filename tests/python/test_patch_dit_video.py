@@ -514,3 +514,22 @@ def test_bench_variants_default_and_explicit():
     assert dit._variants(SimpleNamespace(variants="graphs", quick=True)) == ["eager", "graphs"]
     with pytest.raises(ValueError, match="unknown variant"):
         dit._variants(SimpleNamespace(variants="eager,fast", quick=True))
+
+
+def test_pipeline_video_falls_back_to_gif(tmp_path, monkeypatch):
+    # without imageio the pipeline's video is written as an animated GIF of its frames
+    import numpy as np
+    from diffusers import utils as diffusers_utils
+    from PIL import Image
+
+    from fusebox.bench.e2e import dit
+
+    def no_imageio(*args, **kwargs):
+        raise ImportError("imageio")
+
+    monkeypatch.setattr(diffusers_utils, "export_to_video", no_imageio)
+    frames = np.random.default_rng(0).random((3, 8, 12, 3), dtype=np.float32)
+    path = dit._write_video(frames, str(tmp_path / "clip"))
+    assert path.endswith(".gif")
+    with Image.open(path) as gif:
+        assert gif.n_frames == 3 and gif.size == (12, 8)

@@ -506,7 +506,7 @@ def _prompt_embeds(pipe, device, text=128):
 
 
 def _write_video(frames, path_stem: str) -> str:
-    """mp4 when imageio can write one, else the frames as .npy."""
+    """mp4 when imageio can write one, else an animated GIF (Pillow, a diffusers dependency)."""
     import numpy as np
 
     try:
@@ -514,8 +514,11 @@ def _write_video(frames, path_stem: str) -> str:
 
         return export_to_video(list(frames), path_stem + ".mp4", fps=25)
     except Exception:  # noqa: BLE001  (no imageio/ffmpeg)
-        np.save(path_stem + ".npy", frames)
-        return path_stem + ".npy"
+        from PIL import Image
+
+        images = [Image.fromarray((np.clip(f, 0, 1) * 255).round().astype(np.uint8)) for f in frames]
+        images[0].save(path_stem + ".gif", save_all=True, append_images=images[1:], duration=40, loop=0)
+        return path_stem + ".gif"
 
 
 def run_pipeline(name: str, args, rec: dict) -> None:
