@@ -33,8 +33,10 @@ def kernel_times(fn, iters: int):
     return {k: (v[0], v[1] / iters) for k, v in out.items()}
 
 
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-              "cuStreamSynchronize", "cuCtxSynchronize", "cuMemcpyDtoH", "cuMemcpyHtoD")
+# Calls that block the host until the GPU catches up (cudaMemcpyAsync is not one of them: the
+# forward's device-to-device copies use it).
+SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cuStreamSynchronize", "cuCtxSynchronize", "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2"}
 
 
 def timeline(fn, top: int) -> None:
@@ -68,7 +70,7 @@ def timeline(fn, top: int) -> None:
                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
     syncs = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
-             and e.get("name", "").startswith(SYNC_CALLS)]
+             and e.get("name") in SYNC_CALLS]
 
     def launching_op(ts: float) -> str:
         """The innermost CPU op running at host time ts."""
@@ -98,7 +100,7 @@ def timeline(fn, top: int) -> None:
     print(f"\n== timeline: {len(kernels)} kernels; unprofiled forward {wall_ms:.2f} ms wall; profiled span "
           f"{span / 1e3:.2f} ms: GPU busy {busy / 1e3:.2f} ms, idle waiting for a launch {host_idle / 1e3:.2f} ms "
           f"({len(gaps)} gaps), idle behind queued launches {device_idle / 1e3:.2f} ms")
-    print(f"synchronizing calls in the forward: {len(syncs)} "
+    print(f"synchronizing calls in the forward (the last one ends the profiled forward): {len(syncs)} "
           f"({', '.join(sorted({e['name'] for e in syncs})) or 'none'})")
     by_op = defaultdict(lambda: [0.0, 0])
     for gap, op, _ in gaps:
