@@ -533,3 +533,30 @@ def test_pipeline_video_falls_back_to_gif(tmp_path, monkeypatch):
     assert path.endswith(".gif")
     with Image.open(path) as gif:
         assert gif.n_frames == 3 and gif.size == (12, 8)
+
+
+def test_vae_channel_rms_norm_keeps_diffusers_forward():
+    # the LTX-Video VAE normalizes channels through a permuted view: patched, those norms keep
+    # diffusers' forward (a copy into rows would cost two passes), contiguous rows take fusebox's
+    from diffusers.models.normalization import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(16, eps=1e-6, elementwise_affine=True)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5)
+    x = torch.randn(2, 16, 3, 5, 7)
+    channels_last = x.permute(0, 2, 3, 4, 1)
+    ref_strided, ref_rows = norm(channels_last), norm(channels_last.contiguous())
+    report = fusebox.patch(norm)
+    assert report.num_patched == 1
+    with torch.inference_mode():
+        with FuseboxOps() as ops:
+            out = norm(channels_last)
+        assert not ops.calls
+        assert out.stride() == ref_strided.stride()
+        torch.testing.assert_close(out, ref_strided)
+        with FuseboxOps() as ops:
+            out = norm(channels_last.contiguous())
+        assert ops.calls["rms_norm"] == 1
+        torch.testing.assert_close(out, ref_rows, rtol=1e-5, atol=1e-6)
+    fusebox.unpatch(norm)

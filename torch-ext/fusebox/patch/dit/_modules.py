@@ -3,7 +3,8 @@ building blocks every diffusers model is made of, when no family patcher already
 (a model of an unknown family still gets its norms and activations fused):
 
 - ``normalization.RMSNorm`` -> ``rms_norm`` (weight may be None; the output dtype is the
-  weight's, fp32 for an fp32 weight, as diffusers returns it);
+  weight's, fp32 for an fp32 weight, as diffusers returns it; inputs whose last dimension is
+  strided, such as a VAE's channels, keep diffusers' forward);
 - ``nn.LayerNorm`` / ``FP32LayerNorm`` -> ``layer_norm``;
 - ``AdaLayerNormZero``, ``AdaLayerNormZeroSingle``, ``SD35AdaLayerNormZeroX``,
   ``AdaLayerNormContinuous``: the conditioning projection stays, ``norm(x) * (1 + scale) +
@@ -34,6 +35,7 @@ from ._shared import (
     LAYER_NORMS,
     fusable,
     grad_needed,
+    has_contiguous_rows,
     linear_gelu,
     mark_fused,
     modulated_norm,
@@ -47,10 +49,14 @@ from ._shared import (
 def _rms_norm_forward(self, hidden_states):
     weight = self.weight
     dtype = hidden_states.dtype if weight is None else weight.dtype
-    if not fusable(hidden_states, weight) or dtype not in (hidden_states.dtype, torch.float32):
+    # Rows with a strided last dimension keep diffusers' forward: the LTX-Video VAE normalizes
+    # the channels of [B, C, F, H, W] through a permuted view, where diffusers' elementwise ops
+    # keep that layout and a copy into rows would cost a pass here and another one in the
+    # convolution that follows.
+    if (not fusable(hidden_states, weight) or dtype not in (hidden_states.dtype, torch.float32)
+            or not has_contiguous_rows(hidden_states)):
         return original_forward(self)(hidden_states)
-    return fb.rms_norm(rows(hidden_states), weight, self.eps,
-                       out_dtype=dtype)
+    return fb.rms_norm(hidden_states, weight, self.eps, out_dtype=dtype)
 
 
 def _layer_norm(self, x):

@@ -62,6 +62,10 @@ def _unit_last_stride(t: Tensor) -> bool:
     return t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1
 
 
+def has_contiguous_rows(t: Tensor) -> bool:
+    return _unit_last_stride(t)
+
+
 def rows(t: Tensor) -> Tensor:
     """``t`` with contiguous rows, as the operators read them (a patch embedding's transposed
     output is copied once, as an eager norm would copy it)."""
