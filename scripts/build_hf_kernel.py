@@ -7,7 +7,7 @@
         __init__.py     the functional API, ``ops`` and ``layers``
         _ops.py         loads the operator library; ``ops``, ``add_op_namespace_prefix``
         _fusebox_C.so   the compiled operator library (CPU and CUDA kernels)
-        functional.py   _fake.py   layers.py   (copied from torch-ext/fusebox)
+        functional.py   _fake.py   _inductor.py   layers.py   (copied from torch-ext/fusebox)
 
 Load it with ``kernels.get_local_kernel(Path(out))``, map transformers layers to it with
 ``KernelConfig({"RMSNorm": "<out>:RMSNorm"}, use_local_kernel=True)`` or
@@ -35,7 +35,7 @@ from typing import List, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "torch-ext" / "fusebox"
-COPIED = ("functional.py", "_fake.py", "layers.py")
+COPIED = ("functional.py", "_fake.py", "_inductor.py", "layers.py")
 LIBRARY_NAME = "_fusebox_C.so"
 KERNEL_NAME = "fusebox"
 KERNEL_VERSION = 1

@@ -96,3 +96,36 @@ def test_compile_dynamic_shapes(device, gen, dynamic):
     for rows in (3, 17, 5):
         x = randn(gen, (rows, 128), BF16, device)
         assert_close(call(fn, x, w), fusebox.rms_norm(x, w).double(), BF16, tol=TOL[BF16] / 10)
+
+
+def test_inductor_lowers_every_operator_without_the_implicit_fallback(monkeypatch, gen):
+    # Inductor's implicit fallback prints the inputs' IR, a tree of the whole graph upstream:
+    # an operator first met deep in a graph made whole-model compiles of a patched LTX-Video
+    # run for hours. Every fusebox operator must get its fallback registered up front.
+    import torch._inductor.exc as inductor_exc
+
+    from fusebox import _inductor
+
+    met = []
+    real = inductor_exc.OperatorIssue.operator_str
+
+    def spy(target, args, kwargs):
+        met.append(str(target))
+        return real(target, args, kwargs)
+
+    monkeypatch.setattr(inductor_exc.OperatorIssue, "operator_str", staticmethod(spy))
+
+    def deep(x, w):
+        for _ in range(12):  # the layer norm comes after a chain of other operators
+            x = fusebox.gated_residual(x, fusebox.activation(x, None, "gelu_tanh"), w)
+        return fusebox.layer_norm(x, w, None)
+
+    x, w = randn(gen, (4, 64), F32), weight(gen, 64, F32)
+    # lower the graph instead of loading a cached one
+    with torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
+        compile_and_compare(deep, x, w)
+    assert not [t for t in met if t.startswith("fusebox.")], met
+    lowerings = torch._inductor.lowering.lowerings
+    assert all(getattr(torch.ops.fusebox, name).default in lowerings for name in _inductor.OP_NAMES)
+    assert len(_inductor.OP_NAMES) == len(set(_inductor.OP_NAMES)) >= 9

@@ -1,10 +1,30 @@
 """Shape-only (fake) implementations, so torch.compile and FakeTensor tracing can run the
 operators without data. Each mirrors the output allocation of the C++ implementation."""
 
-import torch
-from torch.library import register_fake
+import functools
 
+import torch
+from torch.library import register_fake as _register_fake
+
+from . import _inductor
 from . import _ops  # noqa: F401  (loads the operator library first)
+
+
+def register_fake(qualname: str):
+    """torch.library.register_fake, also recording the operator for the inductor fallbacks
+    (see _inductor.py), which every fake call registers once inductor is loaded."""
+    _inductor.OP_NAMES.append(qualname.split("::", 1)[1])
+
+    def decorate(fn):
+        @functools.wraps(fn)
+        def fake(*args, **kwargs):
+            _inductor.register_fallbacks()
+            return fn(*args, **kwargs)
+
+        _register_fake(qualname)(fake)
+        return fn
+
+    return decorate
 
 
 def _like(x, dtype=None):
