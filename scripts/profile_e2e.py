@@ -163,7 +163,8 @@ def main() -> None:
                     help="the GPU's idle time in one patched forward, split into waiting for the host "
                          "and launch latency, by the launching op")
     ap.add_argument("--compiled", action="store_true",
-                    help="diffusers transformers: also the unpatched model under regional compile")
+                    help="diffusers transformers: also the unpatched and the patched model under "
+                         "regional compile")
     args = ap.parse_args()
 
     import fusebox
@@ -189,6 +190,10 @@ def main() -> None:
                     tables.append(("compile-regional", kernel_times(call, args.iters)))
             print(fusebox.patch(model))
             tables.append(("patched", kernel_times(call, args.iters)))
+            if args.compiled:
+                torch._dynamo.reset()
+                with dit.compiled(model, "compile-regional", fullgraph=True):
+                    tables.append(("patched+compile-regional", kernel_times(call, args.iters)))
             if args.timeline:
                 timeline(call, args.top)
     for name, table in tables:
