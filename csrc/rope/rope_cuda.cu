@@ -366,7 +366,7 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
   }
   pdl_release();
 
-  // The per-head sums of all ITEMS heads shuffle together (FLUX 46.4 -> 42.2 us, [490c7db] tune).
+  // The per-head sums of all ITEMS heads shuffle together (FLUX 46.4 -> 42.2 us, [a4c6657] tune/3).
   float rstd[ITEMS];
   if constexpr (NORM) {
 #pragma unroll
@@ -503,7 +503,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   //   256 tokens 7.17 -> 6.43);
   // - with a per-head norm, 2 for two-vector units (Qwen3 2048 tokens: 22.6 us, 23.6 with 1,
   //   24.7 with 4) and 4 for one-vector units (FLUX 4608 tokens: 42.0 us, 42.2 with 2 since
-  //   the heads' sums shuffle together; 44.5 against 57.3 before, [490c7db] tune);
+  //   the heads' sums shuffle together; 44.5 against 57.3 before; [a4c6657] tune/3);
   // - without a norm, four heads share the rotation factors (Wan rope_3d 40 heads: 420 us with
   //   4, 1112 with 2).
   const int64_t lanes_one_head_each = sh.B * sh.S * heads * int64_t(head_tpr);
@@ -558,7 +558,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   a.step_heads = a.tpr / a.units_per_head;
   a.step_units = a.tpr % a.units_per_head;
   // Items that are one unit of several heads share its rotation factors: loaded with the data,
-  // their latency overlaps it (Wan 14B qk-norm + rope 536 -> 453 us; [1d174ba] tune).
+  // their latency overlaps it (Wan 14B qk-norm + rope 536 -> 453 us; [a4c6657] tune/1).
   const bool early_rotation = a.step_units == 0 && tuning_knobs().rope_early.value_or(1) != 0;
   const int64_t blocks = (a.rows + a.rows_per_block - 1) / a.rows_per_block;
   FUSEBOX_CHECK(blocks < (int64_t(1) << 31), "too many rows: ", a.rows);
