@@ -29,11 +29,14 @@ def register_fallbacks() -> None:
     lowering = sys.modules.get("torch._inductor.lowering")
     if lowering is None:
         return
-    from torch._library.utils import get_layout_constraint_tag
-
     _registered = True
-    for name in OP_NAMES:
-        op = getattr(torch.ops.fusebox, name).default
-        if op not in lowering.lowerings:
-            constraint = lowering.tag_to_layout_constraint(get_layout_constraint_tag(op, with_default=True))
-            lowering.make_fallback(op, layout_constraint=constraint, warn=False)
+    try:  # inductor internals: where they differ, inductor's implicit fallback still works
+        from torch._library.utils import get_layout_constraint_tag
+
+        for name in OP_NAMES:
+            op = getattr(torch.ops.fusebox, name).default
+            if op not in lowering.lowerings:
+                tag = get_layout_constraint_tag(op, with_default=True)
+                lowering.make_fallback(op, layout_constraint=lowering.tag_to_layout_constraint(tag), warn=False)
+    except (AttributeError, ImportError, TypeError):
+        pass
