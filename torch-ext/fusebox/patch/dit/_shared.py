@@ -45,7 +45,7 @@ def fusable(x: Tensor, *small: Optional[Tensor], like_x: Tuple[Optional[Tensor],
     if x.dtype not in FUSED_DTYPES or x.device.type not in FUSED_DEVICES:
         return False
     if not all(t is None or (t.device == x.device and t.dtype in (torch.float32, x.dtype)
-                             and _unit_last_stride(t)) for t in small):
+                             and has_contiguous_rows(t)) for t in small):
         return False
     return all(t is None or (t.device == x.device and t.dtype == x.dtype) for t in like_x)
 
@@ -58,18 +58,15 @@ def grad_needed(module: torch.nn.Module, *inputs: Optional[Tensor]) -> bool:
     return needs_autograd(*inputs) or any(p.requires_grad for p in module.parameters())
 
 
-def _unit_last_stride(t: Tensor) -> bool:
-    return t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1
-
-
 def has_contiguous_rows(t: Tensor) -> bool:
-    return _unit_last_stride(t)
+    """Are ``t``'s rows (its last dimension) contiguous, as the operators read them?"""
+    return t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1
 
 
 def rows(t: Tensor) -> Tensor:
     """``t`` with contiguous rows, as the operators read them (a patch embedding's transposed
     output is copied once, as an eager norm would copy it)."""
-    return t if _unit_last_stride(t) else t.contiguous()
+    return t if has_contiguous_rows(t) else t.contiguous()
 
 
 # --------------------------------------------------------------------------- bookkeeping
