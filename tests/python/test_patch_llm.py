@@ -62,7 +62,7 @@ def test_fp32_logits_match(family, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "falcon-40b"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "falcon-7b", "falcon-40b"])
 def test_bf16_within_bf16_spread(family, device):
     """bf16 patched is no further from the fp32 model than bf16 unpatched is."""
     model32 = build(family, device=device)
@@ -187,6 +187,9 @@ def test_unknown_model_untouched():
     assert torch.equal(logits(model, ids), ref)
 
 
+FALCON_ATTENTION = ("rope (q/k read from the fused QKV projection); multi-query keys expanded so "
+                    "SDPA runs a fused kernel")
+
 # layer_norm modules of a 2-layer model: per layer input (+ post-attention, or the attention and
 # MLP norms of the new architecture), plus the final ln_f
 FALCON_LAYER_NORMS = {"falcon-7b": 3, "falcon-40b": 5, "falcon-rw": 5}
@@ -200,12 +203,35 @@ def test_falcon_fp32_logits_match(variant, device):
     ref = logits(model, ids)
     report = fusebox.patch(model)
     patched = report.summary()["patched"]
-    assert patched["FalconAttention: rope (q/k read from the fused QKV projection)"] == 2
+    assert patched["FalconAttention: " + FALCON_ATTENTION] == 2
     assert patched["LayerNorm: layer_norm"] == FALCON_LAYER_NORMS[variant]
     with FuseboxOps() as ops:
         out = logits(model, ids)
     assert ops.calls == {"rotary": 2, "layer_norm": FALCON_LAYER_NORMS[variant]}
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_falcon_multi_query_attention_runs_a_fused_kernel():
+    """Falcon-7B's single key head: unpatched, SDPA can only take its math path; patched, the
+    keys are expanded and the math path can be forbidden."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model32 = tiny_falcon("falcon-7b", device="cuda")
+    ids = token_ids(device="cuda")
+    ref = logits(model32, ids)
+    model = copy.deepcopy(model32).to(torch.bfloat16)
+    err_unpatched = rel_err(logits(model, ids), ref)
+    fused_only = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+                  SDPBackend.CUDNN_ATTENTION]
+    with sdpa_kernel(fused_only), pytest.raises(RuntimeError):
+        logits(model, ids)
+    fusebox.patch(model)
+    with sdpa_kernel(fused_only):
+        out = logits(model, ids)
+    assert torch.isfinite(out).all()
+    err_patched = rel_err(out, ref)
+    assert err_patched <= 1.5 * err_unpatched + 2e-3, (err_patched, err_unpatched)
 
 
 def test_falcon_alibi_attention_left_alone():

@@ -14,8 +14,10 @@ What is replaced, module by module (every other module keeps its forward):
   Gemma2/3 sandwich layers: attention add + ``pre_feedforward_layernorm``);
 - Falcon (rotary, not ALiBi): its ``LayerNorm`` modules -> ``layer_norm``, and the rotary of q/k
   read in place from the fused QKV projection -> ``rope`` (for grouped keys, before they are
-  repeated over the heads, which the model's cache then holds as it does unpatched). Its MLP
-  (one activation launch already) and parallel residual adds keep their code.
+  repeated over the heads, which the model's cache then holds as it does unpatched). Multi-query
+  keys reach SDPA expanded over the query heads, so a fused attention kernel runs where the
+  unpatched model gets SDPA's fp32 math fallback. Its MLP (one activation launch already) and
+  parallel residual adds keep their code.
 
 A patched forward falls back to the original one when autograd needs it (fusebox operators
 have no backward) or when its inputs are outside what the operators take (e.g. float64).
@@ -313,6 +315,13 @@ def _falcon_attention_forward(self, hidden_states, alibi, attention_mask, positi
     # the rest is FalconAttention's rotary branch
     if self.config._attn_implementation == "sdpa" and not output_attentions:
         is_causal = self.is_causal and attention_mask is None and query_length > 1
+        if key.shape[1] != self.num_heads:
+            # Multi-query keys (one head) broadcast over the query heads: SDPA's fused kernels
+            # need equal head counts (enable_gqa excludes the mask Falcon always builds), so the
+            # unpatched model runs the math fallback, in fp32 (Falcon-7B prefill: 154 of 229 ms
+            # of kernels). Expanded views are the same values and let a fused kernel run.
+            key = key.expand(-1, self.num_heads, -1, -1)
+            value = value.expand(-1, self.num_heads, -1, -1)
         attn_output = torch.nn.functional.scaled_dot_product_attention(
             query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=is_causal)
         attention_scores = None
@@ -333,7 +342,8 @@ def _falcon_attention_patch(module) -> Tuple[Optional[Callable], str]:
         return None, "forward signature differs from the supported transformers versions"
     if getattr(module.config, "alibi", False):
         return None, "ALiBi positions (no rotary to fuse)"
-    return _falcon_attention_forward, "rope (q/k read from the fused QKV projection)"
+    return _falcon_attention_forward, ("rope (q/k read from the fused QKV projection); multi-query "
+                                      "keys expanded so SDPA runs a fused kernel")
 
 
 def _attention_patch(module) -> Tuple[Optional[Callable], str]:
