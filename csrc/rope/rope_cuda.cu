@@ -303,7 +303,7 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
 // weight vectors) are loaded or computed once per token and reused ITEMS times; the heads'
 // data are all loaded before the first use. The per-head RMS is a shuffle over the lanes.
 template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
-__global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKernelArgs a, const int head_groups) {
+__device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const int head_groups) {
   using L = UnitLayout<INTERLEAVED, VEC>;
   // With one-vector units the q and k norm weights of the lane's unit are read once, with the
   // data (two-vector units read theirs per head, from L1: holding both would cost registers).
@@ -414,6 +414,21 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
   }
 }
 
+template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
+__global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKernelArgs a, const int head_groups) {
+  rope_heads<T, VEC, ITEMS, INTERLEAVED, NORM, GRID>(a, head_groups);
+}
+
+// Two heads of half-split units with their norm per lane group (Qwen3's q/k): at 102 registers
+// three blocks of 160 threads fit an SM, at 96 four (2048 tokens 22.4 -> 19.9 us, 8192 67.4 ->
+// 60.2). The same cap on other variants raised their allocation instead (FLUX 80 -> 85
+// registers, 42.1 -> 45.9 us), so it is a kernel of its own.
+template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
+__global__ void __maxnreg__(96)
+    rope_heads_kernel_96_registers(const RopeKernelArgs a, const int head_groups) {
+  rope_heads<T, VEC, ITEMS, INTERLEAVED, NORM, GRID>(a, head_groups);
+}
+
 RopeTensorArg tensor_arg(const TensorView& t) {
   if (!t.defined()) return RopeTensorArg{nullptr, 0, 0, 0};
   return RopeTensorArg{t.data, t.strides[0], t.strides[1], t.strides[2]};
@@ -430,7 +445,9 @@ void launch_rope(const RopeKernelArgs& a, int head_groups, bool interleaved, boo
                  dim3 block, size_t smem, cudaStream_t stream, bool early_rotation = false) {
   auto go = [&](auto il, auto nm, auto gr) {
     constexpr bool I = decltype(il)::value, N = decltype(nm)::value, G = decltype(gr)::value;
-    if constexpr (HEADS)
+    if constexpr (HEADS && ITEMS == 2 && N && UnitLayout<I, VEC>::kTwoVectors)
+      launch(rope_heads_kernel_96_registers<T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups);
+    else if constexpr (HEADS)
       launch(rope_heads_kernel<T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups);
     else if constexpr (ITEMS == 4 && VEC > 1)
       early_rotation ? launch(rope_rows_kernel<T, VEC, ITEMS, I, N, G, true>, grid, block, smem, stream, a)
