@@ -318,8 +318,8 @@ def _falcon_attention_forward(self, hidden_states, alibi, attention_mask, positi
         if key.shape[1] != self.num_heads and query_length > 1:
             # Multi-query keys (one head) broadcast over the query heads: SDPA's fused kernels
             # need equal head counts (enable_gqa excludes the mask Falcon always builds), so the
-            # unpatched model runs the math fallback, in fp32 (Falcon-7B prefill: 154 of 229 ms
-            # of kernels). Expanded views are the same values and let a fused kernel run.
+            # unpatched model runs the math fallback, in fp32 (Falcon-7B prefill: about 170 of
+            # 229 ms of kernels). Expanded views are the same values and let a fused kernel run.
             # Not for one-token decode steps: the math path is cheap there, and a fused kernel
             # keyed on the growing cache length measured slower (44 -> 37 tokens/s).
             key = key.expand(-1, self.num_heads, -1, -1)
