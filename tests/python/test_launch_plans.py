@@ -17,10 +17,10 @@ import torch
 sys.path[:0] = sys.argv[1:3]
 import fusebox
 import reference as ref
-from helpers import BF16, F32, assert_close, call, randn, small, weight
+from helpers import BF16, F16, F32, assert_close, call, randn, small, weight
 
 gen = torch.Generator().manual_seed(7)
-for dtype in (BF16, F32):
+for dtype in (BF16, F16, F32):
     for rows, width in ((3, 2048), (64, 3072), (130, 4096), (5, 769)):
         x = randn(gen, (rows, width), dtype, "cuda")
         res = randn(gen, (rows, width), dtype, "cuda")
@@ -61,6 +61,13 @@ for dtype in (BF16, F32):
                          dtype, name="qk_norm_rope q")
             assert_close(k_out, ref.qk_norm_rope(k, kw, cos, sin, 1e-6, False, interleaved),
                          dtype, name="qk_norm_rope k")
+        if dtype != F32:  # fp32 tables with 16-bit data: the plans that do not hold them packed
+            cos32, sin32 = cos.float(), sin.float()
+            q_out, k_out = call(fusebox.qk_norm_rope, q, k, qw, kw, cos32, sin32, eps=1e-6)
+            assert_close(q_out, ref.qk_norm_rope(q, qw, cos32, sin32, 1e-6, False, False), dtype,
+                         name="qk_norm_rope q, fp32 tables")
+            assert_close(k_out, ref.qk_norm_rope(k, kw, cos32, sin32, 1e-6, False, False), dtype,
+                         name="qk_norm_rope k, fp32 tables")
     # activations: packed rows (one long row unless FUSEBOX_ACT_FLAT=0), a bias and a strided
     # input (the row plan either way), odd widths
     for rows, width in ((1, 11008), (37, 4104), (9, 1001)):
