@@ -334,6 +334,19 @@ def test_gated_residual_layouts(device, gen, dtypes, x_layout, branch_layout):
                  ref.gated_residual(x, branch, gate), xd)
 
 
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("broadcast", ["x", "branch"])
+def test_gated_residual_broadcast_operand(device, gen, dtypes, broadcast):
+    """One operand broadcast over the batch with stride 0 (a DiT's modulation table added to its
+    per-sample embedding: table[None].expand(B, 6, D) + emb)."""
+    xd, _ = dtypes
+    shape = (3, 6, 771)
+    table = randn(gen, shape[1:], xd, device)[None].expand(shape)
+    other = randn(gen, shape, xd, device)
+    x, branch = (table, other) if broadcast == "x" else (other, table)
+    assert_close(call(fusebox.gated_residual, x, branch, None), ref.gated_residual(x, branch, None), xd)
+
+
 def test_gated_residual_empty(device, gen):
     x = torch.empty((2, 0, 32), dtype=BF16, device=device)
     (gate,) = modulation(gen, "sample", (2, 1, 32), 1, F32, device)
