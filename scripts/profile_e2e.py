@@ -45,6 +45,7 @@ def timeline(fn, top: int) -> None:
     waited for Python and the launch path), else "device" (launch latency behind queued work).
     The profiler's own per-op cost inflates the host share, so the wall time of an unprofiled
     forward is printed beside the profiled span."""
+    import bisect
     import json
     import tempfile
     import time
@@ -63,24 +64,24 @@ def timeline(fn, top: int) -> None:
         torch.cuda.synchronize()
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+        with open(f.name) as trace:
+            events = json.load(trace)["traceEvents"]
     kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                      key=lambda e: e["ts"])
     runtime = {e["args"]["correlation"]: e for e in events
                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+    op_starts = [e["ts"] for e in ops]
     syncs = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")
              and e.get("name") in SYNC_CALLS]
 
     def launching_op(ts: float) -> str:
-        """The innermost CPU op running at host time ts."""
-        best = None
-        for e in ops:
-            if e["ts"] > ts:
-                break
-            if e["ts"] + e.get("dur", 0) >= ts and (best is None or e["dur"] <= best["dur"]):
-                best = e
-        return best["name"] if best else "?"
+        """The innermost CPU op running at host time ts: of the nested ops that cover ts, the one
+        that started last."""
+        for i in range(bisect.bisect_right(op_starts, ts) - 1, -1, -1):
+            if ops[i]["ts"] + ops[i].get("dur", 0) >= ts:
+                return ops[i]["name"]
+        return "?"
 
     span = kernels[-1]["ts"] + kernels[-1]["dur"] - kernels[0]["ts"]
     busy = host_idle = device_idle = 0.0
