@@ -4,8 +4,8 @@ marks the children a fused parent does the work of, the attention-processor swap
 processor of attention whose q/k norm spans all heads: LTX-Video, Wan), the patch steps the
 families share, and the stream pieces of two-stream blocks (FLUX, HunyuanVideo).
 
-Each formula helper (``modulated_norm``, ``gated_add``, ``gated_add_norm``, ``linear_gelu``,
-``norm_rope``) computes what the diffusers code writes; it takes the fused path when its
+Each formula helper (``modulation_sum``, ``modulated_norm``, ``gated_add``, ``gated_add_norm``,
+``linear_gelu``, ``norm_rope``) computes what the diffusers code writes; it takes the fused path when its
 operands allow (no autograd, supported dtypes and devices, the model's output dtype reachable)
 and otherwise runs the eager formula, so a patched block never changes what a model computes.
 """
@@ -327,6 +327,19 @@ def modulated_norm(norm: torch.nn.Module, x: Tensor, scale: Tensor, shift: Tenso
             return fb.adaln(rows(x), scale, shift, p.weight, p.bias, p.kind, p.eps,
                             out_dtype=dtype)
     return norm(x) * (1 + scale) + shift
+
+
+def modulation_sum(table: Tensor, emb: Tensor) -> Tensor:
+    """``table + emb``: a block's modulation terms, its ``scale_shift_table`` broadcast over the
+    timestep embedding ``emb`` (same dtype). One fusebox launch where it can take them: eager
+    PyTorch computes the sum once and the block passes views of it, but inductor, which cannot
+    see into the fused operators, recomputes the add into a separate buffer for each term it
+    hands one (PixArt-Σ: five more launches per block). The sum is exact either way."""
+    if (table.dtype == emb.dtype and has_contiguous_rows(emb)
+            and torch.broadcast_shapes(table.shape, emb.shape) == emb.shape
+            and fusable(emb, like_x=(table,))):
+        return fb.gated_residual(emb, table.expand_as(emb))
+    return table + emb
 
 
 def gated_add(x: Tensor, branch: Tensor, gate: Optional[Tensor] = None) -> Tensor:

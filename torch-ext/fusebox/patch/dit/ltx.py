@@ -29,6 +29,7 @@ from ._shared import (
     contains_class,
     fusable,
     grad_needed,
+    modulation_sum,
     patch_block,
     patch_qk_norm_attention,
 )
@@ -94,8 +95,8 @@ def _block_forward(
                                        encoder_attention_mask)
     batch_size = hidden_states.size(0)
     # [B, T, 6, D] with T = 1 (per sample) or T = S (per token); the six terms stay views
-    ada = (table[None, None].to(temb.device)
-           + temb.reshape(batch_size, temb.size(1), table.shape[0], -1))
+    ada = modulation_sum(table[None, None].to(temb.device),
+                         temb.reshape(batch_size, temb.size(1), table.shape[0], -1))
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = ada.unbind(dim=2)
 
     norm_hidden_states = fb.adaln(hidden_states, scale_msa, shift_msa, block.norm1.weight,

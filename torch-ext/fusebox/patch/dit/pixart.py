@@ -15,7 +15,7 @@ from diffusers.models.attention import BasicTransformerBlock, _chunked_feed_forw
 from diffusers.models.transformers.pixart_transformer_2d import PixArtTransformer2DModel
 
 from .._common import original_forward, replace_forward
-from ._shared import gated_add, gated_add_norm, mark_fused, modulated_norm
+from ._shared import gated_add, gated_add_norm, mark_fused, modulated_norm, modulation_sum
 
 FAMILY = "pixart"
 
@@ -37,8 +37,8 @@ def _ada_norm_single_block_forward(self, hidden_states, attention_mask=None,
             timestep, cross_attention_kwargs, class_labels, added_cond_kwargs)
 
     batch_size = hidden_states.shape[0]
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = (
-        self.scale_shift_table[None] + timestep.reshape(batch_size, 6, -1)).chunk(6, dim=1)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = modulation_sum(
+        self.scale_shift_table[None], timestep.reshape(batch_size, 6, -1)).chunk(6, dim=1)
     norm_hidden_states = modulated_norm(self.norm1, hidden_states, scale_msa, shift_msa)
 
     attn_output = self.attn1(

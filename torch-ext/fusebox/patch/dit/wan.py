@@ -33,6 +33,7 @@ from ._shared import (
     contains_class,
     fusable,
     grad_needed,
+    modulation_sum,
     patch_block,
     patch_qk_norm_attention,
 )
@@ -69,8 +70,8 @@ def _modulation(table: torch.Tensor, temb: torch.Tensor):
     """The six fp32 modulation terms exactly as Wan forms them: [B, 1, D] views of
     ``table + temb`` per sample, [B, S, D] per token (temb [B, S, 6, D])."""
     if temb.ndim == 4:
-        return tuple(t.squeeze(2) for t in (table.unsqueeze(0) + temb.float()).chunk(6, dim=2))
-    return (table + temb.float()).chunk(6, dim=1)
+        return tuple(t.squeeze(2) for t in modulation_sum(table.unsqueeze(0), temb.float()).chunk(6, dim=2))
+    return modulation_sum(table, temb.float()).chunk(6, dim=1)
 
 
 def _block_forward(

@@ -1,0 +1,207 @@
+// Where the fixed cost of a short fusebox launch goes: times, the way `fusebox bench` does
+// (CUDA events around each call, L2 flushed before it, the GPU held busy while the calls are
+// enqueued so host time never shows), an empty kernel and a minimal one-vector RMS-norm row
+// kernel launched with and without programmatic dependent launch and with small or large
+// argument structs, beside fusebox's own rms_norm through the C++ API.
+//
+// Build (after scripts/build.sh): nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc/include -Icsrc
+//   scripts/probe_launch.cu build/gpu/libfusebox_core.a -o build/gpu/probe_launch
+// Run: build/gpu/probe_launch   (FUSEBOX_PDL=0 turns PDL off for the fusebox rows)
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "fusebox/fusebox.h"
+
+#define CHECK(x)                                                                   \
+  do {                                                                             \
+    cudaError_t e_ = (x);                                                          \
+    if (e_ != cudaSuccess) {                                                       \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
+      std::exit(1);                                                                \
+    }                                                                              \
+  } while (0)
+
+namespace {
+
+__global__ void spin_kernel(long long cycles) {
+  const long long t0 = clock64();
+  while (clock64() - t0 < cycles) {
+  }
+}
+
+// Reads a buffer larger than L2 (what the bench's flush does).
+__global__ void flush_kernel(const float4* p, size_t n, float* sink) {
+  float acc = 0.f;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
+    acc += p[i].x;
+  if (acc == 12345.f) *sink = acc;
+}
+
+__device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+
+template <int PAD>
+struct EmptyArgs {
+  float* p;
+  char pad[PAD];
+};
+
+template <int PAD, bool PDL>
+__global__ void empty_kernel(const EmptyArgs<PAD> a) {
+  if constexpr (PDL) grid_wait();
+  if (threadIdx.x == 1000) *a.p = 1.f;
+}
+
+template <int PAD>
+struct RmsArgs {
+  const __nv_bfloat16* x;
+  const __nv_bfloat16* w;
+  __nv_bfloat16* out;
+  int width;
+  float eps;
+  char pad[PAD];
+};
+
+// One row per block, one 16-byte vector per thread.
+template <int PAD, bool PDL>
+__global__ void __launch_bounds__(512) mini_rms_kernel(const RmsArgs<PAD> a) {
+  __shared__ float warp_sums[16];
+  if constexpr (PDL) grid_wait();
+  const size_t base = size_t(blockIdx.x) * a.width + threadIdx.x * 8;
+  const uint4 xv = *reinterpret_cast<const uint4*>(a.x + base);
+  const uint4 wv = *reinterpret_cast<const uint4*>(a.w + threadIdx.x * 8);
+  const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w}, ws[4] = {wv.x, wv.y, wv.z, wv.w};
+  float v[8], acc = 0.f;
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = __uint_as_float(xs[i] << 16);
+    v[2 * i + 1] = __uint_as_float(xs[i] & 0xffff0000u);
+  }
+  for (int i = 0; i < 8; ++i) acc += v[i] * v[i];
+  for (int off = 16; off; off >>= 1) acc += __shfl_xor_sync(~0u, acc, off);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  const int warps = blockDim.x >> 5;
+  float total = (threadIdx.x & 31) < warps ? warp_sums[threadIdx.x & 31] : 0.f;
+  for (int off = 16; off; off >>= 1) total += __shfl_xor_sync(~0u, total, off);
+  const float rstd = rsqrtf(total / a.width + a.eps);
+  uint32_t o[4];
+  for (int i = 0; i < 4; ++i) {
+    const float w0 = __uint_as_float(ws[i] << 16), w1 = __uint_as_float(ws[i] & 0xffff0000u);
+    const __nv_bfloat162 r = __floats2bfloat162_rn(v[2 * i] * rstd * w0, v[2 * i + 1] * rstd * w1);
+    memcpy(&o[i], &r, 4);
+  }
+  *reinterpret_cast<uint4*>(a.out + base) = make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+template <typename... KArgs, typename... Args>
+void launch_ex(void (*k)(KArgs...), dim3 grid, dim3 block, bool pdl, cudaStream_t s, Args... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  CHECK(cudaLaunchKernelEx(&cfg, k, args...));
+}
+
+struct Timer {
+  cudaStream_t s;
+  float4* flush_buf;
+  size_t flush_n;
+  float* sink;
+  long long cycles_per_us;
+
+  double median_us(const std::function<void()>& fn, bool flush, int iters = 200) {
+    std::vector<float> ts;
+    for (int c = 0; c < iters; c += 8) {
+      cudaEvent_t ev[16];
+      for (auto& e : ev) CHECK(cudaEventCreate(&e));
+      CHECK(cudaStreamSynchronize(s));
+      spin_kernel<<<1, 1, 0, s>>>(cycles_per_us * 300);
+      for (int i = 0; i < 8; ++i) {
+        if (flush) flush_kernel<<<264, 1024, 0, s>>>(flush_buf, flush_n, sink);
+        CHECK(cudaEventRecord(ev[2 * i], s));
+        fn();
+        CHECK(cudaEventRecord(ev[2 * i + 1], s));
+      }
+      CHECK(cudaStreamSynchronize(s));
+      for (int i = 0; i < 8; ++i) {
+        float ms;
+        CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+        ts.push_back(ms * 1e3f);
+      }
+      for (auto& e : ev) CHECK(cudaEventDestroy(e));
+    }
+    std::sort(ts.begin(), ts.end());
+    return ts[ts.size() / 2];
+  }
+};
+
+fusebox::TensorView view(void* p, std::initializer_list<int64_t> shape) {
+  return fusebox::make_view(p, fusebox::DType::kBFloat16, fusebox::Device::kCUDA, shape);
+}
+
+}  // namespace
+
+int main() {
+  cudaStream_t s;
+  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  int clock_khz = 0;
+  CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+  Timer t{s, nullptr, (size_t(256) << 20) / 16, nullptr, clock_khz / 1000};
+  CHECK(cudaMalloc(&t.flush_buf, t.flush_n * 16));
+  CHECK(cudaMemset(t.flush_buf, 0, t.flush_n * 16));
+  CHECK(cudaMalloc(&t.sink, 4));
+  const int max_rows = 256, max_width = 4096;
+  __nv_bfloat16 *x, *w, *out;
+  CHECK(cudaMalloc(&x, size_t(max_rows) * max_width * 2));
+  CHECK(cudaMalloc(&out, size_t(max_rows) * max_width * 2));
+  CHECK(cudaMalloc(&w, max_width * 2));
+  CHECK(cudaMemset(x, 0x3f, size_t(max_rows) * max_width * 2));
+  CHECK(cudaMemset(w, 0x3f, max_width * 2));
+
+  struct Row {
+    std::string name;
+    std::function<void()> fn;
+  };
+  std::vector<Row> rows;
+  auto add = [&](std::string n, std::function<void()> f) { rows.push_back({std::move(n), std::move(f)}); };
+  add("empty, 8 B args", [&] { launch_ex(empty_kernel<8, false>, 1, 32, false, s, EmptyArgs<8>{t.sink, {}}); });
+  add("empty, 8 B args, PDL", [&] { launch_ex(empty_kernel<8, true>, 1, 32, true, s, EmptyArgs<8>{t.sink, {}}); });
+  add("empty, 384 B args", [&] { launch_ex(empty_kernel<384, false>, 1, 32, false, s, EmptyArgs<384>{t.sink, {}}); });
+  add("empty, 384 B args, PDL", [&] { launch_ex(empty_kernel<384, true>, 1, 32, true, s, EmptyArgs<384>{t.sink, {}}); });
+  for (int shape : {0, 1, 2}) {
+    const int nrows = shape == 0 ? 1 : shape == 1 ? 16 : 256;
+    const int width = shape == 1 ? 4096 : 2048;
+    const std::string tag = std::to_string(nrows) + "x" + std::to_string(width);
+    const dim3 grid(nrows), block(width / 8);
+    add("mini rms " + tag, [=, &t] {
+      launch_ex(mini_rms_kernel<8, false>, grid, block, false, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
+    });
+    add("mini rms " + tag + ", PDL", [=, &t] {
+      launch_ex(mini_rms_kernel<8, true>, grid, block, true, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
+    });
+    add("mini rms " + tag + ", 384 B args", [=, &t] {
+      launch_ex(mini_rms_kernel<384, false>, grid, block, false, s, RmsArgs<384>{x, w, out, width, 1e-6f, {}});
+    });
+    add("fusebox rms_norm " + tag, [=] {
+      fusebox::rms_norm(view(x, {nrows, width}), view(w, {width}), view(out, {nrows, width}), 1e-6f, 0.f, s);
+    });
+  }
+  for (auto& r : rows) r.fn();  // load modules, warm up
+  CHECK(cudaStreamSynchronize(s));
+  const char* pdl = std::getenv("FUSEBOX_PDL");
+  std::printf("FUSEBOX_PDL=%s\n| case | flushed us | warm us |\n|---|---:|---:|\n", pdl ? pdl : "(unset)");
+  for (auto& r : rows)
+    std::printf("| %s | %.2f | %.2f |\n", r.name.c_str(), t.median_us(r.fn, true), t.median_us(r.fn, false));
+  return 0;
+}
