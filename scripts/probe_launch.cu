@@ -69,15 +69,101 @@ struct RmsArgs {
 };
 
 // One row per block, one 16-byte vector per thread.
-template <int PAD, bool PDL>
+// PDL 1: waits on the previous grid; 2: also lets the next grid launch once its loads are issued.
+template <int PAD, int PDL>
 __global__ void __launch_bounds__(512) mini_rms_kernel(const RmsArgs<PAD> a) {
   __shared__ float warp_sums[16];
-  if constexpr (PDL) grid_wait();
+  if constexpr (PDL > 0) grid_wait();
+  const size_t base = size_t(blockIdx.x) * a.width + threadIdx.x * 8;
+  const uint4 xv = *reinterpret_cast<const uint4*>(a.x + base);
+  const uint4 wv = *reinterpret_cast<const uint4*>(a.w + threadIdx.x * 8);
+  if constexpr (PDL > 1) asm volatile("griddepcontrol.launch_dependents;" :::);
+  const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w}, ws[4] = {wv.x, wv.y, wv.z, wv.w};
+  float v[8], acc = 0.f;
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = __uint_as_float(xs[i] << 16);
+    v[2 * i + 1] = __uint_as_float(xs[i] & 0xffff0000u);
+  }
+  for (int i = 0; i < 8; ++i) acc += v[i] * v[i];
+  for (int off = 16; off; off >>= 1) acc += __shfl_xor_sync(~0u, acc, off);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  const int warps = blockDim.x >> 5;
+  float total = (threadIdx.x & 31) < warps ? warp_sums[threadIdx.x & 31] : 0.f;
+  for (int off = 16; off; off >>= 1) total += __shfl_xor_sync(~0u, total, off);
+  const float rstd = rsqrtf(total / a.width + a.eps);
+  uint32_t o[4];
+  for (int i = 0; i < 4; ++i) {
+    const float w0 = __uint_as_float(ws[i] << 16), w1 = __uint_as_float(ws[i] & 0xffff0000u);
+    const __nv_bfloat162 r = __floats2bfloat162_rn(v[2 * i] * rstd * w0, v[2 * i + 1] * rstd * w1);
+    memcpy(&o[i], &r, 4);
+  }
+  *reinterpret_cast<uint4*>(a.out + base) = make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// The same kernel with its five arguments 64 bytes apart: each on its own line of the
+// constant bank that holds kernel arguments, as in a large argument struct whose fields a
+// kernel reads from all over it.
+struct RmsSpreadArgs {
+  const __nv_bfloat16* x;
+  char pad0[56];
+  const __nv_bfloat16* w;
+  char pad1[56];
+  __nv_bfloat16* out;
+  char pad2[56];
+  int width;
+  char pad3[60];
+  float eps;
+  char pad4[60];
+};
+
+__global__ void __launch_bounds__(512) mini_rms_spread_kernel(const RmsSpreadArgs a) {
+  __shared__ float warp_sums[16];
+  const size_t base = size_t(blockIdx.x) * a.width + threadIdx.x * 8;
+  const uint4 xv = __ldg(reinterpret_cast<const uint4*>(a.x + base));
+  const uint4 wv = __ldg(reinterpret_cast<const uint4*>(a.w + threadIdx.x * 8));
+  const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w}, ws[4] = {wv.x, wv.y, wv.z, wv.w};
+  float v[8], acc = 0.f;
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = __uint_as_float(xs[i] << 16);
+    v[2 * i + 1] = __uint_as_float(xs[i] & 0xffff0000u);
+  }
+  for (int i = 0; i < 8; ++i) acc += v[i] * v[i];
+  for (int off = 16; off; off >>= 1) acc += __shfl_xor_sync(~0u, acc, off);
+  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
+  __syncthreads();
+  const int warps = blockDim.x >> 5;
+  float total = (threadIdx.x & 31) < warps ? warp_sums[threadIdx.x & 31] : 0.f;
+  for (int off = 16; off; off >>= 1) total += __shfl_xor_sync(~0u, total, off);
+  const float rstd = rsqrtf(total / a.width + a.eps);
+  uint32_t o[4];
+  for (int i = 0; i < 4; ++i) {
+    const float w0 = __uint_as_float(ws[i] << 16), w1 = __uint_as_float(ws[i] & 0xffff0000u);
+    const __nv_bfloat162 r = __floats2bfloat162_rn(v[2 * i] * rstd * w0, v[2 * i + 1] * rstd * w1);
+    memcpy(&o[i], &r, 4);
+  }
+  *reinterpret_cast<uint4*>(a.out + base) = make_uint4(o[0], o[1], o[2], o[3]);
+}
+
+// The mini kernel with 256 extra integer instructions before its loads (four independent
+// chains, so they issue back to back): as straight-line code (UNROLL, 4 KB more code to fetch)
+// or as a loop of 64 iterations (a few instructions of code, more instructions issued).
+template <bool UNROLL>
+__global__ void __launch_bounds__(512) mini_rms_extra_kernel(const RmsArgs<8> a) {
+  __shared__ float warp_sums[16];
+  uint32_t c0 = threadIdx.x, c1 = blockIdx.x, c2 = a.width, c3 = threadIdx.x ^ 5;
+  if constexpr (UNROLL) {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) c0 = c0 * 3u + c1, c1 = c1 * 5u + c2, c2 = c2 * 7u + c3, c3 = c3 * 9u + c0;
+  } else {
+#pragma unroll 1
+    for (int i = 0; i < 64; ++i) c0 = c0 * 3u + c1, c1 = c1 * 5u + c2, c2 = c2 * 7u + c3, c3 = c3 * 9u + c0;
+  }
   const size_t base = size_t(blockIdx.x) * a.width + threadIdx.x * 8;
   const uint4 xv = *reinterpret_cast<const uint4*>(a.x + base);
   const uint4 wv = *reinterpret_cast<const uint4*>(a.w + threadIdx.x * 8);
   const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w}, ws[4] = {wv.x, wv.y, wv.z, wv.w};
-  float v[8], acc = 0.f;
+  float v[8], acc = float((c0 ^ c1 ^ c2 ^ c3) == 0x12345u);  // 0 in practice, not provably
   for (int i = 0; i < 4; ++i) {
     v[2 * i] = __uint_as_float(xs[i] << 16);
     v[2 * i + 1] = __uint_as_float(xs[i] & 0xffff0000u);
@@ -185,13 +271,27 @@ int main() {
     const std::string tag = std::to_string(nrows) + "x" + std::to_string(width);
     const dim3 grid(nrows), block(width / 8);
     add("mini rms " + tag, [=, &t] {
-      launch_ex(mini_rms_kernel<8, false>, grid, block, false, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
+      launch_ex(mini_rms_kernel<8, 0>, grid, block, false, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
     });
     add("mini rms " + tag + ", PDL", [=, &t] {
-      launch_ex(mini_rms_kernel<8, true>, grid, block, true, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
+      launch_ex(mini_rms_kernel<8, 1>, grid, block, true, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
+    });
+    add("mini rms " + tag + ", PDL + early trigger", [=, &t] {
+      launch_ex(mini_rms_kernel<8, 2>, grid, block, true, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
     });
     add("mini rms " + tag + ", 384 B args", [=, &t] {
-      launch_ex(mini_rms_kernel<384, false>, grid, block, false, s, RmsArgs<384>{x, w, out, width, 1e-6f, {}});
+      launch_ex(mini_rms_kernel<384, 0>, grid, block, false, s, RmsArgs<384>{x, w, out, width, 1e-6f, {}});
+    });
+    add("mini rms " + tag + ", args on 5 lines", [=, &t] {
+      RmsSpreadArgs a{};
+      a.x = x, a.w = w, a.out = out, a.width = width, a.eps = 1e-6f;
+      launch_ex(mini_rms_spread_kernel, grid, block, false, s, a);
+    });
+    add("mini rms " + tag + ", +256 instructions unrolled", [=, &t] {
+      launch_ex(mini_rms_extra_kernel<true>, grid, block, false, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
+    });
+    add("mini rms " + tag + ", +256 instructions in a loop", [=, &t] {
+      launch_ex(mini_rms_extra_kernel<false>, grid, block, false, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
     });
     add("fusebox rms_norm " + tag, [=] {
       fusebox::rms_norm(view(x, {nrows, width}), view(w, {width}), view(out, {nrows, width}), 1e-6f, 0.f, s);

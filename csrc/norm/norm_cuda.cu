@@ -34,7 +34,7 @@ struct NormKernelArgs {
   int tpr;          // threads per row: a power of two <= 32 or a multiple of 32
   int tpr_log2;     // log2(tpr) where rows_per_block > 1 (tpr is then a power of two)
   int rows_per_block;
-  int row_iters;    // register path: row groups per block
+  int row_iters;    // register path, ITEMS > 2: row groups per block (1 otherwise)
   bool stage_params;  // register path, ITEMS > 2: small operands go through shared-memory slots
   RowOperandArg x, branch, residual_out, out;
   RowOperandArg gate, scale, shift;  // T or the params' dtype
@@ -42,6 +42,7 @@ struct NormKernelArgs {
   bool gate_f32, scale_f32, shift_f32, out_f32;
   NormType norm;
   float eps, weight_offset;
+  float inv_width;  // 1 / D: a multiply where the row sums become moments
 };
 
 template <typename T>
@@ -89,7 +90,10 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
   // row pointer of each operand's slot contents
   const P *gate_in = nullptr, *weight_in = nullptr, *bias_in = nullptr, *scale_in = nullptr, *shift_in = nullptr;
   // Row numbers stay below 2^31 (the launcher checks), so row arithmetic is 32-bit.
-  const uint32_t first_group = blockIdx.x * uint32_t(a.row_iters);
+  // One group per block with few vectors per thread: a compile-time trip count keeps the loop
+  // and its bookkeeping off the path of short (decode-sized) calls.
+  const int row_iters = ITEMS <= 2 ? 1 : a.row_iters;
+  const uint32_t first_group = blockIdx.x * uint32_t(row_iters);
   const uint32_t rows = uint32_t(a.rows);
   // Groups load in turn: loading the next one while this one is worked on would double the row
   // registers, and the occupancy that costs outweighs the overlap it buys (measured); the
@@ -97,13 +101,20 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
   Pack<T, VEC> h[ITEMS], b[RES ? ITEMS : 1];
   pdl_wait();
 
-  for (int k = 0; k < a.row_iters; ++k) {
+  for (int k = 0; k < row_iters; ++k) {
     const uint32_t group_row = (first_group + k) * uint32_t(a.rows_per_block);
     if (group_row >= rows) break;  // uniform over the block
     const uint32_t row = group_row + r;
     const bool active = row < rows;
     int64_t i0 = 0, i1 = 0, i2 = 0;
     if (active) a.index.split(row, i0, i1, i2);
+    // Output rows. With few vectors per thread they are addressed before the loads, so that
+    // the arithmetic overlaps the loads' latency instead of following the reduction; with more,
+    // at their use (registers are what bounds those plans).
+    void* const early_out = ITEMS <= 2 && NORM != NormType::kNone
+                                ? at<void>(a.out, i0, i1, i2, a.out_f32 ? sizeof(float) : sizeof(T))
+                                : nullptr;
+    T* const early_residual = ITEMS <= 2 && RES ? at<T>(a.residual_out, i0, i1, i2, sizeof(T)) : nullptr;
     {  // this thread's share of the row (zeros where there is none)
       const T* x = at<const T>(a.x, i0, i1, i2, sizeof(T));
       const T* branch = RES ? at<const T>(a.branch, i0, i1, i2, sizeof(T)) : nullptr;
@@ -170,7 +181,7 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
 
     if constexpr (RES) {
       // h = x + gate * branch, rounded to T as the unfused model materializes it.
-      T* res = at<T>(a.residual_out, i0, i1, i2, sizeof(T));
+      T* res = ITEMS <= 2 ? early_residual : at<T>(a.residual_out, i0, i1, i2, sizeof(T));
 #pragma unroll
       for (int it = 0; it < ITEMS; ++it) {
         const int vi = lane + it * tpr;
@@ -192,6 +203,12 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
       }
     }
     if constexpr (NORM != NormType::kNone) {
+      // A row sum over D as a moment: a multiply by 1 / D on the short plans; the longer plans
+      // keep the division, whose code the compiler allocates fewer registers around there
+      // (a multiply took LTX's 4-vector adaln from 64 to 84 registers, 18.2 -> 20.6 us).
+      auto moment = [&](float row_total) {
+        return ITEMS <= 2 ? row_total * a.inv_width : row_total / float(a.width);
+      };
       float mean = 0.f, var;
       if constexpr (NORM == NormType::kLayer) {
         // Two passes over the registers: the mean, then the squared deviations from it (as
@@ -204,7 +221,7 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
 #pragma unroll
           for (int i = 0; i < VEC; ++i) sum += v[i];
         }
-        mean = row_sum(sum, tpr, scratch[k & 1][0]) / float(a.width);
+        mean = moment(row_sum(sum, tpr, scratch[k & 1][0]));
 #pragma unroll
         for (int it = 0; it < ITEMS; ++it) {
           if (lane + it * tpr < a.vec_per_row) {  // padding holds zeros, not samples
@@ -214,7 +231,7 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
             for (int i = 0; i < VEC; ++i) m2 += (v[i] - mean) * (v[i] - mean);
           }
         }
-        var = row_sum(m2, tpr, scratch[k & 1][1]) / float(a.width);
+        var = moment(row_sum(m2, tpr, scratch[k & 1][1]));
       } else {
         float acc = 0.f;
 #pragma unroll
@@ -224,11 +241,11 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
 #pragma unroll
           for (int i = 0; i < VEC; ++i) acc += v[i] * v[i];
         }
-        var = row_sum(acc, tpr, scratch[k & 1][0]) / float(a.width);
+        var = moment(row_sum(acc, tpr, scratch[k & 1][0]));
       }
       const float rstd = rsqrtf(var + a.eps);
       if (active) {
-        void* out = at<void>(a.out, i0, i1, i2, a.out_f32 ? sizeof(float) : sizeof(T));
+        void* out = ITEMS <= 2 ? early_out : at<void>(a.out, i0, i1, i2, a.out_f32 ? sizeof(float) : sizeof(T));
 #pragma unroll
         for (int it = 0; it < ITEMS; ++it) {
           const int vi = lane + it * tpr;
@@ -459,6 +476,7 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   a.index = row_indexer(layout);
   a.rows = layout.rows;
   a.width = int(args.x.shape[args.x.ndim - 1]);
+  a.inv_width = 1.f / float(a.width);
   a.vec_per_row = a.width / vec;
   auto operand = [](const TensorView& t, const detail::RowStrides& st) {
     return RowOperandArg{t.defined() ? t.data : nullptr, row_offsets(st)};
@@ -516,7 +534,7 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   // A block may take several row groups in turn, its staged copies of constant operands then
   // serving every group. One group per block is the measured default (H200: the resident blocks
   // already keep enough loads in flight); FUSEBOX_NORM_ROW_ITERS (1-8) sets more for tuning runs.
-  a.row_iters = std::max(1, std::min(8, tuning_knobs().norm_row_iters.value_or(1)));
+  a.row_iters = items <= 2 ? 1 : std::max(1, std::min(8, tuning_knobs().norm_row_iters.value_or(1)));
   const bool params_f32 = DType(param_dtype) == DType::kFloat32;
   const bool normalizes = args.norm != NormType::kNone;
   const int n_params = int(args.gate.defined()) + int(normalizes && args.weight.defined()) +
