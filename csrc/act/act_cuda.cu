@@ -29,13 +29,18 @@ struct ActKernelArgs {
 
 template <typename T, int VEC, Activation ACT, bool GATED, bool BIAS>
 __global__ void __launch_bounds__(kBlockThreads) activation_kernel(const ActKernelArgs p) {
-  const int64_t row = p.flat ? 0 : int64_t(blockIdx.x) * p.rows_per_block + threadIdx.y;
-  if (row >= p.rows) return;
-  int64_t i0, i1, i2;
-  p.index.split(row, i0, i1, i2);
-  const T* a = static_cast<const T*>(p.a) + p.sa.at(i0, i1, i2);
-  const T* b = GATED ? static_cast<const T*>(p.b) + p.sb.at(i0, i1, i2) : nullptr;
-  T* out = static_cast<T*>(p.out) + p.sout.at(i0, i1, i2);
+  const T* a = static_cast<const T*>(p.a);
+  const T* b = GATED ? static_cast<const T*>(p.b) : nullptr;
+  T* out = static_cast<T*>(p.out);
+  if (!p.flat) {  // (flat: one row at offset 0, no row arithmetic ahead of the loads)
+    const int64_t row = int64_t(blockIdx.x) * p.rows_per_block + threadIdx.y;
+    if (row >= p.rows) return;
+    int64_t i0, i1, i2;
+    p.index.split(row, i0, i1, i2);
+    a += p.sa.at(i0, i1, i2);
+    if constexpr (GATED) b += p.sb.at(i0, i1, i2);
+    out += p.sout.at(i0, i1, i2);
+  }
   const int first = (p.flat ? blockIdx.x : blockIdx.y) * kItems * blockDim.x + threadIdx.x;
 
   pdl_wait();
@@ -88,13 +93,14 @@ void activation_cuda(const ActPlan& plan, int vec, cudaStream_t stream) {
   p.bias = ParamPtr{plan.bias->defined() ? plan.bias->data : nullptr,
                     plan.bias->defined() && plan.bias->dtype == DType::kFloat32};
 
-  // Flat: one row group, every operand's rows width apart, no bias (its column would need a
-  // division per vector), element offsets within 32 bits. FUSEBOX_ACT_FLAT=0 keeps the row
-  // plan, for tuning runs.
+  // Flat: one row group, every operand's rows width apart (or a single row: a decode step's
+  // gate and up halves of one packed projection), no bias (its column would need a division per
+  // vector), element offsets within 32 bits. FUSEBOX_ACT_FLAT=0 keeps the row plan, for tuning
+  // runs.
   const int64_t total_vecs = p.rows * p.vec_per_row;
   const bool packed = plan.sa.s[2] == width && plan.sout.s[2] == width && (!p.b || plan.sb.s[2] == width);
-  p.flat = tuning_knobs().act_flat.value_or(1) != 0 && p.index.flat && packed && !p.bias.ptr &&
-           p.rows > 1 && (total_vecs + kBlockThreads * kItems) * vec < (int64_t(1) << 31);
+  p.flat = tuning_knobs().act_flat.value_or(1) != 0 && p.index.flat && (packed || p.rows == 1) && !p.bias.ptr &&
+           (total_vecs + kBlockThreads * kItems) * vec < (int64_t(1) << 31);
   if (p.flat) {
     p.rows = 1;
     p.vec_per_row = int(total_vecs);

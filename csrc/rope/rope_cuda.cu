@@ -312,13 +312,25 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const int he
   const GridTable gtab = stage_grid_table<INTERLEAVED, GRID>(a, smem_raw);
 
   const int tpr = a.tpr;
-  const int per_token = tpr * head_groups;
-  const int slot = threadIdx.x / per_token;  // token slot of the block
-  const int hg = (threadIdx.x - slot * per_token) / tpr;
-  const int lane = threadIdx.x % tpr;
+  int slot, hg, lane;  // token slot of the block, lane group, lane
+  if constexpr (ITEMS == 1) {
+    // Decode-sized calls: no divisions ahead of the loads (tpr is a power of two, and a block
+    // holds several tokens only where one token's lanes fill less than 128 threads).
+    lane = int(threadIdx.x) & (tpr - 1);
+    const int group_index = int(threadIdx.x) >> (__ffs(tpr) - 1);
+    slot = a.rows_per_block == 1 ? 0 : group_index / head_groups;
+    hg = group_index - slot * head_groups;
+  } else {
+    const int per_token = tpr * head_groups;
+    slot = threadIdx.x / per_token;
+    hg = (threadIdx.x - slot * per_token) / tpr;
+    lane = threadIdx.x % tpr;
+  }
   const int64_t token = int64_t(blockIdx.x) * a.rows_per_block + slot;
   const int heads = a.Hq + a.Hk;
-  const bool active = slot < a.rows_per_block && token < a.rows && lane < a.units_per_head;
+  // (threads that only complete the block's last warp have hg >= head_groups or a slot past
+  // the block's tokens)
+  const bool active = slot < a.rows_per_block && hg < head_groups && token < a.rows && lane < a.units_per_head;
   int64_t b = 0, s = 0;
   if (active) divmod_index(token, a.S, b, s);
   const int rot_units = L::rotary_units(a.R);
