@@ -17,16 +17,8 @@
 #include <string>
 #include <vector>
 
+#include "common/cuda_common.cuh"
 #include "fusebox/fusebox.h"
-
-#define CHECK(x)                                                                   \
-  do {                                                                             \
-    cudaError_t e_ = (x);                                                          \
-    if (e_ != cudaSuccess) {                                                       \
-      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, cudaGetErrorString(e_)); \
-      std::exit(1);                                                                \
-    }                                                                              \
-  } while (0)
 
 namespace {
 
@@ -44,8 +36,6 @@ __global__ void flush_kernel(const float4* p, size_t n, float* sink) {
   if (acc == 12345.f) *sink = acc;
 }
 
-__device__ __forceinline__ void grid_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
-
 template <int PAD>
 struct EmptyArgs {
   float* p;
@@ -54,7 +44,7 @@ struct EmptyArgs {
 
 template <int PAD, bool PDL>
 __global__ void empty_kernel(const EmptyArgs<PAD> a) {
-  if constexpr (PDL) grid_wait();
+  if constexpr (PDL) fusebox::cuda::pdl_wait();
   if (threadIdx.x == 1000) *a.p = 1.f;
 }
 
@@ -68,42 +58,8 @@ struct RmsArgs {
   char pad[PAD];
 };
 
-// One row per block, one 16-byte vector per thread.
-// PDL 1: waits on the previous grid; 2: also lets the next grid launch once its loads are issued.
-template <int PAD, int PDL>
-__global__ void __launch_bounds__(512) mini_rms_kernel(const RmsArgs<PAD> a) {
-  __shared__ float warp_sums[16];
-  if constexpr (PDL > 0) grid_wait();
-  const size_t base = size_t(blockIdx.x) * a.width + threadIdx.x * 8;
-  const uint4 xv = *reinterpret_cast<const uint4*>(a.x + base);
-  const uint4 wv = *reinterpret_cast<const uint4*>(a.w + threadIdx.x * 8);
-  if constexpr (PDL > 1) asm volatile("griddepcontrol.launch_dependents;" :::);
-  const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w}, ws[4] = {wv.x, wv.y, wv.z, wv.w};
-  float v[8], acc = 0.f;
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = __uint_as_float(xs[i] << 16);
-    v[2 * i + 1] = __uint_as_float(xs[i] & 0xffff0000u);
-  }
-  for (int i = 0; i < 8; ++i) acc += v[i] * v[i];
-  for (int off = 16; off; off >>= 1) acc += __shfl_xor_sync(~0u, acc, off);
-  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
-  __syncthreads();
-  const int warps = blockDim.x >> 5;
-  float total = (threadIdx.x & 31) < warps ? warp_sums[threadIdx.x & 31] : 0.f;
-  for (int off = 16; off; off >>= 1) total += __shfl_xor_sync(~0u, total, off);
-  const float rstd = rsqrtf(total / a.width + a.eps);
-  uint32_t o[4];
-  for (int i = 0; i < 4; ++i) {
-    const float w0 = __uint_as_float(ws[i] << 16), w1 = __uint_as_float(ws[i] & 0xffff0000u);
-    const __nv_bfloat162 r = __floats2bfloat162_rn(v[2 * i] * rstd * w0, v[2 * i + 1] * rstd * w1);
-    memcpy(&o[i], &r, 4);
-  }
-  *reinterpret_cast<uint4*>(a.out + base) = make_uint4(o[0], o[1], o[2], o[3]);
-}
-
-// The same kernel with its five arguments 64 bytes apart: each on its own line of the
-// constant bank that holds kernel arguments, as in a large argument struct whose fields a
-// kernel reads from all over it.
+// The same five arguments 64 bytes apart: each on its own line of the constant bank that holds
+// kernel arguments, as in a large argument struct whose fields a kernel reads from all over it.
 struct RmsSpreadArgs {
   const __nv_bfloat16* x;
   char pad0[56];
@@ -117,13 +73,19 @@ struct RmsSpreadArgs {
   char pad4[60];
 };
 
-__global__ void __launch_bounds__(512) mini_rms_spread_kernel(const RmsSpreadArgs a) {
+// One bf16 row per block, one 16-byte vector per thread: the least a one-vector RMS row kernel
+// does. `bias` (0 in practice) lets a caller make the result depend on extra work. PDL 1 waits
+// on the previous grid; 2 also lets the next grid launch once the loads are issued.
+template <int PDL, typename Args>
+__device__ __forceinline__ void rms_row(const Args& a, float bias = 0.f) {
   __shared__ float warp_sums[16];
+  if constexpr (PDL > 0) fusebox::cuda::pdl_wait();
   const size_t base = size_t(blockIdx.x) * a.width + threadIdx.x * 8;
-  const uint4 xv = __ldg(reinterpret_cast<const uint4*>(a.x + base));
-  const uint4 wv = __ldg(reinterpret_cast<const uint4*>(a.w + threadIdx.x * 8));
+  const uint4 xv = *reinterpret_cast<const uint4*>(a.x + base);
+  const uint4 wv = *reinterpret_cast<const uint4*>(a.w + threadIdx.x * 8);
+  if constexpr (PDL > 1) fusebox::cuda::pdl_release();
   const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w}, ws[4] = {wv.x, wv.y, wv.z, wv.w};
-  float v[8], acc = 0.f;
+  float v[8], acc = bias;
   for (int i = 0; i < 4; ++i) {
     v[2 * i] = __uint_as_float(xs[i] << 16);
     v[2 * i + 1] = __uint_as_float(xs[i] & 0xffff0000u);
@@ -145,12 +107,17 @@ __global__ void __launch_bounds__(512) mini_rms_spread_kernel(const RmsSpreadArg
   *reinterpret_cast<uint4*>(a.out + base) = make_uint4(o[0], o[1], o[2], o[3]);
 }
 
-// The mini kernel with 256 extra integer instructions before its loads (four independent
-// chains, so they issue back to back): as straight-line code (UNROLL, 4 KB more code to fetch)
-// or as a loop of 64 iterations (a few instructions of code, more instructions issued).
+template <int PAD, int PDL>
+__global__ void __launch_bounds__(512) mini_rms_kernel(const RmsArgs<PAD> a) {
+  rms_row<PDL>(a);
+}
+
+__global__ void __launch_bounds__(512) mini_rms_spread_kernel(const RmsSpreadArgs a) { rms_row<0>(a); }
+
+// 256 extra integer instructions before the loads (four chains): as straight-line code
+// (UNROLL, 4 KB more code to fetch) or as a loop of 64 iterations (a few instructions of code).
 template <bool UNROLL>
 __global__ void __launch_bounds__(512) mini_rms_extra_kernel(const RmsArgs<8> a) {
-  __shared__ float warp_sums[16];
   uint32_t c0 = threadIdx.x, c1 = blockIdx.x, c2 = a.width, c3 = threadIdx.x ^ 5;
   if constexpr (UNROLL) {
 #pragma unroll
@@ -159,44 +126,7 @@ __global__ void __launch_bounds__(512) mini_rms_extra_kernel(const RmsArgs<8> a)
 #pragma unroll 1
     for (int i = 0; i < 64; ++i) c0 = c0 * 3u + c1, c1 = c1 * 5u + c2, c2 = c2 * 7u + c3, c3 = c3 * 9u + c0;
   }
-  const size_t base = size_t(blockIdx.x) * a.width + threadIdx.x * 8;
-  const uint4 xv = *reinterpret_cast<const uint4*>(a.x + base);
-  const uint4 wv = *reinterpret_cast<const uint4*>(a.w + threadIdx.x * 8);
-  const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w}, ws[4] = {wv.x, wv.y, wv.z, wv.w};
-  float v[8], acc = float((c0 ^ c1 ^ c2 ^ c3) == 0x12345u);  // 0 in practice, not provably
-  for (int i = 0; i < 4; ++i) {
-    v[2 * i] = __uint_as_float(xs[i] << 16);
-    v[2 * i + 1] = __uint_as_float(xs[i] & 0xffff0000u);
-  }
-  for (int i = 0; i < 8; ++i) acc += v[i] * v[i];
-  for (int off = 16; off; off >>= 1) acc += __shfl_xor_sync(~0u, acc, off);
-  if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
-  __syncthreads();
-  const int warps = blockDim.x >> 5;
-  float total = (threadIdx.x & 31) < warps ? warp_sums[threadIdx.x & 31] : 0.f;
-  for (int off = 16; off; off >>= 1) total += __shfl_xor_sync(~0u, total, off);
-  const float rstd = rsqrtf(total / a.width + a.eps);
-  uint32_t o[4];
-  for (int i = 0; i < 4; ++i) {
-    const float w0 = __uint_as_float(ws[i] << 16), w1 = __uint_as_float(ws[i] & 0xffff0000u);
-    const __nv_bfloat162 r = __floats2bfloat162_rn(v[2 * i] * rstd * w0, v[2 * i + 1] * rstd * w1);
-    memcpy(&o[i], &r, 4);
-  }
-  *reinterpret_cast<uint4*>(a.out + base) = make_uint4(o[0], o[1], o[2], o[3]);
-}
-
-template <typename... KArgs, typename... Args>
-void launch_ex(void (*k)(KArgs...), dim3 grid, dim3 block, bool pdl, cudaStream_t s, Args... args) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  CHECK(cudaLaunchKernelEx(&cfg, k, args...));
+  rms_row<0>(a, float((c0 ^ c1 ^ c2 ^ c3) == 0x12345u));  // 0 in practice, not provably
 }
 
 struct Timer {
@@ -210,22 +140,22 @@ struct Timer {
     std::vector<float> ts;
     for (int c = 0; c < iters; c += 8) {
       cudaEvent_t ev[16];
-      for (auto& e : ev) CHECK(cudaEventCreate(&e));
-      CHECK(cudaStreamSynchronize(s));
+      for (auto& e : ev) FUSEBOX_CUDA_CHECK(cudaEventCreate(&e));
+      FUSEBOX_CUDA_CHECK(cudaStreamSynchronize(s));
       spin_kernel<<<1, 1, 0, s>>>(cycles_per_us * 300);
       for (int i = 0; i < 8; ++i) {
         if (flush) flush_kernel<<<264, 1024, 0, s>>>(flush_buf, flush_n, sink);
-        CHECK(cudaEventRecord(ev[2 * i], s));
+        FUSEBOX_CUDA_CHECK(cudaEventRecord(ev[2 * i], s));
         fn();
-        CHECK(cudaEventRecord(ev[2 * i + 1], s));
+        FUSEBOX_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], s));
       }
-      CHECK(cudaStreamSynchronize(s));
+      FUSEBOX_CUDA_CHECK(cudaStreamSynchronize(s));
       for (int i = 0; i < 8; ++i) {
         float ms;
-        CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+        FUSEBOX_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
         ts.push_back(ms * 1e3f);
       }
-      for (auto& e : ev) CHECK(cudaEventDestroy(e));
+      for (auto& e : ev) FUSEBOX_CUDA_CHECK(cudaEventDestroy(e));
     }
     std::sort(ts.begin(), ts.end());
     return ts[ts.size() / 2];
@@ -240,20 +170,20 @@ fusebox::TensorView view(void* p, std::initializer_list<int64_t> shape) {
 
 int main() {
   cudaStream_t s;
-  CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  FUSEBOX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   int clock_khz = 0;
-  CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
+  FUSEBOX_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
   Timer t{s, nullptr, (size_t(256) << 20) / 16, nullptr, clock_khz / 1000};
-  CHECK(cudaMalloc(&t.flush_buf, t.flush_n * 16));
-  CHECK(cudaMemset(t.flush_buf, 0, t.flush_n * 16));
-  CHECK(cudaMalloc(&t.sink, 4));
+  FUSEBOX_CUDA_CHECK(cudaMalloc(&t.flush_buf, t.flush_n * 16));
+  FUSEBOX_CUDA_CHECK(cudaMemset(t.flush_buf, 0, t.flush_n * 16));
+  FUSEBOX_CUDA_CHECK(cudaMalloc(&t.sink, 4));
   const int max_rows = 256, max_width = 4096;
   __nv_bfloat16 *x, *w, *out;
-  CHECK(cudaMalloc(&x, size_t(max_rows) * max_width * 2));
-  CHECK(cudaMalloc(&out, size_t(max_rows) * max_width * 2));
-  CHECK(cudaMalloc(&w, max_width * 2));
-  CHECK(cudaMemset(x, 0x3f, size_t(max_rows) * max_width * 2));
-  CHECK(cudaMemset(w, 0x3f, max_width * 2));
+  FUSEBOX_CUDA_CHECK(cudaMalloc(&x, size_t(max_rows) * max_width * 2));
+  FUSEBOX_CUDA_CHECK(cudaMalloc(&out, size_t(max_rows) * max_width * 2));
+  FUSEBOX_CUDA_CHECK(cudaMalloc(&w, max_width * 2));
+  FUSEBOX_CUDA_CHECK(cudaMemset(x, 0x3f, size_t(max_rows) * max_width * 2));
+  FUSEBOX_CUDA_CHECK(cudaMemset(w, 0x3f, max_width * 2));
 
   struct Row {
     std::string name;
@@ -261,44 +191,44 @@ int main() {
   };
   std::vector<Row> rows;
   auto add = [&](std::string n, std::function<void()> f) { rows.push_back({std::move(n), std::move(f)}); };
-  add("empty, 8 B args", [&] { launch_ex(empty_kernel<8, false>, 1, 32, false, s, EmptyArgs<8>{t.sink, {}}); });
-  add("empty, 8 B args, PDL", [&] { launch_ex(empty_kernel<8, true>, 1, 32, true, s, EmptyArgs<8>{t.sink, {}}); });
-  add("empty, 384 B args", [&] { launch_ex(empty_kernel<384, false>, 1, 32, false, s, EmptyArgs<384>{t.sink, {}}); });
-  add("empty, 384 B args, PDL", [&] { launch_ex(empty_kernel<384, true>, 1, 32, true, s, EmptyArgs<384>{t.sink, {}}); });
+  add("empty, 8 B args", [&] { fusebox::cuda::launch_pdl(false, empty_kernel<8, false>, 1, 32, 0, s, EmptyArgs<8>{t.sink, {}}); });
+  add("empty, 8 B args, PDL", [&] { fusebox::cuda::launch_pdl(true, empty_kernel<8, true>, 1, 32, 0, s, EmptyArgs<8>{t.sink, {}}); });
+  add("empty, 384 B args", [&] { fusebox::cuda::launch_pdl(false, empty_kernel<384, false>, 1, 32, 0, s, EmptyArgs<384>{t.sink, {}}); });
+  add("empty, 384 B args, PDL", [&] { fusebox::cuda::launch_pdl(true, empty_kernel<384, true>, 1, 32, 0, s, EmptyArgs<384>{t.sink, {}}); });
   for (int shape : {0, 1, 2}) {
     const int nrows = shape == 0 ? 1 : shape == 1 ? 16 : 256;
     const int width = shape == 1 ? 4096 : 2048;
     const std::string tag = std::to_string(nrows) + "x" + std::to_string(width);
     const dim3 grid(nrows), block(width / 8);
     add("mini rms " + tag, [=, &t] {
-      launch_ex(mini_rms_kernel<8, 0>, grid, block, false, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
+      fusebox::cuda::launch_pdl(false, mini_rms_kernel<8, 0>, grid, block, 0, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
     });
     add("mini rms " + tag + ", PDL", [=, &t] {
-      launch_ex(mini_rms_kernel<8, 1>, grid, block, true, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
+      fusebox::cuda::launch_pdl(true, mini_rms_kernel<8, 1>, grid, block, 0, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
     });
     add("mini rms " + tag + ", PDL + early trigger", [=, &t] {
-      launch_ex(mini_rms_kernel<8, 2>, grid, block, true, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
+      fusebox::cuda::launch_pdl(true, mini_rms_kernel<8, 2>, grid, block, 0, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
     });
     add("mini rms " + tag + ", 384 B args", [=, &t] {
-      launch_ex(mini_rms_kernel<384, 0>, grid, block, false, s, RmsArgs<384>{x, w, out, width, 1e-6f, {}});
+      fusebox::cuda::launch_pdl(false, mini_rms_kernel<384, 0>, grid, block, 0, s, RmsArgs<384>{x, w, out, width, 1e-6f, {}});
     });
     add("mini rms " + tag + ", args on 5 lines", [=, &t] {
       RmsSpreadArgs a{};
       a.x = x, a.w = w, a.out = out, a.width = width, a.eps = 1e-6f;
-      launch_ex(mini_rms_spread_kernel, grid, block, false, s, a);
+      fusebox::cuda::launch_pdl(false, mini_rms_spread_kernel, grid, block, 0, s, a);
     });
     add("mini rms " + tag + ", +256 instructions unrolled", [=, &t] {
-      launch_ex(mini_rms_extra_kernel<true>, grid, block, false, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
+      fusebox::cuda::launch_pdl(false, mini_rms_extra_kernel<true>, grid, block, 0, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
     });
     add("mini rms " + tag + ", +256 instructions in a loop", [=, &t] {
-      launch_ex(mini_rms_extra_kernel<false>, grid, block, false, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
+      fusebox::cuda::launch_pdl(false, mini_rms_extra_kernel<false>, grid, block, 0, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
     });
     add("fusebox rms_norm " + tag, [=] {
       fusebox::rms_norm(view(x, {nrows, width}), view(w, {width}), view(out, {nrows, width}), 1e-6f, 0.f, s);
     });
   }
   for (auto& r : rows) r.fn();  // load modules, warm up
-  CHECK(cudaStreamSynchronize(s));
+  FUSEBOX_CUDA_CHECK(cudaStreamSynchronize(s));
   const char* pdl = std::getenv("FUSEBOX_PDL");
   std::printf("FUSEBOX_PDL=%s\n| case | flushed us | warm us |\n|---|---:|---:|\n", pdl ? pdl : "(unset)");
   for (auto& r : rows)

@@ -398,10 +398,10 @@ const TuningKnobs& tuning_knobs();
 bool use_pdl();
 
 // Launches `kernel<<<grid, block, smem, stream>>>(args...)`, with programmatic stream
-// serialization where use_pdl() says so, and checks the launch.
+// serialization when `pdl`, and checks the launch.
 template <typename... KernelArgs, typename... Args>
-void launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-            Args&&... args) {
+void launch_pdl(bool pdl, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -411,8 +411,15 @@ void launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, c
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = use_pdl() ? 1 : 0;
+  cfg.numAttrs = pdl ? 1 : 0;
   FUSEBOX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
+}
+
+// The launch of every fusebox kernel: programmatic dependent launch where use_pdl() says so.
+template <typename... KernelArgs, typename... Args>
+void launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+            Args&&... args) {
+  launch_pdl(use_pdl(), kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 }
 
 inline int next_pow2(int64_t v) {
