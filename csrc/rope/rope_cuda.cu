@@ -332,7 +332,17 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const int he
   // the block's tokens)
   const bool active = slot < a.rows_per_block && hg < head_groups && token < a.rows && lane < a.units_per_head;
   int64_t b = 0, s = 0;
-  if (active) divmod_index(token, a.S, b, s);
+  if (active) {
+    if constexpr (ITEMS == 1) {
+      // (token < 2^31, the launcher checks) a 32-bit division: the 64-bit one is a subroutine
+      // call, whose calling convention put a register through local memory ahead of the loads
+      const uint32_t t = uint32_t(token), seq = uint32_t(a.S), bt = t / seq;
+      b = bt;
+      s = t - bt * seq;
+    } else {
+      divmod_index(token, a.S, b, s);
+    }
+  }
   const int rot_units = L::rotary_units(a.R);
   const bool rotary = lane < rot_units;
   const bool two = rotary && L::kTwoVectors;
@@ -548,7 +558,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
     a.rows = sh.B * sh.S;
     a.rows_per_block = std::max(1, 128 / (a.tpr * head_groups));
     const int64_t blocks = (a.rows + a.rows_per_block - 1) / a.rows_per_block;
-    FUSEBOX_CHECK(blocks < (int64_t(1) << 31), "too many tokens: ", a.rows);
+    FUSEBOX_CHECK(a.rows < (int64_t(1) << 31), "too many tokens: ", a.rows);
     // whole warps: the per-head sums shuffle with every lane of a warp present
     const int threads = (a.tpr * head_groups * a.rows_per_block + 31) / 32 * 32;
     const dim3 grid(static_cast<unsigned>(blocks)), block(static_cast<unsigned>(threads));
