@@ -105,11 +105,12 @@ def run(model, kw):
         return model(**kw)[0]
 
 
-# Per block: LTX runs fused_norm x2 (adaln, residual+norm), gated_residual x2, rotary x1
-# (attn1; attn2 norms q and k with rms_norm), act x1. Wan: fused_norm x3, gated_residual x1.
+# Per block: LTX runs fused_norm x2 (adaln, residual+norm), gated_residual x3 (the modulation
+# sum and two residuals), rotary x1 (attn1; attn2 norms q and k with rms_norm), act x1. Wan:
+# fused_norm x3, gated_residual x2 (the modulation sum, the feed-forward residual).
 EXPECTED_OPS = {
-    "ltx": {"fused_norm": 4, "gated_residual": 4, "rotary": 2, "rms_norm": 4, "act": 2},
-    "wan": {"fused_norm": 6, "gated_residual": 2, "rotary": 2, "rms_norm": 4, "act": 2},
+    "ltx": {"fused_norm": 4, "gated_residual": 6, "rotary": 2, "rms_norm": 4, "act": 2},
+    "wan": {"fused_norm": 6, "gated_residual": 4, "rotary": 2, "rms_norm": 4, "act": 2},
 }
 
 
@@ -154,6 +155,28 @@ def test_bf16_within_bf16_spread(case, device):
 
 
 # --------------------------------------------------------------------------- patch lifecycle
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("per_token", [False, True], ids=["sample", "token"])
+def test_modulation_sum_exact_in_one_launch(device, dtype, per_token):
+    """A block's ``scale_shift_table + temb`` (LTX-Video's [B, T, 6, D] layout) runs as one
+    fusebox launch and equals the eager sum bit for bit; a table of another dtype takes the eager
+    sum."""
+    from fusebox.patch.dit._shared import modulation_sum
+
+    g = torch.Generator().manual_seed(3)
+    table = torch.randn(6, 37, generator=g).to(device, dtype)[None, None]
+    emb = torch.randn(2, 5 if per_token else 1, 6, 37, generator=g).to(device, dtype)
+    with FuseboxOps() as ops:
+        out = modulation_sum(table, emb)
+    assert ops.calls == {"gated_residual": 1}
+    assert out.shape == emb.shape and out.dtype == dtype
+    assert torch.equal(out, table + emb)
+    with FuseboxOps() as ops:
+        mixed = modulation_sum(table.double(), emb)
+    assert not ops.calls and torch.equal(mixed, table.double() + emb)
 
 
 def _state(model):
