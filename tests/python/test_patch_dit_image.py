@@ -417,6 +417,31 @@ def test_compiled_block_has_no_graph_break(name, device):
     assert MODELS[name][2] <= backend.ops      # the fused path is what was traced
 
 
+def test_compiled_pixart_block_forms_the_modulation_sum_once(monkeypatch):
+    """Under inductor, the block's ``scale_shift_table + timestep`` formed by one fusebox launch
+    leaves one buffer whose views feed the fused operators; formed by the eager add, inductor
+    recomputes it into a buffer per term, in kernels of its own."""
+    from torch._inductor import metrics
+
+    from fusebox.patch.dit import pixart
+
+    model, inputs = build("pixart", "cpu")
+    fusebox.patch(model)
+    block, args = _block_cases("pixart", model, inputs, "cpu")[0]
+
+    def compiled_kernels():
+        torch._dynamo.reset()
+        metrics.reset()
+        with torch.no_grad():
+            torch.compile(block, fullgraph=True, backend="inductor")(*args)
+        return metrics.generated_kernel_count
+
+    fused = compiled_kernels()
+    monkeypatch.setattr(pixart, "modulation_sum", lambda table, emb: table + emb)
+    eager_add = compiled_kernels()
+    assert fused < eager_add, (fused, eager_add)
+
+
 # --------------------------------------------------------------------------- generic modules
 
 
