@@ -85,6 +85,12 @@ struct UnitParams {
   float c0[VEC], s0[VEC], c1[VEC], s1[VEC], w0[VEC], w1[VEC];
 };
 
+// The factor a norm weight element w applies: offset + w (Gemma stores w - 1), or 1 when the
+// norm has no weight (or the element was not loaded).
+__device__ __forceinline__ float weight_factor(bool present, float offset, float w) {
+  return present ? offset + w : 1.f;
+}
+
 // Writes one unit of a row: v0 as is outside the rotary part, else the rotated pair(s) (one
 // vector holding interleaved pairs, or two vectors R/2 apart for half-split).
 template <typename L, typename T, int VEC>
@@ -288,8 +294,8 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
     if constexpr (NORM) {
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        v0[i] *= rstd * (w.ptr ? a.weight_offset + p.w0[i] : 1.f);
-        v1[i] *= rstd * (w.ptr && two ? a.weight_offset + p.w1[i] : 1.f);
+        v0[i] *= rstd * weight_factor(w.ptr, a.weight_offset, p.w0[i]);
+        v1[i] *= rstd * weight_factor(w.ptr && two, a.weight_offset, p.w1[i]);
       }
     }
     store_unit<L, T, VEC>(o, d0, d1, rotary, v0, v1, p);
@@ -362,8 +368,8 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const int he
     if (active && a.kw.ptr) load_param<T, VEC>(a.kw, d0, wk);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      wq[i] = a.qw.ptr ? a.weight_offset + wq[i] : 1.f;
-      wk[i] = a.kw.ptr ? a.weight_offset + wk[i] : 1.f;
+      wq[i] = weight_factor(a.qw.ptr, a.weight_offset, wq[i]);
+      wk[i] = weight_factor(a.kw.ptr, a.weight_offset, wk[i]);
     }
   }
   Pack<T, VEC> x0[ITEMS], x1[ITEMS];
@@ -425,8 +431,8 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const int he
       }
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        v0[i] *= r * (w.ptr ? a.weight_offset + w0[i] : 1.f);
-        v1[i] *= r * (w.ptr && two ? a.weight_offset + w1[i] : 1.f);
+        v0[i] *= r * weight_factor(w.ptr, a.weight_offset, w0[i]);
+        v1[i] *= r * weight_factor(w.ptr && two, a.weight_offset, w1[i]);
       }
     }
     if (!(active && h < heads)) continue;
