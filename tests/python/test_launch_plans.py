@@ -61,13 +61,18 @@ for dtype in (BF16, F16, F32):
                          dtype, name="qk_norm_rope q")
             assert_close(k_out, ref.qk_norm_rope(k, kw, cos, sin, 1e-6, False, interleaved),
                          dtype, name="qk_norm_rope k")
-        if dtype != F32:  # fp32 tables with 16-bit data: the plans that do not hold them packed
+        if dtype != F32:  # fp32 tables with 16-bit data: twice the bytes per rotation factor
             cos32, sin32 = cos.float(), sin.float()
-            q_out, k_out = call(fusebox.qk_norm_rope, q, k, qw, kw, cos32, sin32, eps=1e-6)
-            assert_close(q_out, ref.qk_norm_rope(q, qw, cos32, sin32, 1e-6, False, False), dtype,
-                         name="qk_norm_rope q, fp32 tables")
-            assert_close(k_out, ref.qk_norm_rope(k, kw, cos32, sin32, 1e-6, False, False), dtype,
-                         name="qk_norm_rope k, fp32 tables")
+            for interleaved in (False, True):
+                q_out, k_out = call(fusebox.rope, q, k, cos32, sin32, interleaved=interleaved)
+                assert_close(q_out, ref.rope(q, cos32, sin32, interleaved), dtype, name="rope q, fp32 tables")
+                assert_close(k_out, ref.rope(k, cos32, sin32, interleaved), dtype, name="rope k, fp32 tables")
+                q_out, k_out = call(fusebox.qk_norm_rope, q, k, qw, kw, cos32, sin32, eps=1e-6,
+                                    interleaved=interleaved)
+                assert_close(q_out, ref.qk_norm_rope(q, qw, cos32, sin32, 1e-6, False, interleaved),
+                             dtype, name="qk_norm_rope q, fp32 tables")
+                assert_close(k_out, ref.qk_norm_rope(k, kw, cos32, sin32, 1e-6, False, interleaved),
+                             dtype, name="qk_norm_rope k, fp32 tables")
     # activations: packed rows (one long row unless FUSEBOX_ACT_FLAT=0), a bias and a strided
     # input (the row plan either way), odd widths
     for rows, width in ((1, 11008), (37, 4104), (9, 1001)):
