@@ -195,6 +195,14 @@ __device__ __forceinline__ void async_copy_wait() {
 #endif
 }
 
+// One element, widened to fp32.
+template <typename T>
+__device__ __forceinline__ float load_scalar(const T* p) {
+  float v[1];
+  unpack(load_pack<T, 1>(p), v);
+  return v[0];
+}
+
 template <typename T, int N>
 struct VecIO {
   __device__ __forceinline__ static void load(const T* p, float (&out)[N]) { unpack(load_pack<T, N>(p), out); }
@@ -293,27 +301,40 @@ __device__ __forceinline__ float lane_group_sum(float v, int width) {
   return sums[0];
 }
 
-// Sum over the `tpr` threads of one row, rows laid out along threadIdx.x (row r owns threads
-// [r * tpr, (r + 1) * tpr)). tpr is a power of two <= 32 (a shuffle within the warp) or a
-// multiple of 32: shuffles, one barrier through `scratch` (one float per warp of the block),
-// then each group of `width` lanes (the row's warp count rounded up to a power of two) reads
-// the row's warp sums, one per lane, and combines them by shuffles, so every lane ends with
-// the total after log2(width) steps instead of a loop over the warps. Rows of several warps
-// share a block only when tpr is a power of two. Every thread of the block must call it. A
-// kernel that reduces more than once uses a separate scratch array per reduction, so no
-// barrier is needed before the writes.
-__device__ __forceinline__ float row_sum(float v, int tpr, float* scratch) {
-  if (tpr <= 32) return lane_group_sum(v, tpr);
-  v = lane_group_sum(v, 32);
+// Sums over the `tpr` threads of one row, rows laid out along threadIdx.x (row r owns threads
+// [r * tpr, (r + 1) * tpr)), of N values at once. tpr is a power of two <= 32 (shuffles within
+// the warp) or a multiple of 32: shuffles, one barrier through `scratch` (N arrays of one float
+// per warp of the block, `stride` floats apart), then each group of `width` lanes (the row's
+// warp count rounded up to a power of two) reads the row's warp sums, one per lane, and combines
+// them by shuffles, so every lane ends with the totals after log2(width) steps instead of a loop
+// over the warps. Rows of several warps share a block only when tpr is a power of two. Every
+// thread of the block must call it. A kernel that reduces more than once uses separate scratch
+// arrays per reduction, so no barrier is needed before the writes.
+template <int N>
+__device__ __forceinline__ void row_sums(float (&v)[N], int tpr, float* scratch, int stride) {
+  if (tpr <= 32) {
+    lane_group_sums(v, tpr);
+    return;
+  }
+  lane_group_sums(v, 32);
   const int warp = threadIdx.x >> 5;
-  if ((threadIdx.x & 31) == 0) scratch[warp] = v;
+  if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) scratch[i * stride + warp] = v[i];
+  }
   __syncthreads();
   const int warps = tpr >> 5, first = tpr == int(blockDim.x) ? 0 : warp & ~(warps - 1);
   const int width = 1 << (32 - __clz(warps - 1));  // power of two >= warps (warps >= 2)
   const int w = threadIdx.x & (width - 1);
-  float total = w < warps ? scratch[first + w] : 0.f;
-  for (int off = width >> 1; off > 0; off >>= 1) total += __shfl_xor_sync(0xffffffffu, total, off);
-  return total;
+#pragma unroll
+  for (int i = 0; i < N; ++i) v[i] = w < warps ? scratch[i * stride + first + w] : 0.f;
+  lane_group_sums(v, width);
+}
+
+__device__ __forceinline__ float row_sum(float v, int tpr, float* scratch) {
+  float sums[1] = {v};
+  row_sums(sums, tpr, scratch, 0);
+  return sums[0];
 }
 
 // ---------------------------------------------------------------- programmatic dependent launch

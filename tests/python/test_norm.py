@@ -204,6 +204,19 @@ def test_layer_norm_offset_mean_fp32(device, gen):
     assert_close(call(fusebox.layer_norm, x, w, b), ref.layer_norm(x, w, b, 1e-5), F32)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("width", [1024, 4096])
+def test_layer_norm_outlier_first_element(device, gen, dtype, width):
+    # Mean 8, std 1, and a first element 300 (width 1024) or 1000 (4096) std above: the
+    # worst pivot for moments taken about a row's first element (16-bit rows), whose
+    # cancellation must stay under the output's rounding; fp32 rows take two row sums.
+    x = randn(gen, (6, width), F32, device, offset=8.0)
+    x[:, 0] += 300.0 if width == 1024 else 1000.0
+    x = x.to(dtype)
+    w, b = affine_params(gen, "weight_bias", width, dtype, device)
+    assert_close(call(fusebox.layer_norm, x, w, b), ref.layer_norm(x, w, b, 1e-5), dtype)
+
+
 @pytest.mark.parametrize("xd", [F16, BF16])
 def test_layer_norm_out_dtype_float32(device, gen, xd):
     x = randn(gen, (5, 1000), xd, device)
