@@ -2,8 +2,11 @@
 # GPU proof in one call: builds against the torch installed on the GPU machine, runs the C++
 # and Python suites on CUDA, runs them again under compute-sanitizer memcheck, optionally runs
 # the benchmark, and prints a pass/fail table last.
-# Usage: scripts/gpu_check.sh [stages...]   stages: test sanitize bench quick e2e (default: test sanitize)
+# Usage: scripts/gpu_check.sh [stages...]   stages: test sanitize tune bench quick e2e (default: test sanitize)
 # Env: OUT (where logs and results go; default ./gpu_out), PY (default python3),
+#      PYTEST_PATHS (the test stage's selection; default tests/python),
+#      TUNE_CASES / TUNE_SETTINGS (the tune stage: scripts/tune.py --cases / --settings),
+#      SANITIZE_TIMEOUT (seconds for the memcheck pytest run; default 420),
 #      FUSEBOX_CUDA_ARCHS (default: the GPU's), .whl/ wheels are installed to /tmp/site if present,
 #      .gtest/ (a GoogleTest source tree) is used when the machine has no GoogleTest package.
 set -uo pipefail
@@ -53,7 +56,8 @@ for stage in "${stages[@]}"; do
       "$cpp_tests" --gtest_brief=1 >"$out/cpp_tests.log" 2>&1
       rc=$?; record "C++ tests (CPU + CUDA vs CPU)" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/cpp_tests.log" | tr '\n' ' ') $(( $(date +%s) - t0 )) s"
       t0=$(date +%s)
-      "$py" -m pytest tests/python -q -p no:cacheprovider --maxfail=40 -rf --junitxml="$out/pytest.xml" >"$out/pytest.log" 2>&1
+      # shellcheck disable=SC2086
+      "$py" -m pytest ${PYTEST_PATHS:-tests/python} -q -p no:cacheprovider --maxfail=40 -rf --junitxml="$out/pytest.xml" >"$out/pytest.log" 2>&1
       rc=$?; record "pytest (CPU + CUDA)" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(pytest_line "$out/pytest.log"), $(( $(date +%s) - t0 )) s"
       [ $rc -ne 0 ] && grep -E "^FAILED|Error" "$out/pytest.log" | head -60
       ;;
@@ -63,10 +67,16 @@ for stage in "${stages[@]}"; do
         >"$out/sanitizer_cpp.log" 2>&1
       rc=$?; record "memcheck: C++ CUDA tests" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(grep -E 'ERROR SUMMARY' "$out/sanitizer_cpp.log" | tail -1), $(( $(date +%s) - t0 )) s"
       t0=$(date +%s)
-      timeout 420 compute-sanitizer --tool memcheck --error-exitcode 9 --target-processes all \
+      timeout "${SANITIZE_TIMEOUT:-420}" compute-sanitizer --tool memcheck --error-exitcode 9 --target-processes all \
         "$py" -m pytest tests/python/test_norm.py tests/python/test_rope.py tests/python/test_activation.py \
         -q -p no:cacheprovider -k cuda -m "not large" >"$out/sanitizer_py.log" 2>&1
       rc=$?; record "memcheck: pytest CUDA op tests" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(grep -E 'ERROR SUMMARY' "$out/sanitizer_py.log" | tail -1); $(pytest_line "$out/sanitizer_py.log"), $(( $(date +%s) - t0 )) s"
+      ;;
+    tune)
+      t0=$(date +%s)
+      "$py" scripts/tune.py --cases "${TUNE_CASES:?TUNE_CASES}" --settings "${TUNE_SETTINGS:-default}" \
+        2>&1 | tee "$out/tune.txt"
+      rc=${PIPESTATUS[0]}; record "tune.py" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(( $(date +%s) - t0 )) s"
       ;;
     bench|quick)
       t0=$(date +%s)
