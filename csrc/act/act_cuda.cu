@@ -1,10 +1,11 @@
 // Elementwise activation kernel over rows: out = act(a + bias) [* b]. Each thread moves
 // kItems vectors of a row; column chunks spread wide rows over several blocks so that even one
 // row (decode) fills more than one SM. Operands whose rows are packed end to end (no bias)
-// may instead run as one long row (`flat`): every block full, consecutive blocks on
-// consecutive memory. The activation and the presence of `b` / bias are
-// template parameters, so the per-element loop is straight-line code, and kItems stays small
-// to keep the kernel short (instruction fetch is part of the latency of short launches).
+// may instead run as one long row (FLAT): every block full, consecutive blocks on
+// consecutive memory. The activation, the presence of `b` / bias and FLAT are template
+// parameters, so the per-element loop is straight-line code and a flat kernel carries no row
+// arithmetic at all; kItems stays small to keep the kernel short (instruction fetch is part
+// of the latency of short launches).
 #include "act/act_impl.h"
 #include "common/cuda_common.cuh"
 
@@ -19,7 +20,6 @@ struct ActKernelArgs {
   int64_t rows;
   int vec_per_row;
   int rows_per_block;
-  bool flat;  // one row of rows * width elements: the chunk is blockIdx.x
   const void* a;
   const void* b;
   void* out;
@@ -27,12 +27,13 @@ struct ActKernelArgs {
   ParamPtr bias;
 };
 
-template <typename T, int VEC, Activation ACT, bool GATED, bool BIAS>
+// FLAT: one row of rows * width elements at offset 0 (the chunk is blockIdx.x).
+template <typename T, int VEC, Activation ACT, bool GATED, bool BIAS, bool FLAT>
 __global__ void __launch_bounds__(kBlockThreads) activation_kernel(const ActKernelArgs p) {
   const T* a = static_cast<const T*>(p.a);
   const T* b = GATED ? static_cast<const T*>(p.b) : nullptr;
   T* out = static_cast<T*>(p.out);
-  if (!p.flat) {  // (flat: one row at offset 0, no row arithmetic ahead of the loads)
+  if constexpr (!FLAT) {
     const int64_t row = int64_t(blockIdx.x) * p.rows_per_block + threadIdx.y;
     if (row >= p.rows) return;
     int64_t i0, i1, i2;
@@ -41,7 +42,7 @@ __global__ void __launch_bounds__(kBlockThreads) activation_kernel(const ActKern
     if constexpr (GATED) b += p.sb.at(i0, i1, i2);
     out += p.sout.at(i0, i1, i2);
   }
-  const int first = (p.flat ? blockIdx.x : blockIdx.y) * kItems * blockDim.x + threadIdx.x;
+  const int first = (FLAT ? blockIdx.x : blockIdx.y) * kItems * blockDim.x + threadIdx.x;
 
   pdl_wait();
   Pack<T, VEC> va[kItems], vb[kItems];
@@ -99,9 +100,9 @@ void activation_cuda(const ActPlan& plan, int vec, cudaStream_t stream) {
   // runs.
   const int64_t total_vecs = p.rows * p.vec_per_row;
   const bool packed = plan.sa.s[2] == width && plan.sout.s[2] == width && (!p.b || plan.sb.s[2] == width);
-  p.flat = tuning_knobs().act_flat.value_or(1) != 0 && p.index.flat && (packed || p.rows == 1) && !p.bias.ptr &&
-           (total_vecs + kBlockThreads * kItems) * vec < (int64_t(1) << 31);
-  if (p.flat) {
+  const bool flat = tuning_knobs().act_flat.value_or(1) != 0 && p.index.flat && (packed || p.rows == 1) &&
+                    !p.bias.ptr && (total_vecs + kBlockThreads * kItems) * vec < (int64_t(1) << 31);
+  if (flat) {
     p.rows = 1;
     p.vec_per_row = int(total_vecs);
   }
@@ -109,19 +110,25 @@ void activation_cuda(const ActPlan& plan, int vec, cudaStream_t stream) {
   if (tpr > kBlockThreads) tpr = kBlockThreads;
   p.rows_per_block = kBlockThreads / tpr;
   const int64_t chunks = (p.vec_per_row + int64_t(tpr) * kItems - 1) / (int64_t(tpr) * kItems);
-  FUSEBOX_CHECK(p.flat || chunks <= 65535, "row width ", width, " is too wide for the activation kernel");
+  FUSEBOX_CHECK(flat || chunks <= 65535, "row width ", width, " is too wide for the activation kernel");
   const int64_t blocks = (p.rows + p.rows_per_block - 1) / p.rows_per_block;
   FUSEBOX_CHECK(blocks < (int64_t(1) << 31), "too many rows: ", p.rows);
   const dim3 block(tpr, p.rows_per_block);
-  const dim3 grid = p.flat ? dim3(static_cast<unsigned>(chunks))
+  const dim3 grid = flat ? dim3(static_cast<unsigned>(chunks))
                            : dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(chunks));
   dispatch_dtype(plan.a->dtype, [&](auto t) {
     using T = decltype(t);
     dispatch_vec<T>(vec, [&](auto v) {
       constexpr int V = decltype(v)::value;
       auto go = [&](auto act, auto gated, auto bias) {
-        launch(activation_kernel<T, V, decltype(act)::value, decltype(gated)::value, decltype(bias)::value>,
-               grid, block, 0, stream, p);
+        constexpr Activation kAct = decltype(act)::value;
+        constexpr bool kGated = decltype(gated)::value, kBias = decltype(bias)::value;
+        if constexpr (kBias)  // (a bias never runs flat)
+          launch(activation_kernel<T, V, kAct, kGated, kBias, false>, grid, block, 0, stream, p);
+        else if (flat)
+          launch(activation_kernel<T, V, kAct, kGated, kBias, true>, grid, block, 0, stream, p);
+        else
+          launch(activation_kernel<T, V, kAct, kGated, kBias, false>, grid, block, 0, stream, p);
       };
       using Act = Activation;
       auto with_act = [&](auto gated, auto bias) {
