@@ -422,19 +422,39 @@ __global__ void __launch_bounds__(kStreamThreads) norm_stream_kernel(const NormK
 
 // ---------------------------------------------------------------- launch plan
 
-// Vectors per thread on the register path (0: streaming path).
+// What the launch plan depends on, besides the row count and width.
+struct RowOpTraits {
+  bool normalizes;       // RMS or Layer (not a residual add alone)
+  bool residual;         // a branch is added first
+  bool plain_residual;   // ... without a gate or modulation (fused_add_rms_norm)
+  bool modulated;        // scale and/or shift
+  bool per_row_operand;  // a gate or modulation that changes from row to row (per token)
+  bool small_operands;   // any of weight, bias, gate, scale, shift present
+};
+
+// Vectors per thread on the register path (0: streaming path). H200 figures; "2026-11-25"
+// is bench/results/2026-11-25_h200_05f87b3/tune/norm_plans_*.
+// - a gated residual without a norm (nothing to reduce, so nothing for staging to hide): 1 vector
+//   per thread up to 512 vectors a row, else 2, with the gate in registers (2026-11-25: LTX
+//   19.78 -> 19.44 us, FLUX 23.92 -> 23.60, Wan 1.3B 74.72 -> 73.12 with 1; Wan 14B's
+//   640-vector rows 236.5 -> 231.1 with 2).
 // - 1 when one vector per thread needs at most half the GPU's resident threads (decode and
 //   other small calls): the shortest path from the row's loads to its stores, which is what
-//   bounds a call of one wave (H200: 256x4096 6.13 -> 5.89 us; at 512x4096, a full wave,
-//   7.39 -> 8.51 us, so not there).
+//   bounds a call of one wave.
+// - 2 for a norm without a residual, modulation or any small operand (RMSNorm with no weight)
+//   of rows up to 512 vectors: nothing to stage, and the short plan is leaner than 4 vectors
+//   (2026-11-25, every such case 2-8% faster: LTX 15.02 -> 14.51 us, [4x4096x3072] 52.22 ->
+//   51.23, [1x1024x2048] 6.62 -> 6.11, where 1 vector took 6.30). With a weight, 4 stays ahead
+//   from 2048 rows up (2048x4096 12.91 vs 13.50 with 2).
+// - 1 for a norm without a residual or modulation up to a full wave: 2026-11-25, [1x512x4096]
+//   7.17 -> 6.82 us (before the short plans of 00ba0d1 it lost there, 7.39 -> 8.51); with a
+//   residual it still loses ([1x512x4096] 8.38 -> 9.28).
 // - 2 for a plain residual add + norm (fused_add_rms_norm: no gate, no modulation) of rows up to
 //   512 vectors: x and the residual in flight with the small operands in registers. Measured
-//   together with the shuffle row sum against the previous kernels (H200, 2026-11-24 tune/4):
-//   2048x2048 13.79 -> 13.17 us, [1x512x4096] 9.50 -> 8.90. The norm alone and the modulated
-//   ops were slower with 2 in the one run that forced it (tune/2, whose row sum was still the
-//   faulty first version). Re-measured with the correct one (2026-11-24_h200_b6c53a1
-//   tune/norm_items): slower for the norm alone and the per-sample modulated ops, e.g.
-//   LayerNorm LTX 19.0 -> 20.4 us, adaln FLUX 24.3 -> 30.0.
+//   together with the shuffle row sum against the previous kernels (2026-11-24 tune/4):
+//   2048x2048 13.79 -> 13.17 us, [1x512x4096] 9.50 -> 8.90. The norm with a weight and the
+//   per-sample modulated ops are slower with 2 (2026-11-24_h200_b6c53a1 tune/norm_items:
+//   LayerNorm LTX 19.0 -> 20.4 us, adaln FLUX 24.3 -> 30.0).
 // - 2 as well for rows of up to 256 vectors whose modulation or gate changes from row to row
 //   (per-token modulation): their operands load with the row into registers instead of being
 //   staged (same run: adaln Wan 1.3B per token 162.8 -> 148.5 us, LTX per token 25.6 -> 25.0,
@@ -443,18 +463,22 @@ __global__ void __launch_bounds__(kStreamThreads) norm_stream_kernel(const NormK
 //   8 for wide rows of the ops without a residual (with one, 8 vectors of x, branch and gate
 //   exceed the register budget).
 // Odd widths (one element per vector) use 8.
-int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, bool residual, bool plain_residual,
-               bool per_row_operand) {
+int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOpTraits& op) {
   if (!full_vectors) return vec_per_row <= 8 * kMaxThreads ? 8 : 0;
   const int forced = tuning_knobs().norm_items.value_or(0);
-  if ((forced == 1 || forced == 2 || forced == 4 || (forced == 8 && !residual)) && vec_per_row <= forced * kMaxThreads)
+  if ((forced == 1 || forced == 2 || forced == 4 || (forced == 8 && !op.residual)) &&
+      vec_per_row <= forced * kMaxThreads)
     return forced;
-  const DeviceLimits& dev = device_limits();
-  if (vec_per_row <= kMaxThreads && rows * vec_per_row <= int64_t(dev.sm_count) * 1024) return 1;
-  if (plain_residual && vec_per_row <= kMaxThreads) return 2;
-  if (per_row_operand && vec_per_row <= 256) return 2;
+  if (!op.normalizes && vec_per_row <= 2 * kMaxThreads) return vec_per_row <= kMaxThreads ? 1 : 2;
+  const int64_t wave = int64_t(device_limits().sm_count) * 2048;  // resident threads of the GPU
+  const bool plain_norm = !op.residual && !op.modulated;
+  if (vec_per_row <= kMaxThreads && rows * vec_per_row <= wave / 2) return 1;
+  if (plain_norm && !op.small_operands && vec_per_row <= kMaxThreads) return 2;
+  if (plain_norm && vec_per_row <= kMaxThreads && rows * vec_per_row <= wave) return 1;
+  if (op.plain_residual && vec_per_row <= kMaxThreads) return 2;
+  if (op.per_row_operand && vec_per_row <= 256) return 2;
   if (vec_per_row <= 4 * kMaxThreads) return 4;
-  if (vec_per_row <= 8 * kMaxThreads && !residual) return 8;
+  if (vec_per_row <= 8 * kMaxThreads && !op.residual) return 8;
   return 0;
 }
 
@@ -543,11 +567,16 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   const bool full_vectors = vec * int(dtype_size(args.x.dtype)) == 16;
   const bool res = args.branch.defined();
   const bool mod = args.scale.defined() || args.shift.defined();
-  const bool plain_residual = res && !args.gate.defined() && !mod && args.norm != NormType::kNone;
+  const bool normalizes = args.norm != NormType::kNone;
   // An operand that changes from row to row (per-token modulation or gate).
   bool per_row_operand = false;
   for (const auto* st : {&s.gate, &s.scale, &s.shift}) per_row_operand |= layout.sizes[2] > 1 && st->s[2] != 0;
-  const int items = pick_items(a.rows, a.vec_per_row, full_vectors, res, plain_residual, per_row_operand);
+  const int n_params = int(args.gate.defined()) + int(normalizes && args.weight.defined()) +
+                       int(normalizes && args.bias.defined()) + int(args.scale.defined()) +
+                       int(args.shift.defined());
+  const RowOpTraits traits{normalizes, res, res && !args.gate.defined() && !mod && normalizes, mod,
+                           per_row_operand, n_params > 0};
+  const int items = pick_items(a.rows, a.vec_per_row, full_vectors, traits);
   const int param_dtype = shared_param_dtype(args);
   FUSEBOX_CHECK(a.rows < (int64_t(1) << 31), "too many rows: ", a.rows);
 
@@ -576,10 +605,6 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   // already keep enough loads in flight); FUSEBOX_NORM_ROW_ITERS (1-8) sets more for tuning runs.
   a.row_iters = items <= 2 ? 1 : std::max(1, std::min(8, tuning_knobs().norm_row_iters.value_or(1)));
   const bool params_f32 = DType(param_dtype) == DType::kFloat32;
-  const bool normalizes = args.norm != NormType::kNone;
-  const int n_params = int(args.gate.defined()) + int(normalizes && args.weight.defined()) +
-                       int(normalizes && args.bias.defined()) + int(args.scale.defined()) +
-                       int(args.shift.defined());
   // Staging pays when an operand changes from row to row (its copy overlaps the row's loads)
   // or is 16-bit; fp32 operands that stay the same for every row are read straight from
   // global memory (L1 hits), which keeps more rows resident (Wan 14B adaln: 355 -> 291 us).
