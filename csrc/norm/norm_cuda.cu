@@ -433,7 +433,7 @@ struct RowOpTraits {
 };
 
 // Vectors per thread on the register path (0: streaming path). H200 figures; "2026-11-25"
-// is bench/results/2026-11-25_h200_05f87b3/tune/norm_plans_*.
+// is bench/results/2026-11-25_h200_05f87b3/tune/norm_*.
 // - a gated residual without a norm (nothing to reduce, so nothing for staging to hide): 1 vector
 //   per thread up to 512 vectors a row, else 2, with the gate in registers (2026-11-25: LTX
 //   19.78 -> 19.44 us, FLUX 23.92 -> 23.60, Wan 1.3B 74.72 -> 73.12 with 1; Wan 14B's
