@@ -389,6 +389,7 @@ void dispatch_vec(int vec, F&& f) {
 struct DeviceLimits {
   int major = 0;        // compute capability
   int sm_count = 0;
+  int threads_per_sm = 0;  // resident threads per SM (2048 on sm_80/sm_90, 1024 on sm_75)
   int smem_optin = 0;   // max dynamic shared memory per block after opt-in
   int smem_per_sm = 0;
 };
