@@ -123,12 +123,10 @@ void activation_cuda(const ActPlan& plan, int vec, cudaStream_t stream) {
       auto go = [&](auto act, auto gated, auto bias) {
         constexpr Activation kAct = decltype(act)::value;
         constexpr bool kGated = decltype(gated)::value, kBias = decltype(bias)::value;
-        if constexpr (kBias)  // (a bias never runs flat)
-          launch(activation_kernel<T, V, kAct, kGated, kBias, false>, grid, block, 0, stream, p);
-        else if (flat)
-          launch(activation_kernel<T, V, kAct, kGated, kBias, true>, grid, block, 0, stream, p);
-        else
-          launch(activation_kernel<T, V, kAct, kGated, kBias, false>, grid, block, 0, stream, p);
+        if constexpr (!kBias) {  // (a bias never runs flat)
+          if (flat) return launch(activation_kernel<T, V, kAct, kGated, kBias, true>, grid, block, 0, stream, p);
+        }
+        launch(activation_kernel<T, V, kAct, kGated, kBias, false>, grid, block, 0, stream, p);
       };
       using Act = Activation;
       auto with_act = [&](auto gated, auto bias) {

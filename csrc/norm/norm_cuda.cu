@@ -470,7 +470,7 @@ int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOp
       vec_per_row <= forced * kMaxThreads)
     return forced;
   if (!op.normalizes && vec_per_row <= 2 * kMaxThreads) return vec_per_row <= kMaxThreads ? 1 : 2;
-  const int64_t wave = int64_t(device_limits().sm_count) * device_limits().threads_per_sm;  // resident threads
+  const int64_t wave = device_limits().resident_threads();
   const bool plain_norm = !op.residual && !op.modulated;
   if (vec_per_row <= kMaxThreads && rows * vec_per_row <= wave / 2) return 1;
   if (plain_norm && !op.small_operands && vec_per_row <= kMaxThreads) return 2;

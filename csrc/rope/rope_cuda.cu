@@ -553,7 +553,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   //   4, 1112 with 2).
   const int64_t lanes_one_head_each = sh.B * sh.S * heads * int64_t(head_tpr);
   int head_items = heads >= 4 ? (norm && two_vectors ? 2 : 4) : heads >= 2 ? 2 : 1;
-  if (lanes_one_head_each <= int64_t(device_limits().sm_count) * device_limits().threads_per_sm / 2) head_items = 1;
+  if (lanes_one_head_each <= device_limits().resident_threads() / 2) head_items = 1;
   while (head_items < 4 && head_tpr * ((heads + head_items - 1) / head_items) > kMaxThreads) head_items *= 2;
   const int forced_items = tuning_knobs().rope_items.value_or(0);
   if (forced_items == 1 || forced_items == 2 || forced_items == 4) head_items = forced_items;
