@@ -98,6 +98,25 @@ def test_rms_norm_large(device, gen, dtypes, width):
     assert_close(call(fusebox.rms_norm, x, w), ref.rms_norm(x, w), xd)
 
 
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+def test_plans_between_half_and_full_wave(device, gen, dtypes):
+    """Calls of half to one wave of resident threads on an H100/H200, where the default plan
+    depends on the op: RMSNorm without a weight takes 2 vectors per thread, with a weight 1, and
+    a gated residual of 640 vectors a row 2 (the smaller CPU rows check the same semantics)."""
+    xd, pd = dtypes
+    rows = 1024 if torch.device(device).type == "cuda" else 6
+    x = randn(gen, (rows, 2048), xd, device)
+    assert_close(call(fusebox.rms_norm, x, None), ref.rms_norm(x, None), xd, name="no weight")
+    x = randn(gen, (rows // 2, 4096), xd, device)
+    w = weight(gen, 4096, pd, device)
+    assert_close(call(fusebox.rms_norm, x, w), ref.rms_norm(x, w), xd, name="weight")
+    shape = (2, rows // 2, 5120)
+    x, branch = randn(gen, shape, xd, device), randn(gen, shape, xd, device)
+    gate = modulation(gen, "sample", shape, 1, pd, device)[0]
+    assert_close(call(fusebox.gated_residual, x, branch, gate), ref.gated_residual(x, branch, gate), xd,
+                 name="gated_residual")
+
+
 # --------------------------------------------------------------------------- fused_add_rms_norm
 
 
