@@ -5,7 +5,8 @@
 # Usage: scripts/gpu_check.sh [stages...]   stages: test sanitize tune bench quick e2e (default: test sanitize)
 # Env: OUT (where logs and results go; default ./gpu_out), PY (default python3),
 #      PYTEST_PATHS (the test stage's selection; default tests/python),
-#      TUNE_CASES / TUNE_SETTINGS (the tune stage: scripts/tune.py --cases / --settings),
+#      TUNE_CASES / TUNE_SETTINGS / TUNE_DTYPES (the tune stage: scripts/tune.py --cases / --settings,
+#      once per dtype, default bf16),
 #      SANITIZE_TIMEOUT (seconds for the memcheck pytest run; default 420),
 #      FUSEBOX_CUDA_ARCHS (default: the GPU's), .whl/ wheels are installed to /tmp/site if present,
 #      .gtest/ (a GoogleTest source tree) is used when the machine has no GoogleTest package.
@@ -73,10 +74,14 @@ for stage in "${stages[@]}"; do
       rc=$?; record "memcheck: pytest CUDA op tests" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(grep -E 'ERROR SUMMARY' "$out/sanitizer_py.log" | tail -1); $(pytest_line "$out/sanitizer_py.log"), $(( $(date +%s) - t0 )) s"
       ;;
     tune)
-      t0=$(date +%s)
-      "$py" scripts/tune.py --cases "${TUNE_CASES:?TUNE_CASES}" --settings "${TUNE_SETTINGS:-default}" \
-        2>&1 | tee "$out/tune.txt"
-      rc=${PIPESTATUS[0]}; record "tune.py" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(( $(date +%s) - t0 )) s"
+      t0=$(date +%s); rc=0; : >"$out/tune.txt"
+      for dtype in ${TUNE_DTYPES:-bf16}; do
+        echo "== $dtype" | tee -a "$out/tune.txt"
+        "$py" scripts/tune.py --cases "${TUNE_CASES:?TUNE_CASES}" --settings "${TUNE_SETTINGS:-default}" \
+          --dtype "$dtype" 2>&1 | tee -a "$out/tune.txt"
+        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+      done
+      record "tune.py" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(( $(date +%s) - t0 )) s"
       ;;
     bench|quick)
       t0=$(date +%s)

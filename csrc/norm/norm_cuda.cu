@@ -77,7 +77,7 @@ struct ParamSlots {
 // written out; MOD: scale and/or shift modulate the normalized row. P: dtype of every small
 // operand present.
 template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD>
-__global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernelArgs a) {
+__device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // [iteration parity][reduction]: one float per warp for each of a row's (at most two) sums;
   // by parity since a fast thread may start the next row's reduction while a slow one still
@@ -324,6 +324,21 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
   }
 }
 
+template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD>
+__global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernelArgs a) {
+  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD>(a);
+}
+
+// The same rows with room for two blocks of kMaxThreads per SM: 64 registers a thread. The
+// bound reaches the compiler's scheduling, not only the register allocator, so the 4-vector
+// modulated rows fit without spills (ptxas, sm_90: fp16 92-100 -> 64 registers; bf16 stays at
+// 64 and loses its 8-20 bytes of spills), where a bare register cap (__maxnreg__(64)) spills
+// 60-84 bytes. Compiled for those rows only; FUSEBOX_REG_CAPS=1 launches it (tuning runs).
+template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD>
+__global__ void __launch_bounds__(kMaxThreads, 2) norm_rows_kernel_64_registers(const NormKernelArgs a) {
+  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD>(a);
+}
+
 // ---------------------------------------------------------------- streaming path
 
 template <typename T, int VEC>
@@ -514,10 +529,16 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, int n_params, int6
     if constexpr ((kRes && VEC > 1 && ITEMS == 8) || (kNorm == NormType::kNone && (!kRes || kMod))) {
       FUSEBOX_CHECK(false, "no norm kernel for this launch plan");
     } else {
-      const auto kernel = norm_rows_kernel<T, P, VEC, ITEMS, kNorm, kRes, kMod>;
-      // (the kernel's static shared memory counts against the same 48 KB default)
-      if (smem > 32 * 1024) allow_dynamic_smem(kernel, smem);
-      launch(kernel, dim3(unsigned((groups + a.row_iters - 1) / a.row_iters)), block, smem, stream, a);
+      const auto launch_kernel = [&](auto kernel) {
+        // (the kernel's static shared memory counts against the same 48 KB default)
+        if (smem > 32 * 1024) allow_dynamic_smem(kernel, smem);
+        launch(kernel, dim3(unsigned((groups + a.row_iters - 1) / a.row_iters)), block, smem, stream, a);
+      };
+      if constexpr (ITEMS == 4 && kMod && !kRes) {
+        if (tuning_knobs().reg_caps.value_or(0) != 0)
+          return launch_kernel(norm_rows_kernel_64_registers<T, P, VEC, ITEMS, kNorm, kRes, kMod>);
+      }
+      launch_kernel(norm_rows_kernel<T, P, VEC, ITEMS, kNorm, kRes, kMod>);
     }
   };
   auto with_flags = [&](auto norm) {

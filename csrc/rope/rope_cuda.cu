@@ -447,13 +447,19 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
   rope_heads<T, VEC, ITEMS, INTERLEAVED, NORM, GRID>(a, head_groups);
 }
 
-// Two heads of half-split units with their norm per lane group (Qwen3's q/k): at 102 registers
-// three blocks of 160 threads fit an SM, at 96 four (2048 tokens 22.4 -> 19.9 us, 8192 67.4 ->
-// 60.2). The same cap on other variants raised their allocation instead (FLUX 80 -> 85
-// registers, 42.1 -> 45.9 us), so it is a kernel of its own.
-template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
-__global__ void __maxnreg__(96)
-    rope_heads_kernel_96_registers(const RopeKernelArgs a, const int head_groups) {
+// The per-head kernel under a register cap, for the variants where the compiler's allocation
+// falls just past an occupancy step; kernels of their own, since a cap moves other variants'
+// allocations as well (a cap of 96 took FLUX's from 80 to 85 registers, 42.1 -> 45.9 us).
+// - 96: two heads of half-split units with their norm per lane group (Qwen3's q/k): at 102
+//   registers three blocks of 160 threads fit an SM, at 96 four (2048 tokens 22.4 -> 19.9 us,
+//   8192 67.4 -> 60.2).
+// - 80, with FUSEBOX_REG_CAPS=1 (tuning runs): four heads of interleaved one-vector units with
+//   their norm (FLUX's q/k). fp16 gets 82 registers uncapped against bf16's 80 (ptxas, sm_90),
+//   one register step past the 80 at which FLUX's 192-thread blocks fit four to an SM; capped,
+//   80 without spills.
+template <int MAX_REGISTERS, typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
+__global__ void __maxnreg__(MAX_REGISTERS)
+    rope_heads_kernel_capped(const RopeKernelArgs a, const int head_groups) {
   rope_heads<T, VEC, ITEMS, INTERLEAVED, NORM, GRID>(a, head_groups);
 }
 
@@ -474,7 +480,11 @@ void launch_rope(const RopeKernelArgs& a, int head_groups, bool interleaved, boo
   auto go = [&](auto il, auto nm, auto gr) {
     constexpr bool I = decltype(il)::value, N = decltype(nm)::value, G = decltype(gr)::value;
     if constexpr (HEADS && ITEMS == 2 && N && UnitLayout<I, VEC>::kTwoVectors)
-      launch(rope_heads_kernel_96_registers<T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups);
+      launch(rope_heads_kernel_capped<96, T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups);
+    else if constexpr (HEADS && ITEMS == 4 && N && !UnitLayout<I, VEC>::kTwoVectors)
+      tuning_knobs().reg_caps.value_or(0) != 0
+          ? launch(rope_heads_kernel_capped<80, T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups)
+          : launch(rope_heads_kernel<T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups);
     else if constexpr (HEADS)
       launch(rope_heads_kernel<T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups);
     else if constexpr (ITEMS == 4 && VEC > 1)

@@ -1,5 +1,6 @@
-"""Launch plans the tuning variables can force (FUSEBOX_NORM_ITEMS, FUSEBOX_ROPE_ITEMS,
-FUSEBOX_ACT_FLAT, used by scripts/tune.py): each still computes the reference result on CUDA."""
+"""Launch plans and kernel variants the tuning variables can force (FUSEBOX_NORM_ITEMS,
+FUSEBOX_ROPE_ITEMS, FUSEBOX_ACT_FLAT, FUSEBOX_REG_CAPS, used by scripts/tune.py): each still
+computes the reference result on CUDA."""
 
 import os
 import subprocess
@@ -45,7 +46,19 @@ for dtype in (BF16, F16, F32):
         expect_normed, expect_h = ref.fused_add_rms_norm(x, res, w, eps=1e-6)
         assert_close(h, expect_h, dtype, name="h")
         assert_close(normed, expect_normed, dtype, name="fused_add_rms_norm")
-    # rotary, per-head lane groups: decode-sized and larger token counts, GQA and equal heads
+    # rows past half a wave of resident threads: the 4-vector plans of the modulated rows
+    # (FUSEBOX_REG_CAPS=1: at 64 registers), per sample and per token (5120: 4 vectors even
+    # per token), the modulation in x's dtype or fp32
+    for rows, width in ((700, 2048), (300, 5120)):
+        x = randn(gen, (rows, width), dtype, "cuda")
+        for mod_dtype in (dtype, F32):
+            for mod_rows in (1, rows):
+                scale = small(gen, (mod_rows, width), mod_dtype, "cuda")
+                shift = small(gen, (mod_rows, width), mod_dtype, "cuda")
+                for norm_type in ("rms", "layer"):
+                    assert_close(call(fusebox.adaln, x, scale, shift, norm_type=norm_type),
+                                 ref.modulate(ref.norm(norm_type, x), scale, shift), dtype,
+                                 name=f"adaln {norm_type} {rows}x{width} {mod_dtype} modulation")
     for tokens, heads, kv_heads in ((1, 32, 8), (300, 32, 8), (40, 24, 24)):
         q = randn(gen, (1, tokens, heads, 128), dtype, "cuda")
         k = randn(gen, (1, tokens, kv_heads, 128), dtype, "cuda")
@@ -96,7 +109,7 @@ print("ok")
 @pytest.mark.parametrize("setting", ["FUSEBOX_NORM_ITEMS=1", "FUSEBOX_NORM_ITEMS=2", "FUSEBOX_NORM_ITEMS=4",
                                      "FUSEBOX_NORM_ITEMS=8", "FUSEBOX_ROPE_ITEMS=1",
                                      "FUSEBOX_ROPE_ITEMS=2", "FUSEBOX_ROPE_ITEMS=4",
-                                     "FUSEBOX_ACT_FLAT=0", "FUSEBOX_ACT_FLAT=1"])
+                                     "FUSEBOX_ACT_FLAT=0", "FUSEBOX_ACT_FLAT=1", "FUSEBOX_REG_CAPS=1"])
 def test_forced_launch_plans(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8
     applies to ops without a residual; the residual op keeps its default plan)."""
