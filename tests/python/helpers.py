@@ -347,11 +347,25 @@ LLM_FAMILIES = {
     "mistral": ("MistralConfig", {"sliding_window": 16}),
     "qwen2": ("Qwen2Config", {}),
     "qwen3": ("Qwen3Config", {"head_dim": 16}),
+    "ministral": ("MinistralConfig", {"head_dim": 16, "sliding_window": 16}),
+    # MoE: 4 experts, 2 a token; Qwen3-MoE's second layer dense (a gated MLP to fuse), Qwen2-MoE's
+    # shared expert a gated MLP; Mixtral has experts only
+    "qwen3_moe": ("Qwen3MoeConfig", {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32, "mlp_only_layers": [1]}),
+    "qwen2_moe": ("Qwen2MoeConfig", {"num_experts": 4, "num_experts_per_tok": 2,
+                                     "moe_intermediate_size": 32,
+                                     "shared_expert_intermediate_size": 64}),
+    "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                  "sliding_window": 16}),
     "gemma": ("GemmaConfig", {"head_dim": 16}),
     "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8}),
     "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 8,
                                     "layer_types": ["sliding_attention", "full_attention"]}),
 }
+
+
+# families without a dense gated MLP module (their experts are not fused)
+LLM_FAMILIES_WITHOUT_MLP = ("mixtral",)
 
 
 def tiny_llm(family, dtype=torch.float32, device="cpu", **overrides):

@@ -1,5 +1,5 @@
-"""transformers decoder LLMs (Llama, Mistral, Qwen2, Qwen3, Gemma, Gemma2, Gemma3 text, Falcon) on
-fusebox.
+"""transformers decoder LLMs (Llama, Mistral, Ministral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
+Qwen3-MoE, Gemma, Gemma2, Gemma3 text, Falcon) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
 
@@ -27,6 +27,7 @@ when this module was written; a class that drifted is left alone and reported.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import re
@@ -206,13 +207,24 @@ def _sliding(m):
     return {"sliding_window": m.sliding_window}
 
 
+_LLAMA_ATTENTION = AttentionSpec()
+_MISTRAL_ATTENTION = AttentionSpec(
+    extra=lambda m: {"sliding_window": getattr(m.config, "sliding_window", None)})
+_QWEN2_ATTENTION = AttentionSpec(extra=_sliding)
+_QWEN3_ATTENTION = AttentionSpec(qk_norm=True, extra=_sliding)
+
+# Classes whose forward reads as one of the four above (the MoE families' attention is their
+# dense family's, word for word).
 ATTENTION: Dict[str, AttentionSpec] = {
-    "LlamaAttention": AttentionSpec(),
-    "GemmaAttention": AttentionSpec(),
-    "MistralAttention": AttentionSpec(
-        extra=lambda m: {"sliding_window": getattr(m.config, "sliding_window", None)}),
-    "Qwen2Attention": AttentionSpec(extra=_sliding),
-    "Qwen3Attention": AttentionSpec(qk_norm=True, extra=_sliding),
+    "LlamaAttention": _LLAMA_ATTENTION,
+    "GemmaAttention": _LLAMA_ATTENTION,
+    "Qwen2MoeAttention": _LLAMA_ATTENTION,
+    "MistralAttention": _MISTRAL_ATTENTION,
+    "MixtralAttention": _MISTRAL_ATTENTION,
+    "Qwen2Attention": _QWEN2_ATTENTION,
+    "MinistralAttention": _QWEN2_ATTENTION,
+    "Qwen3Attention": _QWEN3_ATTENTION,
+    "Qwen3MoeAttention": _QWEN3_ATTENTION,
     "Gemma2Attention": AttentionSpec(
         extra=lambda m: {"sliding_window": m.sliding_window, "softcap": m.attn_logit_softcapping}),
     "Gemma3Attention": AttentionSpec(qk_norm=True, extra=_sliding),
@@ -348,12 +360,35 @@ def _falcon_attention_patch(module) -> Tuple[Optional[Callable], str]:
                                       "keys expanded so SDPA runs a fused kernel")
 
 
+@functools.lru_cache(maxsize=None)
+def _rotates_half_split(module_name: str) -> bool:
+    """Whether the ``apply_rotary_pos_emb`` next to an attention class rotates the pairs
+    (i, i + D/2) over the table's width, as ``rope`` does. Checked on a small CPU probe rather
+    than by its source: transformers may hand the function to a hub-kernel wrapper."""
+    fn = getattr(sys.modules[module_name], "apply_rotary_pos_emb", None)
+    if fn is None:
+        return False
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 3, 8, generator=gen, device="cpu") for _ in range(2))
+    cos, sin = (torch.randn(1, 3, 8, generator=gen, device="cpu") for _ in range(2))
+
+    def expected(x):
+        return x * cos[:, None] + torch.cat((-x[..., 4:], x[..., :4]), dim=-1) * sin[:, None]
+    try:
+        q_out, k_out = fn(q, k, cos, sin)
+    except Exception:  # noqa: BLE001 - any failure means "not the formula fusebox runs"
+        return False
+    return torch.allclose(q_out, expected(q)) and torch.allclose(k_out, expected(k))
+
+
 def _attention_patch(module) -> Tuple[Optional[Callable], str]:
     spec = ATTENTION.get(type(module).__name__)
     if spec is None:
         return None, "no fused attention for this class"
     if _params(type(module).forward) != _ATTENTION_PARAMS:
         return None, "forward signature differs from the supported transformers versions"
+    if not _rotates_half_split(type(module).__module__):
+        return None, "apply_rotary_pos_emb is not the half-split rotation"
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if eager is None:
         return None, "no eager_attention_forward next to the class"
@@ -405,20 +440,24 @@ def _make_prenorm_layer_forward(style: NormStyle) -> Callable:
     return forward
 
 
-def _make_sandwich_layer_forward(style: NormStyle) -> Callable:
-    """Gemma2/3 layer: ``h = x + norm2(attn(norm1(x))); out = h + norm4(mlp(norm3(h)))`` with
-    the attention add and norm3 fused."""
+def _make_rotary_first_layer_forward(style: NormStyle, sandwich: bool) -> Callable:
+    """Layers whose forward takes the position embeddings second (no ``use_cache``), with the
+    attention add and the norm after it fused: Mixtral's pre-norm layer, and (``sandwich``)
+    Gemma2/3's ``h = x + norm2(attn(norm1(x))); out = h + norm4(mlp(norm3(h)))``."""
+    fused_norm = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
+
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 position_ids=None, past_key_values=None, **kwargs):
-        if not _fusable(hidden_states, self.pre_feedforward_layernorm.weight):
+        norm = getattr(self, fused_norm)
+        if not _fusable(hidden_states, norm.weight):
             return original_forward(self)(hidden_states, position_embeddings, attention_mask,
                                           position_ids, past_key_values, **kwargs)
         normed, hidden_states = _attention_then_add_norm(
-            self, self.pre_feedforward_layernorm, style, hidden_states,
-            self.post_attention_layernorm, position_embeddings=position_embeddings,
-            attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, **kwargs)
-        return hidden_states + self.post_feedforward_layernorm(self.mlp(normed))
+            self, norm, style, hidden_states, self.post_attention_layernorm if sandwich else None,
+            position_embeddings=position_embeddings, attention_mask=attention_mask,
+            position_ids=position_ids, past_key_values=past_key_values, **kwargs)
+        out = self.mlp(normed)
+        return hidden_states + (self.post_feedforward_layernorm(out) if sandwich else out)
     return forward
 
 
@@ -433,16 +472,25 @@ _PRENORM = LayerTemplate(
     ("self", "hidden_states", "attention_mask", "position_ids", "past_key_values", "use_cache",
      "position_embeddings", "kwargs"),
     "post_attention_layernorm", _make_prenorm_layer_forward)
+_ROTARY_FIRST_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_mask",
+                        "position_ids", "past_key_values", "kwargs")
+_PRENORM_ROTARY_FIRST = LayerTemplate(
+    _ROTARY_FIRST_PARAMS, "post_attention_layernorm",
+    functools.partial(_make_rotary_first_layer_forward, sandwich=False))
 _SANDWICH = LayerTemplate(
-    ("self", "hidden_states", "position_embeddings", "attention_mask", "position_ids",
-     "past_key_values", "kwargs"),
-    "pre_feedforward_layernorm", _make_sandwich_layer_forward)
+    _ROTARY_FIRST_PARAMS, "pre_feedforward_layernorm",
+    functools.partial(_make_rotary_first_layer_forward, sandwich=True))
 
+# The MoE layers add their expert block's output as the dense layers add their MLP's.
 DECODER_LAYERS: Dict[str, LayerTemplate] = {
     "LlamaDecoderLayer": _PRENORM,
     "MistralDecoderLayer": _PRENORM,
+    "MinistralDecoderLayer": _PRENORM,
     "Qwen2DecoderLayer": _PRENORM,
+    "Qwen2MoeDecoderLayer": _PRENORM,
     "Qwen3DecoderLayer": _PRENORM,
+    "Qwen3MoeDecoderLayer": _PRENORM,
+    "MixtralDecoderLayer": _PRENORM_ROTARY_FIRST,
     "GemmaDecoderLayer": _PRENORM,
     "Gemma2DecoderLayer": _SANDWICH,
     "Gemma3DecoderLayer": _SANDWICH,
