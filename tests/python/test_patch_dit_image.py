@@ -1,4 +1,5 @@
-"""fusebox.patch on diffusers image transformers (FLUX, SD3, PixArt) and HunyuanVideo, plus the
+"""fusebox.patch on diffusers image transformers (FLUX, SD3, PixArt, Qwen-Image) and HunyuanVideo,
+plus the
 generic diffusers modules every model gets (a DiT with no family patcher, single modules).
 
 Tiny random configs; each model is compared with its own unpatched forward on the same inputs.
@@ -18,6 +19,7 @@ from diffusers import (  # noqa: E402
     FluxTransformer2DModel,
     HunyuanVideoTransformer3DModel,
     PixArtTransformer2DModel,
+    QwenImageTransformer2DModel,
     SD3Transformer2DModel,
 )
 from diffusers.models.attention import FeedForward  # noqa: E402
@@ -94,6 +96,18 @@ def _hunyuan_video():
     return model, inputs
 
 
+def _qwen_image():
+    model = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 6, 6))
+    mask = torch.ones(B, 5)
+    mask[1, 3:] = 0   # padded text in the second sample
+    inputs = dict(hidden_states=torch.randn(B, 12, 16), encoder_hidden_states=torch.randn(B, 5, 32),
+                  encoder_hidden_states_mask=mask, timestep=torch.tensor([0.2, 0.9]),
+                  img_shapes=[(1, 3, 4)] * B)
+    return model, inputs
+
+
 def _dit():
     model = DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=16, in_channels=4,
                                   out_channels=8, num_layers=2, sample_size=8,
@@ -110,6 +124,7 @@ MODELS = {
     "pixart": (_pixart, "pixart", {"fused_norm", "gated_residual", "act"}),
     "hunyuan_video": (_hunyuan_video, "hunyuan-video",
                       {"rotary", "rms_norm", "fused_norm", "gated_residual", "act"}),
+    "qwen_image": (_qwen_image, "qwen-image", {"rotary", "fused_norm", "gated_residual", "act"}),
     "dit": (_dit, "", {"fused_norm", "layer_norm", "act"}),
 }
 
@@ -209,6 +224,39 @@ def test_report_flux():
     assert skipped["done by the parent AdaLayerNorm's adaln"] == 7
     assert "transformer_blocks.0.attn" in {e.path for e in report.patched}
     assert "[flux]" in str(report)
+
+
+def test_report_qwen_image():
+    model, _ = build("qwen_image")
+    report = fusebox.patch(model)
+    patched = Counter(e.kind for e in report.patched)
+    assert patched["QwenImageTransformerBlock"] == 2 and patched["Attention"] == 2, str(report)
+    fused_into = Counter(e.what for e in report.skipped if e.kind == "LayerNorm")
+    assert fused_into == Counter({"done by the block's adaln": 4,
+                                  "done by the block's gated_residual_norm": 4,
+                                  "done by the parent AdaLayerNorm's adaln": 1}), str(report)
+
+
+@pytest.mark.parametrize("layer3d_rope", [False, True])
+def test_qwen_image_edit_models_keep_their_block_forward(layer3d_rope, device):
+    """Edit models (``zero_cond_t``) modulate the reference image's tokens otherwise than the
+    noisy ones: their blocks keep diffusers' forward, their attention is still fused."""
+    torch.manual_seed(0)
+    model = QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+        zero_cond_t=True, use_layer3d_rope=layer3d_rope).eval().to(device)
+    inputs = dict(hidden_states=torch.randn(B, 24, 16, device=device),
+                  encoder_hidden_states=torch.randn(B, 5, 32, device=device),
+                  encoder_hidden_states_mask=torch.ones(B, 5, device=device),
+                  timestep=torch.tensor([0.2, 0.9], device=device),
+                  img_shapes=[[(1, 3, 4), (1, 3, 4)]] * B)
+    ref = forward(model, inputs)
+    fusebox.patch(model)
+    with FuseboxOps() as ops:
+        out = forward(model, inputs)
+    assert "rotary" in ops.calls and "gated_residual" not in ops.calls, ops.calls
+    assert rel_err(out, ref) < 1e-5
 
 
 def test_report_sd3_pixart_hunyuan_dit():
@@ -392,6 +440,10 @@ def _block_cases(name, model, inputs, device):
         return [(block, (x, c, temb)) for block in model.transformer_blocks]
     if name == "pixart":
         return [(model.transformer_blocks[0], (x, None, randn(B, 6, 64), None, randn(B, 6 * d)))]
+    if name == "qwen_image":
+        rotary = model.pos_embed([(1, 3, 4)], max_txt_seq_len=5, device=device)
+        mask = torch.ones(B, 5, device=device)
+        return [(model.transformer_blocks[0], (x, c, mask, temb, rotary))]
     rotary = model.rope(randn(B, 4, 3, 4, 8))      # 3 x 2 x 4 = 24 video tokens
     x = randn(B, 24, d)
     mask = torch.ones(B, 1, 1, 29, dtype=torch.bool, device=device)
@@ -399,7 +451,7 @@ def _block_cases(name, model, inputs, device):
             (model.single_transformer_blocks[0], (x, c, temb, mask, rotary))]
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3", "pixart", "hunyuan_video"])
+@pytest.mark.parametrize("name", ["flux", "sd3", "pixart", "hunyuan_video", "qwen_image"])
 def test_compiled_block_has_no_graph_break(name, device):
     model, inputs = build(name, device)
     fusebox.patch(model)

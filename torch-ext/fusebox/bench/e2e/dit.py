@@ -142,6 +142,14 @@ def _sd3_inputs(size=1024, text=333):
                           pooled_projections=_drawn(2, 2048))
 
 
+def _qwen_image_inputs(size=1024, text=256):
+    """Qwen-Image: 16-channel latents at 1/8 packed 2x2 (64 channels), one CFG branch per
+    forward, Qwen2.5-VL text states (3584 wide) with their mask."""
+    h = w = size // 16
+    return _latent_inputs((1, h * w, 64), text, _filled(1, 0.5), 3584,
+                          encoder_hidden_states_mask=_mask(1, text), img_shapes=[(1, h, w)])
+
+
 def _pixart_inputs(size=1024, text=300):
     return _latent_inputs((2, 4, size // 8, size // 8), text, 500,   # an integer timestep
                           added_cond_kwargs={"resolution": None, "aspect_ratio": None},
@@ -209,6 +217,14 @@ SPECS: Dict[str, Spec] = {
              dual_attention_layers=[], qk_norm="rms_norm"),
         _sd3_inputs(), "1024x1024 -> 4096 tokens + 333 text (77 CLIP + 256 T5), batch 2 (CFG)",
         steps=28),
+    "qwen-image": Spec(
+        "Qwen-Image 20B, 1024x1024 (4096 image + 256 text tokens), CFG as 2 forwards, 50 steps",
+        "QwenImageTransformer2DModel",
+        dict(patch_size=2, in_channels=64, out_channels=16, num_layers=60, attention_head_dim=128,
+             num_attention_heads=24, joint_attention_dim=3584, guidance_embeds=False,
+             axes_dims_rope=[16, 56, 56]),
+        _qwen_image_inputs(), "1024x1024 -> 4096 image tokens + 256 text, batch 1",
+        steps=50, forwards_per_step=2),
     "pixart-sigma": Spec(
         "PixArt-Sigma XL-2 1024 (0.6B), 1024x1024 (4096 tokens), CFG batch 2, 20 steps",
         "PixArtTransformer2DModel",

@@ -17,7 +17,7 @@ from typing import List
 
 import torch
 
-FAMILY_MODULES = ("ltx", "wan", "flux", "sd3", "pixart", "hunyuan_video")
+FAMILY_MODULES = ("ltx", "wan", "flux", "sd3", "pixart", "hunyuan_video", "qwen_image")
 
 
 def _families() -> List[object]:
