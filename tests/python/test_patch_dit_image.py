@@ -593,3 +593,92 @@ def test_generic_activation_fused_under_cpu_offload(activation_fn):
         out = forward_module(module, x)
     assert ops.calls
     assert rel_err(out, ref) < 1e-5
+
+
+# --------------------------------------------------------------------------- Z-Image
+
+
+def _z_image(device="cpu", dtype=torch.float32, **overrides):
+    """A tiny Z-Image (a noise refiner, a caption refiner and two main layers) with norm weights
+    off their init, and inputs of two samples with captions of different lengths (padded)."""
+    from diffusers import ZImageTransformer2DModel
+
+    torch.manual_seed(0)
+    model = ZImageTransformer2DModel(
+        all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=64, n_layers=2,
+        n_refiner_layers=1, n_heads=4, n_kv_heads=4, cap_feat_dim=32, axes_dims=[4, 6, 6],
+        axes_lens=[64, 32, 32], **overrides).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    model = model.to(device=device, dtype=dtype)
+    inputs = dict(x=[torch.randn(4, 1, 8, 8), torch.randn(4, 1, 8, 8)],
+                  cap_feats=[torch.randn(7, 32), torch.randn(5, 32)], t=torch.tensor([0.3, 0.8]))
+    inputs = {k: [t.to(device, dtype) for t in v] if isinstance(v, list) else v.to(device, dtype)
+              for k, v in inputs.items()}
+    return model, inputs
+
+
+def _z_forward(model, inputs):
+    with torch.no_grad():
+        return torch.stack(model(**inputs, return_dict=False)[0])
+
+
+def test_z_image_fp32_matches_unpatched(device):
+    model, inputs = _z_image(device)
+    ref = _z_forward(model, inputs)
+    report = fusebox.patch(model)
+    assert report.family == "z-image"
+    patched = Counter(e.kind for e in report.patched)
+    # the noise refiner and the main layers are modulated; the caption refiner is not
+    assert patched["ZImageTransformerBlock"] == 3 and patched["Attention"] == 4, str(report)
+    assert patched["FeedForward"] == 4, str(report)
+    with FuseboxOps() as ops:
+        out = _z_forward(model, inputs)
+    assert {"rotary", "fused_norm", "gated_residual", "gated_act", "rms_norm"} <= set(ops.calls)
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_z_image_half_within_eager_half_spread(dtype, device):
+    model, inputs = _z_image(device)
+    ref = _z_forward(model, inputs)
+    model_half, inputs_half = _z_image(device, dtype)
+    eager = _z_forward(model_half, inputs_half)
+    fusebox.patch(model_half)
+    patched = _z_forward(model_half, inputs_half)
+    assert patched.dtype == dtype
+    assert rel_err(patched, ref) <= 1.5 * rel_err(eager, ref), (rel_err(patched, ref),
+                                                               rel_err(eager, ref))
+
+
+def test_z_image_unpatch_restores_exactly(device):
+    model, inputs = _z_image(device)
+    ref = _z_forward(model, inputs)
+    processors = _processors(model)
+    fusebox.patch(model)
+    assert fusebox.unpatch(model) > 0
+    assert all(_processors(model)[n] is p for n, p in processors.items())
+    with FuseboxOps() as ops:
+        out = _z_forward(model, inputs)
+    assert not ops.calls
+    assert torch.equal(out, ref)
+
+
+def test_z_image_compiled_block_has_no_graph_break(device):
+    model, inputs = _z_image(device)
+    fusebox.patch(model)
+    block = model.layers[0]
+    torch.manual_seed(1)
+    x = torch.randn(B, 20, 64, device=device)
+    mask = torch.ones(B, 20, dtype=torch.bool, device=device)
+    freqs = torch.polar(torch.ones(B, 20, 8, device=device), torch.randn(B, 20, 8, device=device))
+    adaln_input = torch.randn(B, 64, device=device)
+    backend = GraphOps()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = block(x, mask, freqs, adaln_input)
+        out = torch.compile(block, fullgraph=True, backend=backend)(x, mask, freqs, adaln_input)
+    assert torch.allclose(ref, out, rtol=1e-5, atol=1e-6)
+    assert {"rotary", "fused_norm", "gated_residual"} <= backend.ops

@@ -32,7 +32,7 @@ DEFAULT_VARIANTS = ("eager", "patched", "compile", "compile-regional", "patched+
 ALL_VARIANTS = DEFAULT_VARIANTS + ("graphs", "patched+graphs")
 # whole-model compiles of 30-60 block models take minutes each: --quick keeps the regional ones
 QUICK_VARIANTS = ("eager", "patched", "compile-regional", "patched+compile-regional")
-BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks")
+BLOCK_LISTS = ("transformer_blocks", "single_transformer_blocks", "blocks", "layers")
 
 
 @dataclass
@@ -150,6 +150,17 @@ def _qwen_image_inputs(size=1024, text=256):
                           encoder_hidden_states_mask=_mask(1, text), img_shapes=[(1, h, w)])
 
 
+def _z_image_inputs(size=1024, text=256):
+    """Z-Image: one sample (Turbo runs without CFG), 16-channel latents at 1/8 as a list of
+    ``[C, F, H, W]``, Qwen3-4B caption states (2560 wide)."""
+    def make(device, dtype):
+        g = _gen()
+        return dict(x=[_randn(16, 1, size // 8, size // 8, device=device, dtype=dtype, gen=g)],
+                    cap_feats=[_randn(text, 2560, device=device, dtype=dtype, gen=g)],
+                    t=torch.full((1,), 0.5, device=device, dtype=dtype), return_dict=False)
+    return make
+
+
 def _pixart_inputs(size=1024, text=300):
     return _latent_inputs((2, 4, size // 8, size // 8), text, 500,   # an integer timestep
                           added_cond_kwargs={"resolution": None, "aspect_ratio": None},
@@ -225,6 +236,14 @@ SPECS: Dict[str, Spec] = {
              axes_dims_rope=[16, 56, 56]),
         _qwen_image_inputs(), "1024x1024 -> 4096 image tokens + 256 text, batch 1",
         steps=50, forwards_per_step=2),
+    "z-image-turbo": Spec(
+        "Z-Image-Turbo 6B, 1024x1024 (4096 image + 256 caption tokens), 8 steps",
+        "ZImageTransformer2DModel",
+        dict(all_patch_size=[2], all_f_patch_size=[1], in_channels=16, dim=3840, n_layers=30,
+             n_refiner_layers=2, n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True,
+             cap_feat_dim=2560, rope_theta=256.0, t_scale=1000.0, axes_dims=[32, 48, 48],
+             axes_lens=[1536, 512, 512]),
+        _z_image_inputs(), "1024x1024 -> 4096 image tokens + 256 caption, batch 1", steps=8),
     "pixart-sigma": Spec(
         "PixArt-Sigma XL-2 1024 (0.6B), 1024x1024 (4096 tokens), CFG batch 2, 20 steps",
         "PixArtTransformer2DModel",
@@ -291,7 +310,8 @@ def build(spec: Spec, device, dtype) -> torch.nn.Module:
 
 
 def _output(out):
-    return out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
+    out = out[0] if isinstance(out, (tuple, list)) else getattr(out, "sample", out)
+    return torch.stack(out) if isinstance(out, list) else out   # Z-Image: a tensor per sample
 
 
 def _block_modules(model) -> List[torch.nn.Module]:
@@ -448,6 +468,8 @@ def _truncate_blocks(model, keep: float) -> int:
 
 
 def _to_float(value):
+    if isinstance(value, list):
+        return [_to_float(v) for v in value]
     if isinstance(value, torch.Tensor) and value.is_floating_point():
         return value.float()
     return value

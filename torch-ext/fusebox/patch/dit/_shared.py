@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import functools
 import os
-from typing import Callable, NamedTuple, Optional, Tuple
+import weakref
+from typing import Callable, List, NamedTuple, Optional, Tuple
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -224,6 +225,21 @@ def install_processor(attn: torch.nn.Module, processor_class) -> None:
     add_undo(attn, functools.partial(attn.set_processor, original))
 
 
+def swap_processor(path: str, module: torch.nn.Module, report, original_class, fused_class,
+                   what: str) -> None:
+    """Installs ``fused_class`` on an attention module whose processor is ``original_class``
+    and reports it; a module with another processor is reported as kept. Modules without
+    processors are left alone."""
+    if not (hasattr(module, "processor") and hasattr(module, "set_processor")):
+        return
+    processor = original_processor(module)
+    if type(processor) is original_class:
+        install_processor(module, fused_class)
+        report.add(path, module, what)
+    elif processor is not None:
+        report.skip(path, module, f"processor {type(processor).__name__} kept")
+
+
 def custom_processor(attn: torch.nn.Module, processor_class: str) -> str:
     """Why ``attn``'s processor is not the diffusers ``processor_class`` a fused one replaces
     ("" when it is)."""
@@ -311,22 +327,30 @@ def qk_norm_weights(attn: torch.nn.Module, x: Tensor):
     return q[0], k[0], q[1]
 
 
-def _modulation_dtype(p: NormParams, x: Tensor, scale: Tensor, shift: Tensor):
+def _modulation_dtype(p: NormParams, x: Tensor, scale: Tensor, shift: Optional[Tensor]):
     """dtype of ``norm(x) * (1 + scale) + shift`` in eager PyTorch, or None when the fused op
     cannot write it."""
-    dtype = torch.promote_types(torch.promote_types(p.dtype, scale.dtype), shift.dtype)
+    dtype = torch.promote_types(p.dtype, scale.dtype)
+    if shift is not None:
+        dtype = torch.promote_types(dtype, shift.dtype)
     return dtype if dtype in (x.dtype, torch.float32) else None
 
 
-def modulated_norm(norm: torch.nn.Module, x: Tensor, scale: Tensor, shift: Tensor) -> Tensor:
-    """``norm(x) * (1 + scale) + shift`` (AdaLN); scale/shift broadcast as ``[B, 1, D]``."""
+def _modulate(normed: Tensor, scale: Tensor, shift: Optional[Tensor]) -> Tensor:
+    return normed * (1 + scale) if shift is None else normed * (1 + scale) + shift
+
+
+def modulated_norm(norm: torch.nn.Module, x: Tensor, scale: Tensor,
+                   shift: Optional[Tensor] = None) -> Tensor:
+    """``norm(x) * (1 + scale) + shift`` (AdaLN; no shift where None); scale/shift broadcast
+    as ``[B, 1, D]``."""
     p = norm_params(norm, x)
     if p is not None and fusable(x, scale, shift, p.weight, p.bias):
         dtype = _modulation_dtype(p, x, scale, shift)
         if dtype is not None:
             return fb.adaln(rows(x), scale, shift, p.weight, p.bias, p.kind, p.eps,
                             out_dtype=dtype)
-    return norm(x) * (1 + scale) + shift
+    return _modulate(norm(x), scale, shift)
 
 
 def modulation_sum(table: Tensor, emb: Tensor) -> Tensor:
@@ -350,9 +374,9 @@ def gated_add(x: Tensor, branch: Tensor, gate: Optional[Tensor] = None) -> Tenso
 
 
 def gated_add_norm(x: Tensor, branch: Tensor, gate: Optional[Tensor], norm: torch.nn.Module,
-                   scale: Tensor, shift: Tensor) -> Tuple[Tensor, Tensor]:
-    """A DiT block boundary: ``h = x + gate * branch``, then ``norm(h) * (1 + scale) + shift``.
-    Returns ``(normed, h)``."""
+                   scale: Tensor, shift: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """A DiT block boundary: ``h = x + gate * branch``, then ``norm(h) * (1 + scale) + shift``
+    (no shift where None). Returns ``(normed, h)``."""
     p = norm_params(norm, x)
     if p is not None and fusable(x, scale, shift, p.weight, p.bias, like_x=(branch, gate)):
         dtype = _modulation_dtype(p, x, scale, shift)
@@ -475,6 +499,30 @@ def norm_rope(q: Tensor, k: Tensor, norm_q: Optional[torch.nn.Module],
     if cos is None:
         return fb.rms_norm(q, pq[0], pq[1]), fb.rms_norm(k, pk[0], pk[1])
     return fb.qk_norm_rope(q, k, pq[0], pk[0], cos, sin, pq[1], interleaved=True)
+
+
+# (frequencies, their version, their tables): the blocks of one forward pass the same
+# frequency tensors, so their tables are formed once; a new forward brings new tensors
+_COMPLEX_TABLES: List[Tuple[weakref.ref, int, Tuple[Tensor, Tensor]]] = []
+
+
+def complex_rotary_tables(freqs: Tensor) -> Tuple[Tensor, Tensor]:
+    """``(cos, sin)`` fp32 tables ``[..., D]`` of complex frequencies ``[..., D/2]``, for the
+    models that rotate a head as complex numbers (``view_as_complex(x) * freqs``): pair j
+    (channels 2j, 2j + 1) turns by the angle of ``freqs[..., j]``, which is the interleaved
+    rotation with each pair's cos and sin written twice. Formed once per frequency tensor in
+    eager calls."""
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        for ref, version, tables in _COMPLEX_TABLES:
+            if ref() is freqs and version == freqs._version:
+                return tables
+    tables = (freqs.real.repeat_interleave(2, dim=-1).float(),
+              freqs.imag.repeat_interleave(2, dim=-1).float())
+    if not compiling:
+        _COMPLEX_TABLES[:] = [e for e in _COMPLEX_TABLES if e[0]() is not None][-3:]
+        _COMPLEX_TABLES.append((weakref.ref(freqs), freqs._version, tables))
+    return tables
 
 
 def split_rotary(rotary: Optional[Tuple[Tensor, Tensor]], n: int):

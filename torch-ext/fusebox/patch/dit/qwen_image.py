@@ -17,8 +17,7 @@ The feed-forward GELU and the output AdaLayerNormContinuous are left to the gene
 
 from __future__ import annotations
 
-import weakref
-from typing import List, Optional, Tuple
+from typing import List, Optional
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -31,14 +30,14 @@ from diffusers.models.transformers.transformer_qwenimage import (
 from .._common import original_forward, replace_forward
 from ._shared import (
     FusedAttnProcessor,
+    complex_rotary_tables,
     grad_needed,
-    install_processor,
     linear_rows,
     mark_fused,
     modulated_norm,
     norm_rope,
-    original_processor,
     stream_tail,
+    swap_processor,
 )
 
 FAMILY = "qwen-image"
@@ -48,30 +47,8 @@ def applies(model: torch.nn.Module) -> bool:
     return isinstance(model, QwenImageTransformer2DModel)
 
 
-# --------------------------------------------------------------------------- rotary tables
-
-# (the frequencies, their version, their tables): every block of a forward gets the same two
-# frequency tensors, so their tables are formed once; a new forward brings new tensors
-_TABLES: List[Tuple[weakref.ref, int, Tuple[torch.Tensor, torch.Tensor]]] = []
-
-
-def interleaved_tables(freqs: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(cos, sin)`` ``[S, D]`` fp32 tables of complex frequencies ``[S, D/2]``: pair j of a
-    head (channels 2j, 2j + 1) turns by the angle of ``freqs[:, j]``."""
-    compiling = torch.compiler.is_compiling()
-    if not compiling:
-        for ref, version, tables in _TABLES:
-            if ref() is freqs and version == freqs._version:
-                return tables
-    tables = (freqs.real.repeat_interleave(2, dim=-1).float(),
-              freqs.imag.repeat_interleave(2, dim=-1).float())
-    if not compiling:
-        _TABLES[:] = [e for e in _TABLES if e[0]() is not None][-3:]
-        _TABLES.append((weakref.ref(freqs), freqs._version, tables))
-    return tables
-
-
 def _complex_pair(rotary) -> bool:
+    """Qwen-Image's (image, text) complex frequencies ``[S, D/2]``."""
     return (isinstance(rotary, (tuple, list)) and len(rotary) == 2
             and all(isinstance(f, torch.Tensor) and f.is_complex() and f.dim() == 2 for f in rotary))
 
@@ -108,9 +85,9 @@ class QwenImageFusedAttnProcessor(FusedAttnProcessor):
                                                    attn.add_v_proj))
         img_freqs, txt_freqs = image_rotary_emb
         img_query, img_key = norm_rope(img_query, img_key, attn.norm_q, attn.norm_k,
-                                       interleaved_tables(img_freqs))
+                                       complex_rotary_tables(img_freqs))
         txt_query, txt_key = norm_rope(txt_query, txt_key, attn.norm_added_q, attn.norm_added_k,
-                                       interleaved_tables(txt_freqs))
+                                       complex_rotary_tables(txt_freqs))
 
         joint_query = torch.cat([txt_query, img_query], dim=1)
         joint_key = torch.cat([txt_key, img_key], dim=1)
@@ -176,10 +153,6 @@ def patch(model: torch.nn.Module, report, **options) -> None:
                 mark_fused(getattr(module, norm), "the block's adaln")
             for norm in ("img_norm2", "txt_norm2"):
                 mark_fused(getattr(module, norm), "the block's gated_residual_norm")
-        elif hasattr(module, "processor") and hasattr(module, "set_processor"):
-            processor = original_processor(module)
-            if type(processor) is QwenDoubleStreamAttnProcessor2_0:
-                install_processor(module, QwenImageFusedAttnProcessor)
-                report.add(path, module, "qk_norm_rope per head (interleaved), per stream")
-            elif processor is not None:
-                report.skip(path, module, f"processor {type(processor).__name__} kept")
+        else:
+            swap_processor(path, module, report, QwenDoubleStreamAttnProcessor2_0, QwenImageFusedAttnProcessor,
+                           "qk_norm_rope per head (interleaved), per stream")
