@@ -1,5 +1,5 @@
-"""fusebox.patch on diffusers image transformers (FLUX, SD3, PixArt, Qwen-Image) and HunyuanVideo,
-plus the
+"""fusebox.patch on diffusers image transformers (FLUX.1, FLUX.2, SD3, PixArt, Qwen-Image, Z-Image)
+and HunyuanVideo, plus the
 generic diffusers modules every model gets (a DiT with no family patcher, single modules).
 
 Tiny random configs; each model is compared with its own unpatched forward on the same inputs.
@@ -16,6 +16,7 @@ pytest.importorskip("diffusers")
 import fusebox  # noqa: E402
 from diffusers import (  # noqa: E402
     DiTTransformer2DModel,
+    Flux2Transformer2DModel,
     FluxTransformer2DModel,
     HunyuanVideoTransformer3DModel,
     PixArtTransformer2DModel,
@@ -57,6 +58,20 @@ def _flux():
     inputs = dict(hidden_states=torch.randn(B, 12, 8), encoder_hidden_states=torch.randn(B, 5, 32),
                   pooled_projections=torch.randn(B, 16), timestep=torch.tensor([0.2, 0.9]),
                   img_ids=img_ids, txt_ids=txt_ids, guidance=torch.full((B,), 3.5))
+    return model, inputs
+
+
+def _flux2():
+    model = Flux2Transformer2DModel(
+        patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=32, timestep_guidance_channels=16,
+        axes_dims_rope=(4, 4, 4, 4))
+    img_ids = torch.stack([torch.zeros(12), torch.zeros(12), torch.arange(12) // 4,
+                           torch.arange(12) % 4], 1)
+    txt_ids = torch.stack([torch.zeros(5), torch.zeros(5), torch.zeros(5), torch.arange(5.0)], 1)
+    inputs = dict(hidden_states=torch.randn(B, 12, 8), encoder_hidden_states=torch.randn(B, 5, 32),
+                  timestep=torch.tensor([0.2, 0.9]), img_ids=img_ids, txt_ids=txt_ids,
+                  guidance=torch.full((B,), 3.5))
     return model, inputs
 
 
@@ -120,6 +135,7 @@ def _dit():
 # name -> (builder, family, fusebox operators every patched forward must run)
 MODELS = {
     "flux": (_flux, "flux", {"rotary", "fused_norm", "gated_residual", "act"}),
+    "flux2": (_flux2, "flux2", {"rotary", "fused_norm", "gated_residual", "gated_act_packed"}),
     "sd3": (_sd3, "sd3", {"rms_norm", "fused_norm", "gated_residual", "act"}),
     "pixart": (_pixart, "pixart", {"fused_norm", "gated_residual", "act"}),
     "hunyuan_video": (_hunyuan_video, "hunyuan-video",
@@ -224,6 +240,17 @@ def test_report_flux():
     assert skipped["done by the parent AdaLayerNorm's adaln"] == 7
     assert "transformer_blocks.0.attn" in {e.path for e in report.patched}
     assert "[flux]" in str(report)
+
+
+def test_report_flux2():
+    model, _ = build("flux2")
+    report = fusebox.patch(model)
+    patched = Counter(e.kind for e in report.patched)
+    assert patched == Counter({"Flux2SwiGLU": 6, "Flux2TransformerBlock": 2,
+                               "Flux2SingleTransformerBlock": 2, "Flux2Attention": 2,
+                               "Flux2ParallelSelfAttention": 2, "AdaLayerNormContinuous": 1}), \
+        str(report)
+    assert all(e.kind == "LayerNorm" and e.what.startswith("done by") for e in report.skipped)
 
 
 def test_report_qwen_image():
@@ -436,6 +463,12 @@ def _block_cases(name, model, inputs, device):
         rotary = model.pos_embed(torch.cat([inputs["txt_ids"], inputs["img_ids"]]))
         return [(model.transformer_blocks[0], (x, c, temb, rotary)),
                 (model.single_transformer_blocks[0], (x, c, temb, rotary))]
+    if name == "flux2":
+        rotary = model.pos_embed(torch.cat([inputs["txt_ids"], inputs["img_ids"]]))
+        mod_img, mod_txt, mod_single = randn(B, 6 * d), randn(B, 6 * d), randn(B, 3 * d)
+        return [(model.transformer_blocks[0], (x, c, mod_img, mod_txt, rotary)),
+                (model.single_transformer_blocks[0], (torch.cat([c, x], 1), None, mod_single,
+                                                      rotary))]
     if name == "sd3":
         return [(block, (x, c, temb)) for block in model.transformer_blocks]
     if name == "pixart":
@@ -451,7 +484,7 @@ def _block_cases(name, model, inputs, device):
             (model.single_transformer_blocks[0], (x, c, temb, mask, rotary))]
 
 
-@pytest.mark.parametrize("name", ["flux", "sd3", "pixart", "hunyuan_video", "qwen_image"])
+@pytest.mark.parametrize("name", ["flux", "flux2", "sd3", "pixart", "hunyuan_video", "qwen_image"])
 def test_compiled_block_has_no_graph_break(name, device):
     model, inputs = build(name, device)
     fusebox.patch(model)

@@ -120,6 +120,26 @@ def _flux_inputs(size=1024, text=512):
         guidance=_filled(1, 3.5))
 
 
+def _flux2_inputs(size=1024, text=512):
+    """FLUX.2: 32-channel latents at 1/8 packed 2x2 (128 channels), 4-axis positions (time,
+    row, column, layer; text tokens count along the last), Mistral text states (3 layers of
+    5120), guidance 4.0."""
+    h = w = size // 16
+
+    def img_ids(device, dtype, g):
+        rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        zeros = torch.zeros_like(rows)
+        return torch.stack([zeros, rows, cols, zeros], -1).reshape(-1, 4).to(device=device,
+                                                                           dtype=dtype)
+
+    def txt_ids(device, dtype, g):
+        ids = torch.zeros(text, 4)
+        ids[:, 3] = torch.arange(text)
+        return ids.to(device=device, dtype=dtype)
+    return _latent_inputs((1, h * w, 128), text, _filled(1, 0.5), 15360, img_ids=img_ids,
+                          txt_ids=txt_ids, guidance=_filled(1, 4.0))
+
+
 def _video_latents(frames, height, width):
     """[1, 16, F, H, W] latents of a 4x temporal / 8x spatial VAE (Wan 2.1, HunyuanVideo)."""
     return 1, 16, (frames - 1) // 4 + 1, height // 8, width // 8
@@ -194,6 +214,15 @@ SPECS: Dict[str, Spec] = {
              pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=[16, 56, 56]),
         _flux_inputs(), "1024x1024 -> 4096 image tokens + 512 text, guidance 3.5, batch 1",
         steps=28),
+    "flux2-dev": Spec(
+        "FLUX.2-dev 32B, 1024x1024 (4096 image + 512 text tokens), 50 steps",
+        "Flux2Transformer2DModel",
+        dict(patch_size=1, in_channels=128, num_layers=8, num_single_layers=48,
+             attention_head_dim=128, num_attention_heads=48, joint_attention_dim=15360,
+             timestep_guidance_channels=256, mlp_ratio=3.0, axes_dims_rope=[32, 32, 32, 32],
+             rope_theta=2000, eps=1e-6, guidance_embeds=True),
+        _flux2_inputs(), "1024x1024 -> 4096 image tokens + 512 text, guidance 4.0, batch 1",
+        steps=50),
     "wan-1.3b": Spec(
         "Wan2.1-T2V-1.3B, 81x480x832 (32760 tokens), CFG as 2 forwards, 50 steps",
         "WanTransformer3DModel",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import os
 import weakref
-from typing import Callable, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -225,15 +225,16 @@ def install_processor(attn: torch.nn.Module, processor_class) -> None:
     add_undo(attn, functools.partial(attn.set_processor, original))
 
 
-def swap_processor(path: str, module: torch.nn.Module, report, original_class, fused_class,
-                   what: str) -> None:
-    """Installs ``fused_class`` on an attention module whose processor is ``original_class``
-    and reports it; a module with another processor is reported as kept. Modules without
-    processors are left alone."""
+def swap_processor(path: str, module: torch.nn.Module, report,
+                   fused: Dict[type, Tuple[type, str]]) -> None:
+    """Installs the fused processor ``fused[type(processor)]`` = (class, what it does) on an
+    attention module and reports it; a module with another processor is reported as kept.
+    Modules without processors are left alone."""
     if not (hasattr(module, "processor") and hasattr(module, "set_processor")):
         return
     processor = original_processor(module)
-    if type(processor) is original_class:
+    if type(processor) in fused:
+        fused_class, what = fused[type(processor)]
         install_processor(module, fused_class)
         report.add(path, module, what)
     elif processor is not None:
@@ -539,12 +540,14 @@ def split_rotary(rotary: Optional[Tuple[Tensor, Tensor]], n: int):
 def stream_tail(x: Tensor, attn_output: Tensor, gate_msa: Tensor, norm2: torch.nn.Module,
                 scale_mlp: Tensor, shift_mlp: Tensor, ff: torch.nn.Module,
                 gate_mlp: Tensor) -> Tensor:
-    """One stream of a double-stream block after its attention, with AdaLayerNormZero's
-    ``[B, D]`` terms: ``h = x + gate_msa * attn``, then
-    ``h + gate_mlp * ff(norm2(h) * (1 + scale_mlp) + shift_mlp)``."""
-    normed, x = gated_add_norm(x, attn_output, gate_msa.unsqueeze(1), norm2, scale_mlp[:, None],
-                               shift_mlp[:, None])
-    return gated_add(x, ff(normed), gate_mlp.unsqueeze(1))
+    """One stream of a double-stream block after its attention: ``h = x + gate_msa * attn``,
+    then ``h + gate_mlp * ff(norm2(h) * (1 + scale_mlp) + shift_mlp)``. The terms are
+    AdaLayerNormZero's ``[B, D]`` or already ``[B, 1, D]`` / ``[B, S, D]``."""
+    def rows_of(t):
+        return t.unsqueeze(1) if t.dim() == 2 else t
+    normed, x = gated_add_norm(x, attn_output, rows_of(gate_msa), norm2, rows_of(scale_mlp),
+                               rows_of(shift_mlp))
+    return gated_add(x, ff(normed), rows_of(gate_mlp))
 
 
 def single_stream_out(block: torch.nn.Module, residual: Tensor, attn_output: Tensor,

@@ -49,11 +49,14 @@ def applies(model: torch.nn.Module) -> bool:
 
 class FluxFusedAttnProcessor(FusedAttnProcessor):
     """``FluxAttnProcessor`` with the q/k norms and RoPE of each stream in one launch (each
-    falls back to the eager formula on its own, so no call needs the original processor)."""
+    falls back to the eager formula on its own, so no call needs the original processor).
+    FLUX.2's joint attention is the same computation with its own projection helper."""
+
+    project = staticmethod(_get_qkv_projections)   # (attn, x, context) -> q, k, v, cq, ck, cv
 
     def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
                  image_rotary_emb=None):
-        query, key, value, encoder_query, encoder_key, encoder_value = _get_qkv_projections(
+        query, key, value, encoder_query, encoder_key, encoder_value = self.project(
             attn, hidden_states, encoder_hidden_states)
         query = query.unflatten(-1, (-1, attn.head_dim))
         key = key.unflatten(-1, (-1, attn.head_dim))

@@ -154,5 +154,5 @@ def patch(model: torch.nn.Module, report, **options) -> None:
             for norm in ("img_norm2", "txt_norm2"):
                 mark_fused(getattr(module, norm), "the block's gated_residual_norm")
         else:
-            swap_processor(path, module, report, QwenDoubleStreamAttnProcessor2_0, QwenImageFusedAttnProcessor,
-                           "qk_norm_rope per head (interleaved), per stream")
+            swap_processor(path, module, report, {QwenDoubleStreamAttnProcessor2_0: (
+                QwenImageFusedAttnProcessor, "qk_norm_rope per head (interleaved), per stream")})

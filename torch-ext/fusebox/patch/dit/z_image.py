@@ -124,5 +124,5 @@ def patch(model: torch.nn.Module, report, **options) -> None:
             replace_forward(module, _feed_forward, f"{FAMILY} feed-forward")
             report.add(path, module, "gated_activation (silu)")
         else:
-            swap_processor(path, module, report, ZSingleStreamAttnProcessor, ZImageFusedAttnProcessor,
-                           "qk_norm_rope per head (interleaved)")
+            swap_processor(path, module, report, {ZSingleStreamAttnProcessor: (
+                ZImageFusedAttnProcessor, "qk_norm_rope per head (interleaved)")})
