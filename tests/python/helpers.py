@@ -357,6 +357,10 @@ LLM_FAMILIES = {
                                      "shared_expert_intermediate_size": 64}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
                                   "sliding_window": 16}),
+    # attention sinks, a sliding and a full layer, half-width rotary tables
+    "gpt_oss": ("GptOssConfig", {"head_dim": 16, "num_local_experts": 4,
+                                 "num_experts_per_tok": 2, "sliding_window": 8,
+                                 "layer_types": ["sliding_attention", "full_attention"]}),
     "gemma": ("GemmaConfig", {"head_dim": 16}),
     "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8}),
     "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 8,
@@ -365,7 +369,7 @@ LLM_FAMILIES = {
 
 
 # families without a dense gated MLP module (their experts are not fused)
-LLM_FAMILIES_WITHOUT_MLP = ("mixtral",)
+LLM_FAMILIES_WITHOUT_MLP = ("mixtral", "gpt_oss")
 
 
 def tiny_llm(family, dtype=torch.float32, device="cpu", **overrides):

@@ -59,13 +59,16 @@ def test_fp32_logits_match(family, device):
         if kind == "MLP" and family in LLM_FAMILIES_WITHOUT_MLP:
             continue
         assert any(e.kind.endswith(kind) for e in report.patched), (kind, str(report))
-    assert not report.skipped
+    # only an MoE block named like an MLP may be left alone (GPT-OSS's experts)
+    assert all(family in LLM_FAMILIES_WITHOUT_MLP and e.kind.endswith("MLP")
+               for e in report.skipped), str(report)
     out = logits(model, ids)
     assert rel_err(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "falcon-7b", "falcon-40b"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen3_moe", "gpt_oss", "falcon-7b",
+                                    "falcon-40b"])
 def test_bf16_within_bf16_spread(family, device):
     """bf16 patched is no further from the fp32 model than bf16 unpatched is."""
     model32 = build(family, device=device)

@@ -13,7 +13,8 @@ the original back wherever the fused forward is found then, and those hooks stay
 from __future__ import annotations
 
 import types
-from typing import Callable, Iterator, List, Optional, Tuple
+import weakref
+from typing import Callable, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 
@@ -134,3 +135,26 @@ def needs_autograd(*tensors: Optional[torch.Tensor]) -> bool:
     if not torch.is_grad_enabled():
         return False
     return any(t is not None and isinstance(t, torch.Tensor) and t.requires_grad for t in tensors)
+
+
+# --------------------------------------------------------------------------- per-forward values
+
+T = TypeVar("T")
+# (source tensor, its version, what was derived, the value); the few most recent
+_DERIVED: List[Tuple[weakref.ref, int, str, object]] = []
+
+
+def derived_once(source: torch.Tensor, kind: str, make: Callable[[], T]) -> T:
+    """``make()``, formed once per ``source`` tensor and ``kind`` in eager calls. The layers of
+    one forward get the same rotary tables, so tables derived from them (another layout, both
+    halves written out) are formed by the first layer and reused by the rest; a new forward
+    brings new tensors. Under ``torch.compile`` the value is formed in the graph."""
+    if torch.compiler.is_compiling():
+        return make()
+    for ref, version, what, value in _DERIVED:
+        if ref() is source and version == source._version and what == kind:
+            return value
+    value = make()
+    _DERIVED[:] = [e for e in _DERIVED if e[0]() is not None][-7:]
+    _DERIVED.append((weakref.ref(source), source._version, kind, value))
+    return value

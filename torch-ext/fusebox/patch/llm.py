@@ -1,5 +1,5 @@
 """transformers decoder LLMs (Llama, Mistral, Ministral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, Gemma, Gemma2, Gemma3 text, Falcon) on fusebox.
+Qwen3-MoE, GPT-OSS, Gemma, Gemma2, Gemma3 text, Falcon) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
 
@@ -38,7 +38,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .. import functional as F
-from ._common import has_hooks, needs_autograd, original_forward, replace_forward
+from ._common import derived_once, has_hooks, needs_autograd, original_forward, replace_forward
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -89,6 +89,8 @@ class NormStyle:
 # Formulas as they read in transformers' source (whitespace removed).
 _LLAMA_NORM = ("variance_epsilon", "returnself.weight*hidden_states.to(input_dtype)")
 _GEMMA_NORM = ("output*(1.0+self.weight.float())", "returnoutput.type_as(x)")
+# T5's, as GPT-OSS and OLMo-2 write it: the weight applied in fp32, then one rounding
+_T5_NORM = ("variance_epsilon", "return(self.weight*hidden_states).to(input_dtype)")
 
 
 def norm_style(module: torch.nn.Module) -> Optional[NormStyle]:
@@ -100,6 +102,8 @@ def norm_style(module: torch.nn.Module) -> Optional[NormStyle]:
     src = _source(cls.forward) + _source(getattr(cls, "_norm", None))
     if all(s in src for s in _LLAMA_NORM) and hasattr(module, "variance_epsilon"):
         return NormStyle(float(module.variance_epsilon), 0.0, True)
+    if all(s in src for s in _T5_NORM) and hasattr(module, "variance_epsilon"):
+        return NormStyle(float(module.variance_epsilon), 0.0, False)
     if all(s in src for s in _GEMMA_NORM) and hasattr(module, "eps"):
         return NormStyle(float(module.eps), 1.0, False)
     return None
@@ -167,6 +171,8 @@ _GATED_MLP = "down_proj=self.down_proj(self.act_fn(self.gate_proj(x))*self.up_pr
 def mlp_activation(module: torch.nn.Module) -> Tuple[Optional[str], str]:
     """(fusebox activation, "") for a gated MLP fusebox can run, else (None, why not)."""
     if _GATED_MLP not in _source(type(module).forward):
+        if hasattr(module, "experts"):
+            return None, "mixture of experts: the experts keep their code"
         return None, "forward is not down(act(gate(x)) * up(x))"
     act = module.act_fn
     name = type(act).__name__
@@ -198,9 +204,12 @@ def _make_mlp_forward(activation: str) -> Callable:
 
 @dataclass(frozen=True)
 class AttentionSpec:
-    """What a family's attention forward passes beyond Llama's."""
+    """What a family's attention forward does beyond Llama's."""
     qk_norm: bool = False                                   # per-head q_norm / k_norm
     extra: Callable[[torch.nn.Module], dict] = lambda m: {}  # extra attention-interface kwargs
+    # the model's cos/sin hold each frequency once ([.., D/2]: GPT-OSS rotates the halves of a
+    # head with them); the fused op takes them written out for both halves
+    half_tables: bool = False
 
 
 def _sliding(m):
@@ -225,6 +234,8 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "MinistralAttention": _QWEN2_ATTENTION,
     "Qwen3Attention": _QWEN3_ATTENTION,
     "Qwen3MoeAttention": _QWEN3_ATTENTION,
+    "GptOssAttention": AttentionSpec(
+        half_tables=True, extra=lambda m: {"sliding_window": m.sliding_window, "s_aux": m.sinks}),
     "Gemma2Attention": AttentionSpec(
         extra=lambda m: {"sliding_window": m.sliding_window, "softcap": m.attn_logit_softcapping}),
     "Gemma3Attention": AttentionSpec(qk_norm=True, extra=_sliding),
@@ -245,6 +256,9 @@ def _make_attention_forward(spec: AttentionSpec, q_style: Optional[NormStyle],
                 or cos.dtype != hidden_states.dtype:
             return original_forward(self)(hidden_states, position_embeddings, attention_mask,
                                           past_key_values, **kwargs)
+        if spec.half_tables:
+            cos, sin = derived_once(cos, "both halves", lambda: (torch.cat([cos, cos], dim=-1),
+                                                                 torch.cat([sin, sin], dim=-1)))
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         # q and k stay [B, S, H, D] for the rotary op; the per-head norm is the same before
@@ -361,19 +375,23 @@ def _falcon_attention_patch(module) -> Tuple[Optional[Callable], str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _rotates_half_split(module_name: str) -> bool:
+def _rotates_half_split(module_name: str, half_tables: bool) -> bool:
     """Whether the ``apply_rotary_pos_emb`` next to an attention class rotates the pairs
-    (i, i + D/2) over the table's width, as ``rope`` does. Checked on a small CPU probe rather
-    than by its source: transformers may hand the function to a hub-kernel wrapper."""
+    (i, i + D/2) over the table's width (``half_tables``: by tables that hold each frequency
+    once), as ``rope`` does. Checked on a small CPU probe rather than by its source:
+    transformers may hand the function to a hub-kernel wrapper."""
     fn = getattr(sys.modules[module_name], "apply_rotary_pos_emb", None)
     if fn is None:
         return False
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 2, 3, 8, generator=gen, device="cpu") for _ in range(2))
-    cos, sin = (torch.randn(1, 3, 8, generator=gen, device="cpu") for _ in range(2))
+    cos, sin = (torch.randn(1, 3, 4 if half_tables else 8, generator=gen, device="cpu")
+                for _ in range(2))
+    full_cos, full_sin = (torch.cat([t, t], dim=-1) if half_tables else t for t in (cos, sin))
 
     def expected(x):
-        return x * cos[:, None] + torch.cat((-x[..., 4:], x[..., :4]), dim=-1) * sin[:, None]
+        rotated = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
+        return x * full_cos[:, None] + rotated * full_sin[:, None]
     try:
         q_out, k_out = fn(q, k, cos, sin)
     except Exception:  # noqa: BLE001 - any failure means "not the formula fusebox runs"
@@ -387,7 +405,7 @@ def _attention_patch(module) -> Tuple[Optional[Callable], str]:
         return None, "no fused attention for this class"
     if _params(type(module).forward) != _ATTENTION_PARAMS:
         return None, "forward signature differs from the supported transformers versions"
-    if not _rotates_half_split(type(module).__module__):
+    if not _rotates_half_split(type(module).__module__, spec.half_tables):
         return None, "apply_rotary_pos_emb is not the half-split rotation"
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if eager is None:
@@ -422,9 +440,10 @@ def _attention_then_add_norm(self, fused_norm: torch.nn.Module, style: NormStyle
     return _add_norm(fused_norm, style, hidden_states, residual)
 
 
-def _make_prenorm_layer_forward(style: NormStyle) -> Callable:
+def _make_prenorm_layer_forward(style: NormStyle, mlp_returns_tuple: bool = False) -> Callable:
     """Llama-style layer: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))`` with the
-    attention add and norm2 fused."""
+    attention add and norm2 fused (``mlp_returns_tuple``: the MLP returns its output first,
+    with the router's scores, as GPT-OSS's does)."""
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=False, position_embeddings=None, **kwargs):
         if not _fusable(hidden_states, self.post_attention_layernorm.weight):
@@ -436,7 +455,8 @@ def _make_prenorm_layer_forward(style: NormStyle) -> Callable:
             attention_mask=attention_mask, position_ids=position_ids,
             past_key_values=past_key_values, use_cache=use_cache,
             position_embeddings=position_embeddings, **kwargs)
-        return hidden_states + self.mlp(normed)
+        out = self.mlp(normed)
+        return hidden_states + (out[0] if mlp_returns_tuple else out)
     return forward
 
 
@@ -468,10 +488,12 @@ class LayerTemplate:
     make: Callable[[NormStyle], Callable]
 
 
-_PRENORM = LayerTemplate(
-    ("self", "hidden_states", "attention_mask", "position_ids", "past_key_values", "use_cache",
-     "position_embeddings", "kwargs"),
-    "post_attention_layernorm", _make_prenorm_layer_forward)
+_PRENORM_PARAMS = ("self", "hidden_states", "attention_mask", "position_ids", "past_key_values",
+                   "use_cache", "position_embeddings", "kwargs")
+_PRENORM = LayerTemplate(_PRENORM_PARAMS, "post_attention_layernorm", _make_prenorm_layer_forward)
+_PRENORM_MLP_TUPLE = LayerTemplate(
+    _PRENORM_PARAMS, "post_attention_layernorm",
+    functools.partial(_make_prenorm_layer_forward, mlp_returns_tuple=True))
 _ROTARY_FIRST_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_mask",
                         "position_ids", "past_key_values", "kwargs")
 _PRENORM_ROTARY_FIRST = LayerTemplate(
@@ -491,6 +513,7 @@ DECODER_LAYERS: Dict[str, LayerTemplate] = {
     "Qwen3DecoderLayer": _PRENORM,
     "Qwen3MoeDecoderLayer": _PRENORM,
     "MixtralDecoderLayer": _PRENORM_ROTARY_FIRST,
+    "GptOssDecoderLayer": _PRENORM_MLP_TUPLE,
     "GemmaDecoderLayer": _PRENORM,
     "Gemma2DecoderLayer": _SANDWICH,
     "Gemma3DecoderLayer": _SANDWICH,

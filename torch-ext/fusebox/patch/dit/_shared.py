@@ -14,8 +14,7 @@ from __future__ import annotations
 
 import functools
 import os
-import weakref
-from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -23,7 +22,7 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import FP32LayerNorm, RMSNorm
 
 from ... import functional as fb
-from .._common import has_hooks, needs_autograd, replace_forward
+from .._common import derived_once, has_hooks, needs_autograd, replace_forward
 
 Tensor = torch.Tensor
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -502,28 +501,14 @@ def norm_rope(q: Tensor, k: Tensor, norm_q: Optional[torch.nn.Module],
     return fb.qk_norm_rope(q, k, pq[0], pk[0], cos, sin, pq[1], interleaved=True)
 
 
-# (frequencies, their version, their tables): the blocks of one forward pass the same
-# frequency tensors, so their tables are formed once; a new forward brings new tensors
-_COMPLEX_TABLES: List[Tuple[weakref.ref, int, Tuple[Tensor, Tensor]]] = []
-
-
 def complex_rotary_tables(freqs: Tensor) -> Tuple[Tensor, Tensor]:
     """``(cos, sin)`` fp32 tables ``[..., D]`` of complex frequencies ``[..., D/2]``, for the
     models that rotate a head as complex numbers (``view_as_complex(x) * freqs``): pair j
     (channels 2j, 2j + 1) turns by the angle of ``freqs[..., j]``, which is the interleaved
-    rotation with each pair's cos and sin written twice. Formed once per frequency tensor in
-    eager calls."""
-    compiling = torch.compiler.is_compiling()
-    if not compiling:
-        for ref, version, tables in _COMPLEX_TABLES:
-            if ref() is freqs and version == freqs._version:
-                return tables
-    tables = (freqs.real.repeat_interleave(2, dim=-1).float(),
-              freqs.imag.repeat_interleave(2, dim=-1).float())
-    if not compiling:
-        _COMPLEX_TABLES[:] = [e for e in _COMPLEX_TABLES if e[0]() is not None][-3:]
-        _COMPLEX_TABLES.append((weakref.ref(freqs), freqs._version, tables))
-    return tables
+    rotation with each pair's cos and sin written twice. Formed once per forward."""
+    return derived_once(freqs, "interleaved tables", lambda: (
+        freqs.real.repeat_interleave(2, dim=-1).float(),
+        freqs.imag.repeat_interleave(2, dim=-1).float()))
 
 
 def split_rotary(rotary: Optional[Tuple[Tensor, Tensor]], n: int):
