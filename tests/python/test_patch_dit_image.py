@@ -264,6 +264,18 @@ def test_report_qwen_image():
                                   "done by the parent AdaLayerNorm's adaln": 1}), str(report)
 
 
+def test_qwen_image_under_inference_mode(device):
+    """The rotary tables formed once per forward come from inference tensors here (no version
+    counter)."""
+    model, inputs = build("qwen_image", device)
+    ref = forward(model, inputs)
+    fusebox.patch(model)
+    with torch.inference_mode():
+        out = model(**inputs, return_dict=False)[0]
+        again = model(**inputs, return_dict=False)[0]
+    assert rel_err(out, ref) < 1e-5 and torch.equal(out, again)
+
+
 @pytest.mark.parametrize("layer3d_rope", [False, True])
 def test_qwen_image_edit_models_keep_their_block_forward(layer3d_rope, device):
     """Edit models (``zero_cond_t``) modulate the reference image's tokens otherwise than the

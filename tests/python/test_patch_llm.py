@@ -96,6 +96,18 @@ def test_greedy_generate_same_tokens(family, device):
     assert torch.equal(out, ref)
 
 
+def test_gpt_oss_under_inference_mode():
+    """GPT-OSS's tables written out for both halves are formed once per forward, also from
+    inference tensors (no version counter)."""
+    model = tiny_llm("gpt_oss")
+    ids = token_ids()
+    ref = logits(model, ids)
+    fusebox.patch(model)
+    with torch.inference_mode():
+        out = model(ids).logits
+    assert rel_err(out, ref) < 1e-5
+
+
 @pytest.mark.parametrize("family", ["llama", "gemma3", "falcon-40b"])
 def test_eager_attention_returns_the_same_weights(family):
     """The attention interface of the config is used, and the patched attention returns what

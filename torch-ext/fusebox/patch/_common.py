@@ -151,10 +151,16 @@ def derived_once(source: torch.Tensor, kind: str, make: Callable[[], T]) -> T:
     brings new tensors. Under ``torch.compile`` the value is formed in the graph."""
     if torch.compiler.is_compiling():
         return make()
-    for ref, version, what, value in _DERIVED:
-        if ref() is source and version == source._version and what == kind:
+    version = _version(source)
+    for ref, seen, what, value in _DERIVED:
+        if ref() is source and seen == version and what == kind:
             return value
     value = make()
     _DERIVED[:] = [e for e in _DERIVED if e[0]() is not None][-7:]
-    _DERIVED.append((weakref.ref(source), source._version, kind, value))
+    _DERIVED.append((weakref.ref(source), version, kind, value))
     return value
+
+
+def _version(t: torch.Tensor) -> int:
+    """``t``'s in-place version; inference-mode tensors keep none (-1)."""
+    return -1 if t.is_inference() else t._version
