@@ -18,6 +18,7 @@ from diffusers import (  # noqa: E402
     DiTTransformer2DModel,
     Flux2Transformer2DModel,
     FluxTransformer2DModel,
+    HunyuanVideo15Transformer3DModel,
     HunyuanVideoTransformer3DModel,
     PixArtTransformer2DModel,
     QwenImageTransformer2DModel,
@@ -123,6 +124,21 @@ def _qwen_image():
     return model, inputs
 
 
+def _hunyuan_video15():
+    model = HunyuanVideo15Transformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16, num_layers=2,
+        num_refiner_layers=1, patch_size=2, patch_size_t=1, text_embed_dim=32,
+        text_embed_2_dim=24, image_embed_dim=20, rope_axes_dim=(4, 6, 6))
+    mask, mask_2 = torch.ones(B, 7), torch.ones(B, 3)
+    mask[1, 5:] = 0     # padded text in the second sample,
+    mask_2[0, 2:] = 0   # padded ByT5 tokens in the first
+    inputs = dict(hidden_states=torch.randn(B, 4, 3, 8, 8), timestep=torch.tensor([10.0, 500.0]),
+                  encoder_hidden_states=torch.randn(B, 7, 32), encoder_attention_mask=mask,
+                  encoder_hidden_states_2=torch.randn(B, 3, 24), encoder_attention_mask_2=mask_2,
+                  image_embeds=torch.zeros(B, 4, 20))
+    return model, inputs
+
+
 def _dit():
     model = DiTTransformer2DModel(num_attention_heads=4, attention_head_dim=16, in_channels=4,
                                   out_channels=8, num_layers=2, sample_size=8,
@@ -140,6 +156,8 @@ MODELS = {
     "pixart": (_pixart, "pixart", {"fused_norm", "gated_residual", "act"}),
     "hunyuan_video": (_hunyuan_video, "hunyuan-video",
                       {"rotary", "rms_norm", "fused_norm", "gated_residual", "act"}),
+    "hunyuan_video15": (_hunyuan_video15, "hunyuan-video-1.5",
+                        {"rotary", "rms_norm", "fused_norm", "gated_residual", "act"}),
     "qwen_image": (_qwen_image, "qwen-image", {"rotary", "fused_norm", "gated_residual", "act"}),
     "dit": (_dit, "", {"fused_norm", "layer_norm", "act"}),
 }
@@ -485,6 +503,11 @@ def _block_cases(name, model, inputs, device):
         return [(block, (x, c, temb)) for block in model.transformer_blocks]
     if name == "pixart":
         return [(model.transformer_blocks[0], (x, None, randn(B, 6, 64), None, randn(B, 6 * d)))]
+    if name == "hunyuan_video15":
+        rotary = model.rope(randn(B, 4, 3, 8, 8))      # 3 x 4 x 4 = 48 video tokens
+        mask = torch.ones(B, 5, dtype=torch.bool, device=device)
+        mask[1, 3:] = False
+        return [(model.transformer_blocks[0], (randn(B, 48, d), c, temb, mask, rotary))]
     if name == "qwen_image":
         rotary = model.pos_embed([(1, 3, 4)], max_txt_seq_len=5, device=device)
         mask = torch.ones(B, 5, device=device)
@@ -496,7 +519,8 @@ def _block_cases(name, model, inputs, device):
             (model.single_transformer_blocks[0], (x, c, temb, mask, rotary))]
 
 
-@pytest.mark.parametrize("name", ["flux", "flux2", "sd3", "pixart", "hunyuan_video", "qwen_image"])
+@pytest.mark.parametrize("name", ["flux", "flux2", "sd3", "pixart", "hunyuan_video", "hunyuan_video15",
+                                  "qwen_image"])
 def test_compiled_block_has_no_graph_break(name, device):
     model, inputs = build(name, device)
     fusebox.patch(model)

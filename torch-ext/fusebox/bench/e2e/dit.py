@@ -156,6 +156,20 @@ def _hunyuan_inputs(frames, height, width, text=256):
                           pooled_projections=_drawn(1, 768), guidance=_filled(1, 6000.0))
 
 
+def _hunyuan15_inputs(frames, height, width, text=256, glyph_text=64):
+    """HunyuanVideo 1.5 text-to-video: 32-channel latents of a 4x temporal / 16x spatial VAE
+    with the condition channels and mask (65), Qwen2.5-VL text states, ByT5 glyph states and
+    the all-zero SigLIP image states of text-to-video (729 tokens)."""
+    latents = (1, 65, (frames - 1) // 4 + 1, height // 16, width // 16)
+    # the timestep in the model's dtype: its embedding runs in the timestep's
+    return _latent_inputs(latents, text, _filled(1, 500.0), 3584,
+                          encoder_attention_mask=_mask(1, text),
+                          encoder_hidden_states_2=_drawn(1, glyph_text, 1472),
+                          encoder_attention_mask_2=_mask(1, glyph_text),
+                          image_embeds=lambda device, dtype, g: torch.zeros(
+                              1, 729, 1152, device=device, dtype=dtype))
+
+
 def _sd3_inputs(size=1024, text=333):
     """SD3.5: 16-channel latents at 1/8, batched CFG, 77 CLIP + 256 T5 tokens."""
     return _latent_inputs((2, 16, size // 8, size // 8), text, 500.0,
@@ -248,6 +262,17 @@ SPECS: Dict[str, Spec] = {
         "17 frames 720x1280 -> latent 5x90x160 -> 18000 tokens + 256 text (129 frames, 118800 "
         "tokens, is the pipeline default; fewer frames keep a step near a second)",
         steps=50),
+    "hunyuan-video-1.5": Spec(
+        "HunyuanVideo 1.5 8.3B, 33x480x848 (14310 tokens), 50 steps",
+        "HunyuanVideo15Transformer3DModel",
+        dict(in_channels=65, out_channels=32, num_attention_heads=16, attention_head_dim=128,
+             num_layers=54, num_refiner_layers=2, mlp_ratio=4.0, patch_size=1, patch_size_t=1,
+             qk_norm="rms_norm", text_embed_dim=3584, text_embed_2_dim=1472, image_embed_dim=1152,
+             rope_theta=256.0, rope_axes_dim=[16, 56, 56], target_size=640, task_type="t2v",
+             use_meanflow=False),
+        _hunyuan15_inputs(33, 480, 848),
+        "33 frames 480x848 -> latent 9x30x53 -> 14310 tokens + 256 text + 64 glyph (121 "
+        "frames, 49290 tokens, is the pipeline default)", steps=50),
     "sd3.5-large": Spec(
         "Stable Diffusion 3.5 Large 8B, 1024x1024 (4096 tokens), CFG batch 2, 28 steps",
         "SD3Transformer2DModel",

@@ -17,8 +17,8 @@ from typing import List
 
 import torch
 
-FAMILY_MODULES = ("ltx", "wan", "flux", "flux2", "sd3", "pixart", "hunyuan_video", "qwen_image",
-                  "z_image")
+FAMILY_MODULES = ("ltx", "wan", "flux", "flux2", "sd3", "pixart", "hunyuan_video",
+                  "hunyuan_video15", "qwen_image", "z_image")
 
 
 def _families() -> List[object]:

@@ -106,8 +106,10 @@ class HunyuanVideoFusedAttnProcessor(FusedAttnProcessor):
         return hidden_states, encoder_hidden_states
 
 
-def _double_block_forward(self, hidden_states, encoder_hidden_states, temb, attention_mask=None,
-                          freqs_cis=None, *args, **kwargs):
+def double_block_forward(self, hidden_states, encoder_hidden_states, temb, attention_mask=None,
+                         freqs_cis=None, *args, **kwargs):
+    """The dual-stream block (HunyuanVideo 1.5's too): norm1 (AdaLayerNormZero, the generic
+    pass's), the joint attention, then each stream's tail."""
     norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(
         hidden_states, emb=temb)
     norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
@@ -162,6 +164,6 @@ def _patch_attention(path, module, report) -> None:
 
 def patch(model: torch.nn.Module, report, **options) -> None:
     patch_two_stream_model(model, report, FAMILY,
-                           (HunyuanVideoTransformerBlock, _double_block_forward),
+                           (HunyuanVideoTransformerBlock, double_block_forward),
                            (HunyuanVideoSingleTransformerBlock, _single_block_forward),
                            _patch_attention)

@@ -1,0 +1,98 @@
+"""HunyuanVideo 1.5 (``HunyuanVideo15Transformer3DModel``) on fusebox.
+
+- attention (``HunyuanVideo15AttnProcessor2_0``): the video tokens' per-head q/k RMSNorm and
+  interleaved RoPE as one ``qk_norm_rope`` launch, the text tokens' q/k norms (no RoPE) as
+  ``rms_norm``; concatenation video-then-text, the joint mask built and
+  ``dispatch_attention_fn`` called as in diffusers, each stream's output projection run on its
+  slice of the attention output;
+- dual-stream blocks, per stream: the gated attention residual + ``norm2`` + modulation as one
+  ``gated_residual_norm``, the feed-forward residual as one ``gated_residual``. ``norm1``
+  (AdaLayerNormZero) and the feed-forward GELU go to the generic pass.
+
+The token refiner keeps its forward; its generic modules are fused by the generic pass.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from diffusers.models.attention_dispatch import dispatch_attention_fn
+from diffusers.models.transformers.transformer_hunyuan_video15 import (
+    HunyuanVideo15AttnProcessor2_0,
+    HunyuanVideo15Transformer3DModel,
+    HunyuanVideo15TransformerBlock,
+)
+
+from .._common import replace_forward
+from ._shared import (
+    FusedAttnProcessor,
+    grad_needed,
+    linear_rows,
+    mark_fused,
+    norm_rope,
+    swap_processor,
+)
+from .hunyuan_video import double_block_forward
+
+FAMILY = "hunyuan-video-1.5"
+
+
+def applies(model: torch.nn.Module) -> bool:
+    return isinstance(model, HunyuanVideo15Transformer3DModel)
+
+
+class HunyuanVideo15FusedAttnProcessor(FusedAttnProcessor):
+    """``HunyuanVideo15AttnProcessor2_0`` with the video q/k norms and RoPE in one launch.
+    Calls it cannot fuse (gradients, no text stream or mask) run the original processor."""
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 image_rotary_emb=None):
+        if (encoder_hidden_states is None or attention_mask is None
+                or grad_needed(attn, hidden_states, encoder_hidden_states)):
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                 image_rotary_emb)
+
+        def heads(proj, x):
+            return proj(x).unflatten(2, (attn.heads, -1))
+        query, key, value = (heads(p, hidden_states) for p in (attn.to_q, attn.to_k, attn.to_v))
+        query, key = norm_rope(query, key, attn.norm_q, attn.norm_k, image_rotary_emb)
+        encoder_query, encoder_key, encoder_value = (
+            heads(p, encoder_hidden_states)
+            for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+        encoder_query, encoder_key = norm_rope(encoder_query, encoder_key, attn.norm_added_q,
+                                               attn.norm_added_k, None)
+        query = torch.cat([query, encoder_query], dim=1)
+        key = torch.cat([key, encoder_key], dim=1)
+        value = torch.cat([value, encoder_value], dim=1)
+
+        # the joint mask: text padding on both sides of the score matrix, as diffusers builds it
+        batch_size, seq_len = query.shape[:2]
+        mask = F.pad(attention_mask, (seq_len - attention_mask.shape[1], 0), value=True).bool()
+        rows = mask.view(batch_size, 1, 1, seq_len).repeat(1, 1, seq_len, 1)
+        mask = rows & rows.transpose(2, 3)
+
+        hidden_states = dispatch_attention_fn(
+            query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False,
+            backend=self._attention_backend, parallel_config=self._parallel_config)
+        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+        text = encoder_hidden_states.shape[1]
+        video_out, text_out = hidden_states[:, :-text], hidden_states[:, -text:]
+        if getattr(attn, "to_out", None) is not None:
+            video_out = attn.to_out[1](linear_rows(attn.to_out[0], video_out))
+        if getattr(attn, "to_add_out", None) is not None:
+            text_out = linear_rows(attn.to_add_out, text_out)
+        return video_out, text_out
+
+
+def patch(model: torch.nn.Module, report, **options) -> None:
+    report.family = FAMILY
+    for path, module in model.named_modules():
+        if type(module) is HunyuanVideo15TransformerBlock:
+            replace_forward(module, double_block_forward, f"{FAMILY} block")
+            report.add(path, module, "gated_residual_norm + gated_residual, both streams")
+            for norm in ("norm2", "norm2_context"):
+                mark_fused(getattr(module, norm), "the block's gated_residual_norm")
+        else:
+            swap_processor(path, module, report, {HunyuanVideo15AttnProcessor2_0: (
+                HunyuanVideo15FusedAttnProcessor,
+                "qk_norm_rope per head (interleaved) for video, rms_norm for text")})
