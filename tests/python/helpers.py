@@ -357,6 +357,11 @@ LLM_FAMILIES = {
                                      "shared_expert_intermediate_size": 64}),
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
                                   "sliding_window": 16}),
+    # q/k norms across heads; NoPE layers (every 2nd without rotary) and a sliding window
+    "olmo2": ("Olmo2Config", {}),
+    "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "sliding_window": 8,
+                                  "use_sliding_window": True, "pad_token_id": 0,
+                                  "bos_token_id": 1, "eos_token_id": 2}),
     # attention sinks, a sliding and a full layer, half-width rotary tables
     "gpt_oss": ("GptOssConfig", {"head_dim": 16, "num_local_experts": 4,
                                  "num_experts_per_tok": 2, "sliding_window": 8,
@@ -368,8 +373,9 @@ LLM_FAMILIES = {
 }
 
 
-# families without a dense gated MLP module (their experts are not fused)
-LLM_FAMILIES_WITHOUT_MLP = ("mixtral", "gpt_oss")
+# module kinds a family has no fused forward for: MoE blocks (the experts keep their code),
+# OLMo-2's post-norm layers (the norm comes before the residual add)
+LLM_KINDS_LEFT = {"mixtral": ("MLP",), "gpt_oss": ("MLP",), "olmo2": ("DecoderLayer",)}
 
 
 def tiny_llm(family, dtype=torch.float32, device="cpu", **overrides):

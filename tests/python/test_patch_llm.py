@@ -16,7 +16,7 @@ from helpers import (  # noqa: E402
     DEVICES,
     FALCON_VARIANTS,
     LLM_FAMILIES,
-    LLM_FAMILIES_WITHOUT_MLP,
+    LLM_KINDS_LEFT,
     FuseboxOps,
     GraphOps,
     LLM_VOCAB,
@@ -55,20 +55,19 @@ def test_fp32_logits_match(family, device):
     ref = logits(model, ids)
     report = fusebox.patch(model)
     assert report.family.startswith(family)
+    left = LLM_KINDS_LEFT.get(family, ())
     for kind in FUSED_LAYER_KINDS:
-        if kind == "MLP" and family in LLM_FAMILIES_WITHOUT_MLP:
-            continue
-        assert any(e.kind.endswith(kind) for e in report.patched), (kind, str(report))
-    # only an MoE block named like an MLP may be left alone (GPT-OSS's experts)
-    assert all(family in LLM_FAMILIES_WITHOUT_MLP and e.kind.endswith("MLP")
-               for e in report.skipped), str(report)
+        if kind not in left:
+            assert any(e.kind.endswith(kind) for e in report.patched), (kind, str(report))
+    assert all(e.kind.endswith(left) for e in report.skipped) if left else not report.skipped, \
+        str(report)
     out = logits(model, ids)
     assert rel_err(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen3_moe", "gpt_oss", "falcon-7b",
-                                    "falcon-40b"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen3_moe", "gpt_oss", "olmo2",
+                                    "smollm3", "falcon-7b", "falcon-40b"])
 def test_bf16_within_bf16_spread(family, device):
     """bf16 patched is no further from the fp32 model than bf16 unpatched is."""
     model32 = build(family, device=device)

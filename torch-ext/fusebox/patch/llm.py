@@ -1,5 +1,5 @@
 """transformers decoder LLMs (Llama, Mistral, Ministral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, GPT-OSS, Gemma, Gemma2, Gemma3 text, Falcon) on fusebox.
+Qwen3-MoE, GPT-OSS, OLMo-2, SmolLM3, Gemma, Gemma2, Gemma3 text, Falcon) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
 
@@ -210,6 +210,10 @@ class AttentionSpec:
     # the model's cos/sin hold each frequency once ([.., D/2]: GPT-OSS rotates the halves of a
     # head with them); the fused op takes them written out for both halves
     half_tables: bool = False
+    # q_norm / k_norm span all heads of a token, applied to the projections (OLMo-2)
+    qk_norm_across: bool = False
+    # the layer rotates q and k only where this attribute is true (SmolLM3's NoPE layers)
+    rope_flag: Optional[str] = None
 
 
 def _sliding(m):
@@ -236,6 +240,8 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "Qwen3MoeAttention": _QWEN3_ATTENTION,
     "GptOssAttention": AttentionSpec(
         half_tables=True, extra=lambda m: {"sliding_window": m.sliding_window, "s_aux": m.sinks}),
+    "Olmo2Attention": AttentionSpec(qk_norm=True, qk_norm_across=True),
+    "SmolLM3Attention": AttentionSpec(extra=_sliding, rope_flag="use_rope"),
     "Gemma2Attention": AttentionSpec(
         extra=lambda m: {"sliding_window": m.sliding_window, "softcap": m.attn_logit_softcapping}),
     "Gemma3Attention": AttentionSpec(qk_norm=True, extra=_sliding),
@@ -266,15 +272,20 @@ def _make_attention_forward(spec: AttentionSpec, q_style: Optional[NormStyle],
         query = self.q_proj(hidden_states).view(hidden_shape)
         key = self.k_proj(hidden_states).view(hidden_shape)
         value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        if q_style is not None and _weight_readable(self.q_norm, q_style, query) and \
-                _weight_readable(self.k_norm, k_style, key):
+        rotate = spec.rope_flag is None or getattr(self, spec.rope_flag)
+        if q_style is not None and rotate and _weight_readable(self.q_norm, q_style, query) \
+                and _weight_readable(self.k_norm, k_style, key):
             query, key = F.qk_norm_rope(
                 query, key, self.q_norm.weight, self.k_norm.weight, cos, sin, eps=q_style.eps,
-                weight_offset=q_style.weight_offset)
+                across_heads=spec.qk_norm_across, weight_offset=q_style.weight_offset)
         else:
-            if q_style is not None:
+            if q_style is not None and spec.qk_norm_across:
+                query = self.q_norm(query.flatten(-2)).view(hidden_shape)
+                key = self.k_norm(key.flatten(-2)).view(hidden_shape)
+            elif q_style is not None:
                 query, key = self.q_norm(query), self.k_norm(key)
-            query, key = F.rope(query, key, cos, sin)
+            if rotate:
+                query, key = F.rope(query, key, cos, sin)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
 
         if past_key_values is not None:
@@ -514,6 +525,7 @@ DECODER_LAYERS: Dict[str, LayerTemplate] = {
     "Qwen3MoeDecoderLayer": _PRENORM,
     "MixtralDecoderLayer": _PRENORM_ROTARY_FIRST,
     "GptOssDecoderLayer": _PRENORM_MLP_TUPLE,
+    "SmolLM3DecoderLayer": _PRENORM,
     "GemmaDecoderLayer": _PRENORM,
     "Gemma2DecoderLayer": _SANDWICH,
     "Gemma3DecoderLayer": _SANDWICH,
@@ -541,6 +553,8 @@ SPECIAL_CLASSES: Dict[str, Callable[[torch.nn.Module], Tuple[Optional[Callable],
     "FalconMLP": lambda m: (None, "not gated: up, activation (one launch already), down"),
     "FalconDecoderLayer": lambda m: (
         None, "residual adds kept as written (LayerNorm model, parallel attention + MLP)"),
+    "Olmo2DecoderLayer": lambda m: (
+        None, "post-norm layer: its norms apply to the branches before the residual adds"),
 }
 
 
