@@ -359,6 +359,8 @@ LLM_FAMILIES = {
                                   "sliding_window": 16}),
     # q/k norms across heads; NoPE layers (every 2nd without rotary) and a sliding window
     "olmo2": ("Olmo2Config", {}),
+    "olmo3": ("Olmo3Config", {"sliding_window": 8,
+                              "layer_types": ["sliding_attention", "full_attention"]}),
     "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "sliding_window": 8,
                                   "use_sliding_window": True, "pad_token_id": 0,
                                   "bos_token_id": 1, "eos_token_id": 2}),
@@ -375,7 +377,8 @@ LLM_FAMILIES = {
 
 # module kinds a family has no fused forward for: MoE blocks (the experts keep their code),
 # OLMo-2's post-norm layers (the norm comes before the residual add)
-LLM_KINDS_LEFT = {"mixtral": ("MLP",), "gpt_oss": ("MLP",), "olmo2": ("DecoderLayer",)}
+LLM_KINDS_LEFT = {"mixtral": ("MLP",), "gpt_oss": ("MLP",), "olmo2": ("DecoderLayer",),
+                  "olmo3": ("DecoderLayer",)}
 
 
 def tiny_llm(family, dtype=torch.float32, device="cpu", **overrides):

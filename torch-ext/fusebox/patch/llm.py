@@ -1,5 +1,5 @@
 """transformers decoder LLMs (Llama, Mistral, Ministral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, GPT-OSS, OLMo-2, SmolLM3, Gemma, Gemma2, Gemma3 text, Falcon) on fusebox.
+Qwen3-MoE, GPT-OSS, OLMo-2, OLMo-3, SmolLM3, Gemma, Gemma2, Gemma3 text, Falcon) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
 
@@ -241,6 +241,7 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "GptOssAttention": AttentionSpec(
         half_tables=True, extra=lambda m: {"sliding_window": m.sliding_window, "s_aux": m.sinks}),
     "Olmo2Attention": AttentionSpec(qk_norm=True, qk_norm_across=True),
+    "Olmo3Attention": AttentionSpec(qk_norm=True, qk_norm_across=True, extra=_sliding),
     "SmolLM3Attention": AttentionSpec(extra=_sliding, rope_flag="use_rope"),
     "Gemma2Attention": AttentionSpec(
         extra=lambda m: {"sliding_window": m.sliding_window, "softcap": m.attn_logit_softcapping}),
@@ -554,6 +555,8 @@ SPECIAL_CLASSES: Dict[str, Callable[[torch.nn.Module], Tuple[Optional[Callable],
     "FalconDecoderLayer": lambda m: (
         None, "residual adds kept as written (LayerNorm model, parallel attention + MLP)"),
     "Olmo2DecoderLayer": lambda m: (
+        None, "post-norm layer: its norms apply to the branches before the residual adds"),
+    "Olmo3DecoderLayer": lambda m: (
         None, "post-norm layer: its norms apply to the branches before the residual adds"),
 }
 
