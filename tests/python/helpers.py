@@ -358,6 +358,9 @@ LLM_FAMILIES = {
     "mixtral": ("MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2,
                                   "sliding_window": 16}),
     # q/k norms across heads; NoPE layers (every 2nd without rotary) and a sliding window
+    # fused QKV and gate/up projections, partial rotary (Phi-4-mini's 0.75), residual dropouts
+    "phi3": ("Phi3Config", {"partial_rotary_factor": 0.75, "resid_pdrop": 0.1,
+                            "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}),
     "olmo2": ("Olmo2Config", {}),
     "olmo3": ("Olmo3Config", {"sliding_window": 8,
                               "layer_types": ["sliding_attention", "full_attention"]}),

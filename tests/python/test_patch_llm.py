@@ -95,6 +95,21 @@ def test_greedy_generate_same_tokens(family, device):
     assert torch.equal(out, ref)
 
 
+def test_phi3_layer_keeps_its_forward_while_its_dropout_is_active():
+    """Phi-3's residual dropouts (train mode) are applied as the model applies them: the fused
+    layer (which has none) steps aside, so the same random masks come out."""
+    model = tiny_llm("phi3").train()
+    ids = token_ids()
+    torch.manual_seed(3)
+    ref = logits(model, ids)
+    fusebox.patch(model)
+    torch.manual_seed(3)
+    out = logits(model, ids)
+    assert rel_err(out, ref) < 1e-5
+    model.eval()
+    assert rel_err(logits(model, ids), ref) > 1e-3   # (the masks did change the result)
+
+
 def test_gpt_oss_under_inference_mode():
     """GPT-OSS's tables written out for both halves are formed once per forward, also from
     inference tensors (no version counter)."""

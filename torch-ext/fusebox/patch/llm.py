@@ -1,5 +1,5 @@
 """transformers decoder LLMs (Llama, Mistral, Ministral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, GPT-OSS, OLMo-2, OLMo-3, SmolLM3, Gemma, Gemma2, Gemma3 text, Falcon) on fusebox.
+Qwen3-MoE, GPT-OSS, OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2, Gemma3 text, Falcon) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
 
@@ -166,15 +166,25 @@ _ACTIVATIONS = {
     "PytorchGELUTanh": "gelu_tanh",
 }
 _GATED_MLP = "down_proj=self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))"
+# Phi-3: gate and up from one projection, gate first
+_PACKED_MLP = ("gate,up_states=up_states.chunk(2,dim=-1)"
+               "up_states=up_states*self.activation_fn(gate)returnself.down_proj(up_states)")
+
+
+def mlp_form(module: torch.nn.Module) -> Optional[str]:
+    """"gated" (separate gate and up projections), "packed" (one ``gate_up_proj``) or None."""
+    src = _source(type(module).forward)
+    return "gated" if _GATED_MLP in src else "packed" if _PACKED_MLP in src else None
 
 
 def mlp_activation(module: torch.nn.Module) -> Tuple[Optional[str], str]:
     """(fusebox activation, "") for a gated MLP fusebox can run, else (None, why not)."""
-    if _GATED_MLP not in _source(type(module).forward):
+    form = mlp_form(module)
+    if form is None:
         if hasattr(module, "experts"):
             return None, "mixture of experts: the experts keep their code"
         return None, "forward is not down(act(gate(x)) * up(x))"
-    act = module.act_fn
+    act = module.act_fn if form == "gated" else module.activation_fn
     name = type(act).__name__
     if name == "GELUActivation":
         # transformers' "gelu" is exact erf unless it was built with the python formula
@@ -199,6 +209,15 @@ def _make_mlp_forward(activation: str) -> Callable:
     return forward
 
 
+def _make_packed_mlp_forward(activation: str) -> Callable:
+    def forward(self, hidden_states):
+        if not _fusable(hidden_states, self.gate_up_proj.weight):
+            return original_forward(self)(hidden_states)
+        return self.down_proj(F.gated_activation_packed(self.gate_up_proj(hidden_states),
+                                                        activation, gate_first=True))
+    return forward
+
+
 # --------------------------------------------------------------------------- attention
 
 
@@ -214,6 +233,8 @@ class AttentionSpec:
     qk_norm_across: bool = False
     # the layer rotates q and k only where this attribute is true (SmolLM3's NoPE layers)
     rope_flag: Optional[str] = None
+    # q, k and v are column ranges of one projection, qkv_proj (Phi-3): read where it writes them
+    fused_qkv: bool = False
 
 
 def _sliding(m):
@@ -243,6 +264,8 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "Olmo2Attention": AttentionSpec(qk_norm=True, qk_norm_across=True),
     "Olmo3Attention": AttentionSpec(qk_norm=True, qk_norm_across=True, extra=_sliding),
     "SmolLM3Attention": AttentionSpec(extra=_sliding, rope_flag="use_rope"),
+    "Phi3Attention": AttentionSpec(
+        fused_qkv=True, extra=lambda m: {"sliding_window": getattr(m.config, "sliding_window", None)}),
     "Gemma2Attention": AttentionSpec(
         extra=lambda m: {"sliding_window": m.sliding_window, "softcap": m.attn_logit_softcapping}),
     "Gemma3Attention": AttentionSpec(qk_norm=True, extra=_sliding),
@@ -258,8 +281,9 @@ def _make_attention_forward(spec: AttentionSpec, q_style: Optional[NormStyle],
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
         cos, sin = position_embeddings
+        projection = self.qkv_proj if spec.fused_qkv else self.q_proj
         # transformers rotates in the dtype of q*cos: the fused op writes q's dtype
-        if not _fusable(hidden_states, self.q_proj.weight, cos, sin) or cos.dtype != sin.dtype \
+        if not _fusable(hidden_states, projection.weight, cos, sin) or cos.dtype != sin.dtype \
                 or cos.dtype != hidden_states.dtype:
             return original_forward(self)(hidden_states, position_embeddings, attention_mask,
                                           past_key_values, **kwargs)
@@ -270,9 +294,17 @@ def _make_attention_forward(spec: AttentionSpec, q_style: Optional[NormStyle],
         hidden_shape = (*input_shape, -1, self.head_dim)
         # q and k stay [B, S, H, D] for the rotary op; the per-head norm is the same before
         # or after the transpose
-        query = self.q_proj(hidden_states).view(hidden_shape)
-        key = self.k_proj(hidden_states).view(hidden_shape)
-        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if spec.fused_qkv:
+            qkv = self.qkv_proj(hidden_states)
+            q_width = self.config.num_attention_heads * self.head_dim
+            kv_width = self.num_key_value_heads * self.head_dim
+            query = qkv[..., :q_width].view(hidden_shape)
+            key = qkv[..., q_width:q_width + kv_width].view(hidden_shape)
+            value = qkv[..., q_width + kv_width:].view(hidden_shape).transpose(1, 2)
+        else:
+            query = self.q_proj(hidden_states).view(hidden_shape)
+            key = self.k_proj(hidden_states).view(hidden_shape)
+            value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         rotate = spec.rope_flag is None or getattr(self, spec.rope_flag)
         if q_style is not None and rotate and _weight_readable(self.q_norm, q_style, query) \
                 and _weight_readable(self.k_norm, k_style, key):
@@ -452,13 +484,16 @@ def _attention_then_add_norm(self, fused_norm: torch.nn.Module, style: NormStyle
     return _add_norm(fused_norm, style, hidden_states, residual)
 
 
-def _make_prenorm_layer_forward(style: NormStyle, mlp_returns_tuple: bool = False) -> Callable:
+def _make_prenorm_layer_forward(style: NormStyle, mlp_returns_tuple: bool = False,
+                                dropouts: Tuple[str, ...] = ()) -> Callable:
     """Llama-style layer: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))`` with the
     attention add and norm2 fused (``mlp_returns_tuple``: the MLP returns its output first,
-    with the router's scores, as GPT-OSS's does)."""
+    with the router's scores, as GPT-OSS's does; ``dropouts``: the layer's residual dropouts,
+    which must be inactive for the fused path, as Phi-3's are in eval mode)."""
     def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
                 use_cache=False, position_embeddings=None, **kwargs):
-        if not _fusable(hidden_states, self.post_attention_layernorm.weight):
+        active_dropout = any(getattr(self, d).training and getattr(self, d).p > 0 for d in dropouts)
+        if active_dropout or not _fusable(hidden_states, self.post_attention_layernorm.weight):
             return original_forward(self)(hidden_states, attention_mask, position_ids,
                                           past_key_values, use_cache, position_embeddings,
                                           **kwargs)
@@ -506,6 +541,10 @@ _PRENORM = LayerTemplate(_PRENORM_PARAMS, "post_attention_layernorm", _make_pren
 _PRENORM_MLP_TUPLE = LayerTemplate(
     _PRENORM_PARAMS, "post_attention_layernorm",
     functools.partial(_make_prenorm_layer_forward, mlp_returns_tuple=True))
+_PRENORM_RESIDUAL_DROPOUT = LayerTemplate(
+    _PRENORM_PARAMS, "post_attention_layernorm",
+    functools.partial(_make_prenorm_layer_forward,
+                      dropouts=("resid_attn_dropout", "resid_mlp_dropout")))
 _ROTARY_FIRST_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_mask",
                         "position_ids", "past_key_values", "kwargs")
 _PRENORM_ROTARY_FIRST = LayerTemplate(
@@ -527,6 +566,7 @@ DECODER_LAYERS: Dict[str, LayerTemplate] = {
     "MixtralDecoderLayer": _PRENORM_ROTARY_FIRST,
     "GptOssDecoderLayer": _PRENORM_MLP_TUPLE,
     "SmolLM3DecoderLayer": _PRENORM,
+    "Phi3DecoderLayer": _PRENORM_RESIDUAL_DROPOUT,
     "GemmaDecoderLayer": _PRENORM,
     "Gemma2DecoderLayer": _SANDWICH,
     "Gemma3DecoderLayer": _SANDWICH,
@@ -581,6 +621,9 @@ def _classify(module, family: str) -> Tuple[Optional[Callable], str, bool]:
         activation, why = mlp_activation(module)
         if activation is None:
             return None, why, True
+        if mlp_form(module) == "packed":
+            return (_make_packed_mlp_forward(activation),
+                    f"gated_activation_packed ({activation})", True)
         return _make_mlp_forward(activation), f"gated_activation ({activation})", True
     if name.endswith("Attention"):
         fn, what = _attention_patch(module)
