@@ -46,6 +46,7 @@ MODELS = {
     "mistral-7b": "mistralai/Mistral-7B-v0.1: 32 layers, 4096 wide, GQA 32/8, sliding window 4096",
     "gemma3-4b": "google/gemma-3-4b-it text model: 34 layers, 2560 wide, sandwich norms, q/k norm",
     "falcon-7b": "tiiuae/falcon-7b: 32 layers, 4544 wide, multi-query 71/1, LayerNorm, parallel MLP",
+    "smollm3-3b": "HuggingFaceTB/SmolLM3-3B: 36 layers, 2048 wide, GQA 16/4, every 4th layer NoPE",
     TINY: "2-layer Qwen3-style model, 128 wide (functional check; runs on CPU)",
 }
 
@@ -83,6 +84,12 @@ CONFIGS: Dict[str, dict] = {
         multi_query=True, new_decoder_architecture=False, parallel_attn=True, bias=False,
         alibi=False, layer_norm_epsilon=1e-5, vocab_size=65024, bos_token_id=11,
         eos_token_id=11, initializer_range=0.02),
+    "smollm3-3b": dict(
+        model_type="smollm3", hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+        num_attention_heads=16, num_key_value_heads=4, hidden_act="silu", rms_norm_eps=1e-6,
+        rope_theta=5_000_000.0, vocab_size=128256, max_position_embeddings=65536,
+        no_rope_layer_interval=4, use_sliding_window=False, tie_word_embeddings=True,
+        bos_token_id=128000, eos_token_id=128012, pad_token_id=128004, initializer_range=0.02),
     TINY: dict(
         model_type="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, hidden_act="silu",
