@@ -247,8 +247,8 @@ _MISTRAL_ATTENTION = AttentionSpec(
 _QWEN2_ATTENTION = AttentionSpec(extra=_sliding)
 _QWEN3_ATTENTION = AttentionSpec(qk_norm=True, extra=_sliding)
 
-# Classes whose forward reads as one of the four above (the MoE families' attention is their
-# dense family's, word for word).
+# The attention classes fused, by name (their forward signature and rotary formula are checked
+# too). The MoE families' attention reads as their dense family's, word for word.
 ATTENTION: Dict[str, AttentionSpec] = {
     "LlamaAttention": _LLAMA_ATTENTION,
     "GemmaAttention": _LLAMA_ATTENTION,
