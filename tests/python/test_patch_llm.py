@@ -311,6 +311,52 @@ def test_attention_left_alone_when_its_rotary_differs(monkeypatch):
         llm._rotates_half_split.cache_clear()
 
 
+# Families fused through classes whose forward reads as a named family's: (config class, extra
+# config values, what is fused, what the rotary probe must refuse)
+_TINY_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=LLM_VOCAB, max_position_embeddings=256,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+BY_SOURCE = {
+    "arcee": ("ArceeConfig", {}, ("ArceeAttention", "ArceeDecoderLayer"), ()),
+    "granite": ("GraniteConfig", {"residual_multiplier": 0.5, "attention_multiplier": 0.3,
+                                  "embedding_multiplier": 2.0, "logits_scaling": 2.0},
+                ("GraniteAttention",), ()),
+    "deepseek_v3": ("DeepseekV3Config", {"q_lora_rank": 32, "kv_lora_rank": 16,
+                                         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                                         "v_head_dim": 16, "n_routed_experts": 4,
+                                         "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                         "first_k_dense_replace": 1, "n_group": 1,
+                                         "topk_group": 1},
+                    ("DeepseekV3DecoderLayer",), ()),
+    # interleaved rotary behind a Llama-like attention forward: the probe keeps it unfused
+    "ernie4_5": ("Ernie4_5Config", {}, ("Ernie4_5DecoderLayer",), ("Ernie4_5Attention",)),
+    "glm4": ("Glm4Config", {"head_dim": 16}, ("Glm4MLP",), ("Glm4Attention",)),
+}
+
+
+@pytest.mark.parametrize("family", list(BY_SOURCE))
+def test_families_fused_by_their_forward_source(family):
+    """Classes not named in the tables get a named family's fused forward where theirs reads
+    the same; the rotary probe refuses those whose rotation differs; logits as unpatched."""
+    cls_name, extra, fused, refused = BY_SOURCE[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, cls_name)(**{**_TINY_BASE, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    ids = token_ids()
+    ref = logits(model, ids)
+    report = fusebox.patch(model)
+    patched = {e.kind for e in report.patched}
+    skipped = {e.kind: e.what for e in report.skipped}
+    assert set(fused) <= patched, str(report)
+    for kind in refused:
+        assert "half-split" in skipped[kind], str(report)
+    assert rel_err(logits(model, ids), ref) < 1e-5
+
+
 def test_non_transformers_module_untouched():
     module = torch.nn.Sequential(torch.nn.Linear(4, 4))
     report = fusebox.patch(module)

@@ -28,6 +28,7 @@ when this module was written; a class that drifted is left alone and reported.
 from __future__ import annotations
 
 import functools
+import importlib
 import inspect
 import math
 import re
@@ -70,6 +71,31 @@ def _source(fn) -> str:
         return ""
     text = re.sub(r"#[^\n]*", "", text)
     return re.sub(r"\s+", "", text)
+
+
+# Classes whose forward a fused forward re-implements. A class of another family whose forward
+# reads the same, word for word, gets the same fused forward (its signature, norms and rotary
+# formula are checked as for the named classes): many transformers models copy these.
+_ATTENTION_REFERENCES = (("llama", "LlamaAttention"), ("mistral", "MistralAttention"),
+                         ("qwen2", "Qwen2Attention"), ("qwen3", "Qwen3Attention"),
+                         ("gemma2", "Gemma2Attention"), ("gemma3", "Gemma3Attention"))
+_LAYER_REFERENCES = (("llama", "LlamaDecoderLayer"), ("mixtral", "MixtralDecoderLayer"),
+                     ("gemma2", "Gemma2DecoderLayer"), ("gpt_oss", "GptOssDecoderLayer"))
+
+
+@functools.lru_cache(maxsize=None)
+def _forward_reads_as(cls, references: Tuple[Tuple[str, str], ...]) -> Optional[str]:
+    """The name of the first reference class whose forward has ``cls.forward``'s source."""
+    src = _source(cls.forward)
+    for module, name in references:
+        try:
+            ref = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"),
+                          name)
+        except (ImportError, AttributeError):
+            continue
+        if src and _source(ref.forward) == src:
+            return name
+    return None
 
 
 # --------------------------------------------------------------------------- RMSNorm
@@ -444,9 +470,12 @@ def _rotates_half_split(module_name: str, half_tables: bool) -> bool:
 
 
 def _attention_patch(module) -> Tuple[Optional[Callable], str]:
-    spec = ATTENTION.get(type(module).__name__)
+    spec, reads_as = ATTENTION.get(type(module).__name__), ""
     if spec is None:
-        return None, "no fused attention for this class"
+        reference = _forward_reads_as(type(module), _ATTENTION_REFERENCES)
+        if reference is None:
+            return None, "no fused attention for this class"
+        spec, reads_as = ATTENTION[reference], f" (forward as {reference}'s)"
     if _params(type(module).forward) != _ATTENTION_PARAMS:
         return None, "forward signature differs from the supported transformers versions"
     if not _rotates_half_split(type(module).__module__, spec.half_tables):
@@ -460,7 +489,7 @@ def _attention_patch(module) -> Tuple[Optional[Callable], str]:
         if q_style is None or k_style is None or q_style != k_style:
             return None, "q_norm/k_norm formula not recognized"
     return _make_attention_forward(spec, q_style, k_style, eager), (
-        "qk_norm_rope" if spec.qk_norm else "rope")
+        ("qk_norm_rope" if spec.qk_norm else "rope") + reads_as)
 
 
 # --------------------------------------------------------------------------- decoder layers
@@ -574,15 +603,19 @@ DECODER_LAYERS: Dict[str, LayerTemplate] = {
 
 
 def _layer_patch(module) -> Tuple[Optional[Callable], str]:
-    template = DECODER_LAYERS.get(type(module).__name__)
+    template, reads_as = DECODER_LAYERS.get(type(module).__name__), ""
     if template is None:
-        return None, "no fused decoder layer for this class"
+        reference = _forward_reads_as(type(module), _LAYER_REFERENCES)
+        if reference is None:
+            return None, "no fused decoder layer for this class"
+        template, reads_as = DECODER_LAYERS[reference], f" (forward as {reference}'s)"
     if _params(type(module).forward) != template.params:
         return None, "forward signature differs from the supported transformers versions"
     style = norm_style(getattr(module, template.fused_norm))
     if style is None:
         return None, f"{template.fused_norm} formula not recognized"
-    return template.make(style), f"fused_add_rms_norm (attention residual + {template.fused_norm})"
+    return template.make(style), (f"fused_add_rms_norm (attention residual + "
+                                  f"{template.fused_norm}){reads_as}")
 
 
 # --------------------------------------------------------------------------- entry point
