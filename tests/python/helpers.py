@@ -367,6 +367,11 @@ LLM_FAMILIES = {
     "smollm3": ("SmolLM3Config", {"no_rope_layer_interval": 2, "sliding_window": 8,
                                   "use_sliding_window": True, "pad_token_id": 0,
                                   "bos_token_id": 1, "eos_token_id": 2}),
+    # GLM-4.5: q/k norms per head, partial rotary (half the head), a dense first layer
+    "glm4_moe": ("Glm4MoeConfig", {"head_dim": 16, "n_routed_experts": 4, "num_experts_per_tok": 2,
+                                   "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+                                   "use_qk_norm": True, "partial_rotary_factor": 0.5,
+                                   "n_group": 1, "topk_group": 1}),
     # attention sinks, a sliding and a full layer, half-width rotary tables
     "gpt_oss": ("GptOssConfig", {"head_dim": 16, "num_local_experts": 4,
                                  "num_experts_per_tok": 2, "sliding_window": 8,

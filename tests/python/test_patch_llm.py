@@ -66,8 +66,8 @@ def test_fp32_logits_match(family, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen3_moe", "gpt_oss", "olmo2",
-                                    "smollm3", "falcon-7b", "falcon-40b"])
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen3_moe", "glm4_moe", "gpt_oss",
+                                    "olmo2", "smollm3", "falcon-7b", "falcon-40b"])
 def test_bf16_within_bf16_spread(family, device):
     """bf16 patched is no further from the fp32 model than bf16 unpatched is."""
     model32 = build(family, device=device)
@@ -93,6 +93,16 @@ def test_greedy_generate_same_tokens(family, device):
         out = model.generate(prompt, **kwargs)
     assert out.shape[1] == prompt.shape[1] + 32
     assert torch.equal(out, ref)
+
+
+def test_glm4_moe_without_qk_norms():
+    """GLM-4.5 configs without q/k norms (use_qk_norm=False) get the plain rotary."""
+    model = tiny_llm("glm4_moe", use_qk_norm=False)
+    ids = token_ids()
+    ref = logits(model, ids)
+    report = fusebox.patch(model)
+    assert {e.what for e in report.patched if e.kind == "Glm4MoeAttention"} == {"rope"}
+    assert rel_err(logits(model, ids), ref) < 1e-5
 
 
 def test_phi3_layer_keeps_its_forward_while_its_dropout_is_active():
@@ -459,6 +469,7 @@ COMPILED_OPS = {"llama": {"rms_norm", "rotary", "gated_act"},
                 "gemma3": {"rms_norm", "rotary", "gated_act"},
                 "gpt_oss": {"rms_norm", "rotary"},
                 "qwen3_moe": {"rms_norm", "rotary", "gated_act"},
+                "glm4_moe": {"rms_norm", "rotary", "gated_act"},
                 "mixtral": {"rms_norm", "rotary"},
                 "olmo2": {"rms_norm", "rotary", "gated_act"},
                 "smollm3": {"rms_norm", "rotary", "gated_act"},

@@ -1,5 +1,5 @@
 """transformers decoder LLMs (Llama, Mistral, Ministral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, GPT-OSS, OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2, Gemma3 text, Falcon) on fusebox.
+Qwen3-MoE, GLM-4.5, GPT-OSS, OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2, Gemma3 text, Falcon) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
 
@@ -33,6 +33,7 @@ import inspect
 import math
 import re
 import sys
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, Dict, Optional, Tuple
 
@@ -261,6 +262,8 @@ class AttentionSpec:
     rope_flag: Optional[str] = None
     # q, k and v are column ranges of one projection, qkv_proj (Phi-3): read where it writes them
     fused_qkv: bool = False
+    # the q/k norms exist only where this attribute is true (GLM-4.5's use_qk_norm)
+    qk_norm_flag: Optional[str] = None
 
 
 def _sliding(m):
@@ -290,6 +293,7 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "Olmo2Attention": AttentionSpec(qk_norm=True, qk_norm_across=True),
     "Olmo3Attention": AttentionSpec(qk_norm=True, qk_norm_across=True, extra=_sliding),
     "SmolLM3Attention": AttentionSpec(extra=_sliding, rope_flag="use_rope"),
+    "Glm4MoeAttention": AttentionSpec(qk_norm=True, qk_norm_flag="use_qk_norm"),
     "Phi3Attention": AttentionSpec(
         fused_qkv=True, extra=lambda m: {"sliding_window": getattr(m.config, "sliding_window", None)}),
     "Gemma2Attention": AttentionSpec(
@@ -483,6 +487,8 @@ def _attention_patch(module) -> Tuple[Optional[Callable], str]:
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if eager is None:
         return None, "no eager_attention_forward next to the class"
+    if spec.qk_norm_flag is not None and not getattr(module, spec.qk_norm_flag):
+        spec = dataclasses.replace(spec, qk_norm=False)
     q_style = k_style = None
     if spec.qk_norm:
         q_style, k_style = norm_style(module.q_norm), norm_style(module.k_norm)
