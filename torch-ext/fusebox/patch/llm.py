@@ -304,7 +304,7 @@ _ATTENTION_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_
                      "past_key_values", "kwargs")
 
 
-def _make_attention_forward(spec: AttentionSpec, q_style: Optional[NormStyle],
+def _make_attention_forward(spec: AttentionSpec, form: str, q_style: Optional[NormStyle],
                             k_style: Optional[NormStyle], eager: Callable) -> Callable:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
@@ -317,9 +317,9 @@ def _make_attention_forward(spec: AttentionSpec, q_style: Optional[NormStyle],
                 or cos.dtype != hidden_states.dtype:
             return original_forward(self)(hidden_states, position_embeddings, attention_mask,
                                           past_key_values, **kwargs)
-        if spec.half_tables:
-            cos, sin = derived_once(cos, "both halves", lambda: (torch.cat([cos, cos], dim=-1),
-                                                                 torch.cat([sin, sin], dim=-1)))
+        if spec.half_tables or form == "interleaved, first half":
+            cos, sin = derived_once(cos, form, lambda: _tables_for(form, cos, sin, spec.half_tables))
+        interleaved = form != "half"
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
         # q and k stay [B, S, H, D] for the rotary op; the per-head norm is the same before
@@ -340,7 +340,8 @@ def _make_attention_forward(spec: AttentionSpec, q_style: Optional[NormStyle],
                 and _weight_readable(self.k_norm, k_style, key):
             query, key = F.qk_norm_rope(
                 query, key, self.q_norm.weight, self.k_norm.weight, cos, sin, eps=q_style.eps,
-                across_heads=spec.qk_norm_across, weight_offset=q_style.weight_offset)
+                across_heads=spec.qk_norm_across, interleaved=interleaved,
+                weight_offset=q_style.weight_offset)
         else:
             if q_style is not None and spec.qk_norm_across:
                 query = self.q_norm(query.flatten(-2)).view(hidden_shape)
@@ -348,7 +349,7 @@ def _make_attention_forward(spec: AttentionSpec, q_style: Optional[NormStyle],
             elif q_style is not None:
                 query, key = self.q_norm(query), self.k_norm(key)
             if rotate:
-                query, key = F.rope(query, key, cos, sin)
+                query, key = F.rope(query, key, cos, sin, interleaved=interleaved)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
 
         if past_key_values is not None:
@@ -448,29 +449,60 @@ def _falcon_attention_patch(module) -> Tuple[Optional[Callable], str]:
                                       "keys expanded so SDPA runs a fused kernel")
 
 
+# How a module's apply_rotary_pos_emb rotates q and k with the (cos, sin) tables it is given:
+# "half": pairs (i, i + R/2), tables as given (Llama); "interleaved": pairs (2j, 2j + 1), tables
+# as given; "interleaved, first half": pairs (2j, 2j + 1) turned by entry j of the tables' first
+# half (GLM, GLM-4, Ernie 4.5 write it as cos[..., :R/2].repeat_interleave(2)).
+_ROTARY_FORMS = ("half", "interleaved", "interleaved, first half")
+
+
 @functools.lru_cache(maxsize=None)
-def _rotates_half_split(module_name: str, half_tables: bool) -> bool:
-    """Whether the ``apply_rotary_pos_emb`` next to an attention class rotates the pairs
-    (i, i + D/2) over the table's width (``half_tables``: by tables that hold each frequency
-    once), as ``rope`` does. Checked on a small CPU probe rather than by its source:
-    transformers may hand the function to a hub-kernel wrapper."""
+def _rotary_form(module_name: str, half_tables: bool) -> Optional[str]:
+    """Which of ``_ROTARY_FORMS`` the ``apply_rotary_pos_emb`` next to an attention class
+    computes (``half_tables``: "half" with tables that hold each frequency once), or None.
+    Checked on a small CPU probe rather than by its source: transformers may hand the function
+    to a hub-kernel wrapper."""
     fn = getattr(sys.modules[module_name], "apply_rotary_pos_emb", None)
     if fn is None:
-        return False
+        return None
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 2, 3, 8, generator=gen, device="cpu") for _ in range(2))
     cos, sin = (torch.randn(1, 3, 4 if half_tables else 8, generator=gen, device="cpu")
                 for _ in range(2))
-    full_cos, full_sin = (torch.cat([t, t], dim=-1) if half_tables else t for t in (cos, sin))
-
-    def expected(x):
-        rotated = torch.cat((-x[..., 4:], x[..., :4]), dim=-1)
-        return x * full_cos[:, None] + rotated * full_sin[:, None]
     try:
         q_out, k_out = fn(q, k, cos, sin)
-    except Exception:  # noqa: BLE001 - any failure means "not the formula fusebox runs"
-        return False
-    return torch.allclose(q_out, expected(q)) and torch.allclose(k_out, expected(k))
+    except Exception:  # noqa: BLE001 - any failure means "not a formula fusebox runs"
+        return None
+    forms = ("half",) if half_tables else _ROTARY_FORMS
+    for form in forms:
+        c, s = _tables_for(form, cos, sin, half_tables)
+        if all(torch.allclose(out, _rotated(x, c[:, None], s[:, None], form != "half"))
+               for x, out in ((q, q_out), (k, k_out))):
+            return form
+    return None
+
+
+def _tables_for(form: str, cos, sin, half_tables: bool = False):
+    """The tables ``rope`` takes for a module's: both halves written out (``half_tables``), or
+    the first half's entries repeated pairwise ("interleaved, first half")."""
+    if half_tables:
+        return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+    if form == "interleaved, first half":
+        half = cos.shape[-1] // 2
+        return (cos[..., :half].repeat_interleave(2, dim=-1),
+                sin[..., :half].repeat_interleave(2, dim=-1))
+    return cos, sin
+
+
+def _rotated(x, cos, sin, interleaved: bool):
+    """Reference rotary of ``x`` by full-width tables (the probe's expectation)."""
+    if interleaved:
+        pairs = x.unflatten(-1, (-1, 2))
+        turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    else:
+        half = x.shape[-1] // 2
+        turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + turned * sin
 
 
 def _attention_patch(module) -> Tuple[Optional[Callable], str]:
@@ -482,8 +514,9 @@ def _attention_patch(module) -> Tuple[Optional[Callable], str]:
         spec, reads_as = ATTENTION[reference], f" (forward as {reference}'s)"
     if _params(type(module).forward) != _ATTENTION_PARAMS:
         return None, "forward signature differs from the supported transformers versions"
-    if not _rotates_half_split(type(module).__module__, spec.half_tables):
-        return None, "apply_rotary_pos_emb is not the half-split rotation"
+    form = _rotary_form(type(module).__module__, spec.half_tables)
+    if form is None:
+        return None, "apply_rotary_pos_emb is none of the rotations fusebox runs"
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if eager is None:
         return None, "no eager_attention_forward next to the class"
@@ -494,7 +527,7 @@ def _attention_patch(module) -> Tuple[Optional[Callable], str]:
         q_style, k_style = norm_style(module.q_norm), norm_style(module.k_norm)
         if q_style is None or k_style is None or q_style != k_style:
             return None, "q_norm/k_norm formula not recognized"
-    return _make_attention_forward(spec, q_style, k_style, eager), (
+    return _make_attention_forward(spec, form, q_style, k_style, eager), (
         ("qk_norm_rope" if spec.qk_norm else "rope") + reads_as)
 
 
