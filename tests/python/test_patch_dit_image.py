@@ -15,6 +15,7 @@ pytest.importorskip("diffusers")
 
 import fusebox  # noqa: E402
 from diffusers import (  # noqa: E402
+    ChromaTransformer2DModel,
     DiTTransformer2DModel,
     Flux2Transformer2DModel,
     FluxTransformer2DModel,
@@ -73,6 +74,19 @@ def _flux2():
     inputs = dict(hidden_states=torch.randn(B, 12, 8), encoder_hidden_states=torch.randn(B, 5, 32),
                   timestep=torch.tensor([0.2, 0.9]), img_ids=img_ids, txt_ids=txt_ids,
                   guidance=torch.full((B,), 3.5))
+    return model, inputs
+
+
+def _chroma():
+    """FLUX's attention in a model without a family patcher: the generic pass fuses it."""
+    model = ChromaTransformer2DModel(
+        patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
+        approximator_num_channels=16, approximator_hidden_dim=32, approximator_layers=1)
+    img_ids = torch.stack([torch.zeros(12), torch.arange(12) // 4, torch.arange(12) % 4], 1)
+    txt_ids = torch.stack([torch.arange(5.0), torch.zeros(5), torch.zeros(5)], 1)
+    inputs = dict(hidden_states=torch.randn(B, 12, 8), encoder_hidden_states=torch.randn(B, 5, 32),
+                  timestep=torch.tensor([0.2, 0.9]), img_ids=img_ids, txt_ids=txt_ids)
     return model, inputs
 
 
@@ -159,6 +173,7 @@ MODELS = {
     "hunyuan_video15": (_hunyuan_video15, "hunyuan-video-1.5",
                         {"rotary", "rms_norm", "fused_norm", "gated_residual", "act"}),
     "qwen_image": (_qwen_image, "qwen-image", {"rotary", "fused_norm", "gated_residual", "act"}),
+    "chroma": (_chroma, "", {"rotary", "layer_norm", "act"}),
     "dit": (_dit, "", {"fused_norm", "layer_norm", "act"}),
 }
 

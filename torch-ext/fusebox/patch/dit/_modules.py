@@ -11,7 +11,9 @@ building blocks every diffusers model is made of, when no family patcher already
   shift`` becomes one ``adaln`` pass;
 - ``activations.GELU``: the projection without its bias, then the bias + GELU in one pass
   (this is also the feed-forward fusion of every family's blocks);
-- ``GEGLU`` / ``SwiGLU`` -> ``gated_activation_packed`` (gate = second half).
+- ``GEGLU`` / ``SwiGLU`` -> ``gated_activation_packed`` (gate = second half);
+- attention modules whose processor is one a family patcher fuses (``FluxAttnProcessor``, as
+  Chroma's blocks use it) get that fused processor.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from ... import functional as fb
 from .._common import is_patched, original_forward, replace_forward
 from ._shared import (
     FUSED_INTO_ATTR,
+    FusedAttnProcessor,
     GELU_KINDS,
     LAYER_NORMS,
     fusable,
@@ -41,6 +44,7 @@ from ._shared import (
     modulated_norm,
     norm_kind,
     rows,
+    swap_processor,
 )
 
 # --------------------------------------------------------------------------- module forwards
@@ -163,10 +167,25 @@ def _generic_rule(module: torch.nn.Module):
     return None
 
 
+def _generic_processors():
+    """The diffusers processors whose fused form serves any model that uses them."""
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    from .flux import FluxFusedAttnProcessor
+    return {FluxAttnProcessor: (FluxFusedAttnProcessor,
+                                "qk_norm_rope per head (interleaved), per stream")}
+
+
 def patch_generic(model: torch.nn.Module, report, **options) -> None:
     """Fuses the generic diffusers modules of ``model`` that no family patcher covered."""
+    processors = _generic_processors()
     for path, module in model.named_modules():
         if is_patched(module):
+            continue
+        processor = getattr(module, "processor", None)
+        if processor is not None and not isinstance(processor, FusedAttnProcessor) and \
+                type(processor) in processors:
+            swap_processor(path, module, report, processors)
             continue
         into = module.__dict__.get(FUSED_INTO_ATTR)
         if into is not None:
