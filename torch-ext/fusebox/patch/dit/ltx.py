@@ -32,6 +32,7 @@ from ._shared import (
     modulation_sum,
     patch_block,
     patch_qk_norm_attention,
+    rows,
 )
 
 MODEL = "LTXVideoTransformer3DModel"
@@ -93,6 +94,7 @@ def _block_forward(
             or not fusable(hidden_states, temb, table, block.norm1.weight, block.norm2.weight)):
         return original_forward(block)(hidden_states, encoder_hidden_states, temb, image_rotary_emb,
                                        encoder_attention_mask)
+    hidden_states = rows(hidden_states)
     batch_size = hidden_states.size(0)
     # [B, T, 6, D] with T = 1 (per sample) or T = S (per token); the six terms stay views
     ada = modulation_sum(table[None, None].to(temb.device),

@@ -36,6 +36,7 @@ from ._shared import (
     modulation_sum,
     patch_block,
     patch_qk_norm_attention,
+    rows,
 )
 
 MODEL = "WanTransformer3DModel"
@@ -84,6 +85,8 @@ def _block_forward(
     if (grad_needed(block, hidden_states, encoder_hidden_states, temb)
             or not fusable(hidden_states, block.scale_shift_table)):
         return original_forward(block)(hidden_states, encoder_hidden_states, temb, rotary_emb)
+    # (WanVACE hands the first block the patch embedding's transposed output)
+    hidden_states = rows(hidden_states)
     shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = _modulation(
         block.scale_shift_table, temb)
 
