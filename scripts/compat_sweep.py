@@ -1,0 +1,113 @@
+"""Runs ``fusebox.patch`` over every causal-LM architecture of the installed transformers: each
+model type is built tiny with random weights (2 layers, width 64), run, patched and run again
+on the same tokens, in fp32 on the CPU. Prints one line per model type: OK (logits within
+1e-4 of unpatched) with what was fused, untouched (nothing recognized), MISMATCH, FAIL (the
+patched model raised), or skip (too large at the tiny settings, or the unpatched model itself
+does not run with them).
+Exits 1 on any MISMATCH or FAIL.
+
+    PYTHONPATH=torch-ext python scripts/compat_sweep.py [model_type ...] [--max-params 30e6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import traceback
+import warnings
+from collections import Counter
+
+import torch
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def tiny_config(model_type: str):
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    try:
+        return cls(**TINY)
+    except Exception:  # noqa: BLE001 - configs that refuse a key get the values one by one
+        config = cls()
+        for key, value in TINY.items():
+            if hasattr(config, key):
+                try:
+                    setattr(config, key, value)
+                except Exception:  # noqa: BLE001
+                    pass
+        return config
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
+
+
+def sweep_one(model_type: str, max_params: float) -> str:
+    import transformers
+
+    import fusebox
+
+    try:
+        config = tiny_config(model_type)
+        with torch.device("meta"):
+            params = sum(p.numel() for p in
+                         transformers.AutoModelForCausalLM.from_config(config).parameters())
+        if params > max_params:
+            return f"skip: {params / 1e6:.0f}M parameters at the tiny settings"
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 1:   # norm weights and biases off their init
+                    p.add_(0.05 * torch.randn_like(p))
+        vocab = min(getattr(config, "vocab_size", None) or 128, 128)
+        ids = torch.randint(3, vocab, (2, 10), generator=torch.Generator().manual_seed(1))
+        with torch.no_grad():
+            ref = model(ids).logits
+    except Exception as e:  # noqa: BLE001
+        return f"skip: the unpatched model does not run ({type(e).__name__})"
+    try:
+        report = fusebox.patch(model)
+        with torch.no_grad():
+            out = model(ids).logits
+    except Exception as e:  # noqa: BLE001
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        return f"FAIL {type(e).__name__}: {str(e)[:160]} ({where.filename.split('/')[-1]}:{where.lineno})"
+    err = rel_err(out, ref)
+    if err >= 1e-4:
+        return f"MISMATCH rel err {err:.1e}"
+    if report.num_patched == 0:
+        return "untouched: no module fusebox recognizes"
+    fused = sorted({e.kind for e in report.patched})
+    return f"OK rel err {err:.1e}, {report.num_patched} modules: {', '.join(fused)}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model_types", nargs="*", help="model types to run (default: all causal LMs)")
+    ap.add_argument("--max-params", type=float, default=30e6)
+    args = ap.parse_args()
+    warnings.filterwarnings("ignore")
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    transformers.logging.set_verbosity_error()
+    types = args.model_types or sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}, "
+          f"{len(types)} model types")
+    counts = Counter()
+    for model_type in types:
+        line = sweep_one(model_type, args.max_params)
+        counts[line.split()[0].rstrip(":")] += 1
+        print(f"{model_type:28s} {line}", flush=True)
+        gc.collect()
+    print("summary: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    return 1 if counts["MISMATCH"] or counts["FAIL"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
