@@ -261,6 +261,21 @@ def test_rotary_layer_matches_transformers(kernel, device, unsqueeze_dim):
     assert rel_err(out_q, ref_q) < 1e-6 and rel_err(out_k, ref_k) < 1e-6
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_rotary_layer_matches_gpt_oss(kernel, device):
+    """GPT-OSS's ``apply_rotary_pos_emb`` has the same hub name ("rotary_pos_emb") with tables
+    of half the head: the layer computes what it computes."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(2, n, 8, 16, generator=gen).to(device) for n in (4, 2))
+    angle = torch.randn(2, 8, 8, generator=gen).to(device)
+    cos, sin = angle.cos(), angle.sin()
+    ref_q, ref_k = apply_rotary_pos_emb(q, k, cos, sin)
+    out_q, out_k = kernel.layers.RotaryPosEmb()(q, k, cos, sin, 1)
+    assert rel_err(out_q, ref_q) < 1e-6 and rel_err(out_k, ref_k) < 1e-6
+
+
 # --------------------------------------------------------------------------- transformers' path
 
 

@@ -14,7 +14,8 @@ layer                  replaces (transformers hub name)            host attribut
 ``SiluAndMul``         vLLM-style packed ``silu(x[:N]) * x[N:]``   none
 ``GeluAndMul``         packed exact-GELU gate                       none
 ``GeluTanhAndMul``     packed tanh-GELU gate                        none
-``RotaryPosEmb``       ``apply_rotary_pos_emb`` ("rotary_pos_emb")  none
+``RotaryPosEmb``       ``apply_rotary_pos_emb`` ("rotary_pos_emb";   none
+                       Llama's, and GPT-OSS's with half tables)
 =====================  ==========================================  ============================
 
 fusebox operators have no backward (``has_backward = False``: ``kernelize`` keeps them out of
@@ -43,7 +44,11 @@ def _llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
 
 def _rope(q, k, cos, sin, unsqueeze_dim):
     # transformers passes q, k as [B, H, S, D] (unsqueeze_dim=1) or [B, S, H, D] (2), and
-    # cos/sin as [B, S, D]
+    # cos/sin as [B, S, D]. GPT-OSS's function, under the same hub name, takes tables that hold
+    # each frequency once ([B, S, D/2]) and rotates the halves of the head with them; Llama's
+    # cannot take such tables, so their width tells the two apart.
+    if cos.shape[-1] * 2 == q.shape[-1]:
+        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
     return F.rope(q, k, cos, sin, heads_first=unsqueeze_dim == 1)
 
 
