@@ -224,6 +224,35 @@ def test_kernelize_gelu_tanh_activation(repo, kernel):
         assert rel_err(model(ids).logits, ref) < 1e-5
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_kernelize_t5_formula_rms_norm(repo, kernel, weight_dtype):
+    """GPT-OSS's RMSNorm shares the hub name "RMSNorm" with Llama's but applies its weight
+    before the rounding: kernelized, it keeps its output dtype (x's, also with an fp32 weight)
+    and values."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
+
+    torch.manual_seed(0)
+    norm = GptOssRMSNorm(64, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.add_(0.1 * torch.randn(64))
+    norm = norm.to(weight_dtype)
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with torch.no_grad():
+        ref = norm(x)
+    mode = kernels.Mode.INFERENCE
+    with kernels.use_kernel_mapping(_mapping(repo, "cpu", mode, {"RMSNorm": "RMSNorm"}),
+                                    inherit_mapping=False):
+        kernels.kernelize(torch.nn.Sequential(norm), mode=mode, device="cpu")
+    assert norm.forward.__func__ is kernel.layers.RMSNorm.forward
+    kernel.layers._T5_FORMULA.clear()   # the first call traced: the formula read at trace time
+    with torch.no_grad():
+        compiled = torch.compile(norm, fullgraph=True, backend="eager")(x)
+        out = norm(x)
+    for y in (compiled, out):
+        assert y.dtype == ref.dtype == torch.bfloat16
+        assert rel_err(y, ref) < 4e-3
+
+
 def test_training_mode_is_refused(repo):
     """The layers have no backward: kernels refuses them for a TRAINING registration."""
     model = tiny_llama("cpu").train()

@@ -7,7 +7,8 @@ flags) and reads the attribute names of the transformers class it replaces:
 =====================  ==========================================  ============================
 layer                  replaces (transformers hub name)            host attributes
 =====================  ==========================================  ============================
-``RMSNorm``            ``*RMSNorm`` ("RMSNorm")                     ``weight``, ``variance_epsilon``
+``RMSNorm``            ``*RMSNorm`` ("RMSNorm"; Llama's and T5's    ``weight``, ``variance_epsilon``
+                       formula, GPT-OSS / OLMo-2)
 ``SiLU``               ``SiLUActivation`` ("SiLU")                  none
 ``GeLU``               ``GELUActivation`` ("GeLU"), exact erf       none
 ``GeluTanh``           ``GELUTanh`` ("GeluTanh")                    none
@@ -25,6 +26,9 @@ graphs (``can_torch_compile = True``).
 
 from __future__ import annotations
 
+import inspect
+import re
+
 import torch
 
 from . import functional as F
@@ -32,14 +36,34 @@ from . import functional as F
 _FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def _llama_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """transformers' ``weight * norm(x).to(x.dtype)``: the output takes the wider of x's and
-    the weight's dtype."""
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, t5: bool) -> torch.Tensor:
+    """transformers' ``weight * norm(x).to(x.dtype)`` (Llama): the output takes the wider of
+    x's and the weight's dtype; with ``t5``, ``(weight * norm(x)).to(x.dtype)`` (GPT-OSS,
+    OLMo-2): the weight applied in fp32, the output in x's dtype."""
+    out_dtype = x.dtype if t5 else torch.promote_types(x.dtype, weight.dtype)
     if x.dtype in _FUSED_DTYPES and weight.dtype in _FUSED_DTYPES:
-        # the promoted dtype is x's or float32 for every pair of these
-        return F.rms_norm(x, weight, eps, 0.0, torch.promote_types(x.dtype, weight.dtype))
+        # the output dtype is x's or float32 for every pair of these
+        return F.rms_norm(x, weight, eps, 0.0, out_dtype)
     x32 = x.float()
-    return weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * normed).to(out_dtype) if t5 else weight * normed.to(x.dtype)
+
+
+_T5_FORMULA = {}   # host class -> whether it applies the weight before the rounding
+
+
+@torch.compiler.assume_constant_result   # (a graph takes the answer, not the source reading)
+def _t5_formula(cls) -> bool:
+    """Does the host RMSNorm class apply its weight before the rounding? Several classes share
+    the hub name "RMSNorm": Llama's ``weight * x.to(dtype)``, GPT-OSS's and OLMo-2's
+    ``(weight * x).to(dtype)``."""
+    if cls not in _T5_FORMULA:
+        try:
+            src = re.sub(r"\s+", "", inspect.getsource(cls.forward))
+        except (OSError, TypeError):
+            src = ""
+        _T5_FORMULA[cls] = "return(self.weight*hidden_states).to(input_dtype)" in src
+    return _T5_FORMULA[cls]
 
 
 def _rope(q, k, cos, sin, unsqueeze_dim):
@@ -81,7 +105,8 @@ class RMSNorm(_Layer):
     variance_epsilon: float
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return _llama_rms_norm(hidden_states, self.weight, self.variance_epsilon)
+        # (kernelize runs this with the host module as self)
+        return _rms_norm(hidden_states, self.weight, self.variance_epsilon, _t5_formula(type(self)))
 
 
 class RotaryPosEmb(_Layer):
