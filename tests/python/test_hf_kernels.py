@@ -290,18 +290,30 @@ def test_rotary_layer_matches_transformers(kernel, device, unsqueeze_dim):
     assert rel_err(out_q, ref_q) < 1e-6 and rel_err(out_k, ref_k) < 1e-6
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_rotary_layer_matches_gpt_oss(kernel, device):
-    """GPT-OSS's ``apply_rotary_pos_emb`` has the same hub name ("rotary_pos_emb") with tables
-    of half the head: the layer computes what it computes."""
-    from transformers.models.gpt_oss.modeling_gpt_oss import apply_rotary_pos_emb
+# model modules whose apply_rotary_pos_emb carries the hub name "rotary_pos_emb", each of
+# another form: (module, table width in a 16-wide head)
+ROTARY_HOSTS = {
+    "llama": 16,                   # half-split pairs
+    "gpt_oss": 8,                  # half-split pairs, each frequency once in the tables
+    "openai_privacy_filter": 8,    # neighbouring pairs, each frequency once
+    "nanochat": 16,                # turned the other way: kept on its own code
+}
 
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("module", list(ROTARY_HOSTS))
+def test_rotary_layer_as_kernelize_binds_it(kernel, device, module):
+    """``kernelize`` runs the layer's forward with transformers' wrapper around the function it
+    replaces: the layer probes that function once and computes what it computes."""
+    import importlib
+
+    fn = importlib.import_module(f"transformers.models.{module}.modeling_{module}").apply_rotary_pos_emb
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(2, n, 8, 16, generator=gen).to(device) for n in (4, 2))
-    angle = torch.randn(2, 8, 8, generator=gen).to(device)
+    angle = torch.randn(2, 8, ROTARY_HOSTS[module], generator=gen).to(device)
     cos, sin = angle.cos(), angle.sin()
-    ref_q, ref_k = apply_rotary_pos_emb(q, k, cos, sin)
-    out_q, out_k = kernel.layers.RotaryPosEmb()(q, k, cos, sin, 1)
+    ref_q, ref_k = fn(q, k, cos, sin)
+    out_q, out_k = kernel.layers.RotaryPosEmb.forward(fn, q, k, cos, sin, 1)
     assert rel_err(out_q, ref_q) < 1e-6 and rel_err(out_k, ref_k) < 1e-6
 
 

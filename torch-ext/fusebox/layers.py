@@ -16,7 +16,7 @@ layer                  replaces (transformers hub name)            host attribut
 ``GeluAndMul``         packed exact-GELU gate                       none
 ``GeluTanhAndMul``     packed tanh-GELU gate                        none
 ``RotaryPosEmb``       ``apply_rotary_pos_emb`` ("rotary_pos_emb";   none
-                       Llama's, and GPT-OSS's with half tables)
+                       each function's form probed once)
 =====================  ==========================================  ============================
 
 fusebox operators have no backward (``has_backward = False``: ``kernelize`` keeps them out of
@@ -66,14 +66,103 @@ def _t5_formula(cls) -> bool:
     return _T5_FORMULA[cls]
 
 
-def _rope(q, k, cos, sin, unsqueeze_dim):
+# --------------------------------------------------------------------------- rotary forms
+
+# How a transformers ``apply_rotary_pos_emb(q, k, cos, sin)`` turns q and k with the tables it
+# is given, in the terms ``rope`` takes (pairs, tables):
+# - "half": pairs (i, i + R/2), tables as given (Llama);
+# - "interleaved": pairs (2j, 2j + 1), tables as given;
+# - "interleaved, first half": pairs (2j, 2j + 1) turned by entry j of the tables' first half
+#   (GLM, Ernie 4.5: ``cos[..., :R/2].repeat_interleave(2)``).
+# With ``half_tables`` the model's tables hold each frequency once, [.., D/2] (GPT-OSS: "half";
+# its "interleaved" kin pairs neighbours); they are written out for ``rope``.
+ROTARY_FORMS = ("half", "interleaved", "interleaved, first half")
+
+
+def rotary_tables(form: str, cos, sin, half_tables: bool = False):
+    """The full-width tables ``rope`` takes for a model's (cos, sin) of ``form``."""
+    if half_tables:
+        if form == "half":
+            return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+        return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+    if form == "interleaved, first half":
+        half = cos.shape[-1] // 2
+        return (cos[..., :half].repeat_interleave(2, dim=-1),
+                sin[..., :half].repeat_interleave(2, dim=-1))
+    return cos, sin
+
+
+def _turned(x, cos, sin, interleaved: bool):
+    """The reference rotation of ``x`` by full-width tables (what the probe expects)."""
+    if interleaved:
+        pairs = x.unflatten(-1, (-1, 2))
+        partner = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    else:
+        half = x.shape[-1] // 2
+        partner = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + partner * sin
+
+
+def rotary_form(fn, half_tables: bool = False):
+    """Which of ``ROTARY_FORMS`` ``fn`` (an ``apply_rotary_pos_emb``) computes with full-width
+    tables (``half_tables``: with tables of half the head), or None. A small probe on the CPU,
+    not a reading of its source: transformers may hand the function to a hub-kernel wrapper."""
+    if fn is None:
+        return None
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 3, 8, generator=gen, device="cpu") for _ in range(2))
+    cos, sin = (torch.randn(1, 3, 4 if half_tables else 8, generator=gen, device="cpu")
+                for _ in range(2))
+    try:
+        q_out, k_out = fn(q, k, cos, sin)
+    except Exception:  # noqa: BLE001 - any failure means "not a form fusebox runs"
+        return None
+    for form in ROTARY_FORMS[:2] if half_tables else ROTARY_FORMS:
+        c, s = rotary_tables(form, cos, sin, half_tables)
+        if all(torch.allclose(out, _turned(x, c[:, None], s[:, None], form != "half"))
+               for x, out in ((q, q_out), (k, k_out))):
+            return form
+    return None
+
+
+_HOST_FORMS = {}   # kernels' wrapper class -> (form or None, half_tables)
+
+
+def _host_function(wrapper_cls):
+    """The function kernels wrapped in ``wrapper_cls`` (its forward's closure holds it), or
+    None when the layer runs on its own."""
+    cells = getattr(getattr(wrapper_cls, "forward", None), "__closure__", None) or ()
+    return next((c.cell_contents for c in cells
+                 if getattr(c.cell_contents, "__name__", "") == "apply_rotary_pos_emb"), None)
+
+
+@torch.compiler.assume_constant_result   # (a graph takes the answer, not the probe)
+def _host_form(wrapper_cls):
+    """(form, half_tables) of the function in ``wrapper_cls``, trying full-width then
+    half-width tables (form None: none fusebox runs); ("direct", False) without one."""
+    if wrapper_cls not in _HOST_FORMS:
+        host = _host_function(wrapper_cls)
+        if host is None:
+            _HOST_FORMS[wrapper_cls] = ("direct", False)
+        else:
+            form = rotary_form(host)
+            _HOST_FORMS[wrapper_cls] = ((form, False) if form is not None
+                                        else (rotary_form(host, half_tables=True), True))
+    return _HOST_FORMS[wrapper_cls]
+
+
+def _rope(layer, q, k, cos, sin, unsqueeze_dim):
     # transformers passes q, k as [B, H, S, D] (unsqueeze_dim=1) or [B, S, H, D] (2), and
-    # cos/sin as [B, S, D]. GPT-OSS's function, under the same hub name, takes tables that hold
-    # each frequency once ([B, S, D/2]) and rotates the halves of the head with them; Llama's
-    # cannot take such tables, so their width tells the two apart.
-    if cos.shape[-1] * 2 == q.shape[-1]:
-        cos, sin = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
-    return F.rope(q, k, cos, sin, heads_first=unsqueeze_dim == 1)
+    # cos/sin as [B, S, D]. Functions of several forms share the hub name "rotary_pos_emb"
+    # (Llama's, GPT-OSS's with half-width tables, NanoChat's turning the other way...): the one
+    # kernelize replaced is probed once; a form rope does not run keeps its own code.
+    form, half_tables = _host_form(type(layer))
+    if form == "direct":   # the layer called on its own: Llama's, or GPT-OSS's by table width
+        form, half_tables = "half", cos.shape[-1] * 2 == q.shape[-1]
+    elif form is None:
+        return _host_function(type(layer))(q, k, cos, sin, unsqueeze_dim)
+    cos, sin = rotary_tables(form, cos, sin, half_tables)
+    return F.rope(q, k, cos, sin, interleaved=form != "half", heads_first=unsqueeze_dim == 1)
 
 
 class _Layer(torch.nn.Module):
@@ -111,7 +200,7 @@ class RMSNorm(_Layer):
 
 class RotaryPosEmb(_Layer):
     def forward(self, q, k, cos, sin, unsqueeze_dim=1):
-        return _rope(q, k, cos, sin, unsqueeze_dim)
+        return _rope(self, q, k, cos, sin, unsqueeze_dim)
 
 
 SiLU = _activation_layer("SiLU", "silu")

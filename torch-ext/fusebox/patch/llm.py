@@ -40,6 +40,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .. import functional as F
+from ..layers import rotary_form, rotary_tables
 from ._common import derived_once, has_hooks, needs_autograd, original_forward, replace_forward
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -318,7 +319,8 @@ def _make_attention_forward(spec: AttentionSpec, form: str, q_style: Optional[No
             return original_forward(self)(hidden_states, position_embeddings, attention_mask,
                                           past_key_values, **kwargs)
         if spec.half_tables or form == "interleaved, first half":
-            cos, sin = derived_once(cos, form, lambda: _tables_for(form, cos, sin, spec.half_tables))
+            cos, sin = derived_once(
+                cos, form, lambda: rotary_tables(form, cos, sin, spec.half_tables))
         interleaved = form != "half"
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
@@ -449,60 +451,12 @@ def _falcon_attention_patch(module) -> Tuple[Optional[Callable], str]:
                                       "keys expanded so SDPA runs a fused kernel")
 
 
-# How a module's apply_rotary_pos_emb rotates q and k with the (cos, sin) tables it is given:
-# "half": pairs (i, i + R/2), tables as given (Llama); "interleaved": pairs (2j, 2j + 1), tables
-# as given; "interleaved, first half": pairs (2j, 2j + 1) turned by entry j of the tables' first
-# half (GLM, GLM-4, Ernie 4.5 write it as cos[..., :R/2].repeat_interleave(2)).
-_ROTARY_FORMS = ("half", "interleaved", "interleaved, first half")
-
-
 @functools.lru_cache(maxsize=None)
 def _rotary_form(module_name: str, half_tables: bool) -> Optional[str]:
-    """Which of ``_ROTARY_FORMS`` the ``apply_rotary_pos_emb`` next to an attention class
-    computes (``half_tables``: "half" with tables that hold each frequency once), or None.
-    Checked on a small CPU probe rather than by its source: transformers may hand the function
-    to a hub-kernel wrapper."""
-    fn = getattr(sys.modules[module_name], "apply_rotary_pos_emb", None)
-    if fn is None:
-        return None
-    gen = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(1, 2, 3, 8, generator=gen, device="cpu") for _ in range(2))
-    cos, sin = (torch.randn(1, 3, 4 if half_tables else 8, generator=gen, device="cpu")
-                for _ in range(2))
-    try:
-        q_out, k_out = fn(q, k, cos, sin)
-    except Exception:  # noqa: BLE001 - any failure means "not a formula fusebox runs"
-        return None
-    forms = ("half",) if half_tables else _ROTARY_FORMS
-    for form in forms:
-        c, s = _tables_for(form, cos, sin, half_tables)
-        if all(torch.allclose(out, _rotated(x, c[:, None], s[:, None], form != "half"))
-               for x, out in ((q, q_out), (k, k_out))):
-            return form
-    return None
-
-
-def _tables_for(form: str, cos, sin, half_tables: bool = False):
-    """The tables ``rope`` takes for a module's: both halves written out (``half_tables``), or
-    the first half's entries repeated pairwise ("interleaved, first half")."""
-    if half_tables:
-        return torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
-    if form == "interleaved, first half":
-        half = cos.shape[-1] // 2
-        return (cos[..., :half].repeat_interleave(2, dim=-1),
-                sin[..., :half].repeat_interleave(2, dim=-1))
-    return cos, sin
-
-
-def _rotated(x, cos, sin, interleaved: bool):
-    """Reference rotary of ``x`` by full-width tables (the probe's expectation)."""
-    if interleaved:
-        pairs = x.unflatten(-1, (-1, 2))
-        turned = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-    else:
-        half = x.shape[-1] // 2
-        turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + turned * sin
+    """The rotary form (``layers.ROTARY_FORMS``) of the ``apply_rotary_pos_emb`` next to an
+    attention class, or None."""
+    return rotary_form(getattr(sys.modules[module_name], "apply_rotary_pos_emb", None),
+                       half_tables)
 
 
 def _attention_patch(module) -> Tuple[Optional[Callable], str]:
