@@ -467,6 +467,28 @@ def test_wan_vace(device, dtype):
         assert rel_err(out, ref) <= 1.5 * rel_err(eager, ref), (rel_err(out, ref), rel_err(eager, ref))
 
 
+def test_chronoedit_gets_the_wan_fusions(device):
+    """ChronoEdit defines its own WanTransformerBlock / WanAttention / WanAttnProcessor classes,
+    which read as Wan's: the Wan family patches them, with the same result as unpatched."""
+    torch.manual_seed(0)
+    model = diffusers.ChronoEditTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=24, in_channels=4,
+        out_channels=4, text_dim=32, freq_dim=32, ffn_dim=96, num_layers=2,
+        rope_max_seq_len=64).to(device).eval()
+    g = torch.Generator().manual_seed(1)
+    inputs = dict(hidden_states=torch.randn(2, 4, 3, 4, 6, generator=g).to(device),
+                  timestep=torch.tensor([300.0, 700.0], device=device),
+                  encoder_hidden_states=torch.randn(2, 7, 32, generator=g).to(device))
+    with torch.no_grad():
+        ref = model(**inputs, return_dict=False)[0]
+        report = fusebox.patch(model)
+        with FuseboxOps() as ops:
+            out = model(**inputs, return_dict=False)[0]
+    assert report.family == "wan"
+    assert ops.calls["rotary"] == 2 and ops.calls["gated_residual"] == 4, ops.calls
+    assert rel_err(out, ref) < 1e-5
+
+
 def test_bench_tiny_cli(tmp_path, capsys):
     from fusebox.bench.e2e import main
 
