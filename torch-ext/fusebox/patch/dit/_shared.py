@@ -478,6 +478,16 @@ def _eager_norm_rope(q, k, norm_q, norm_k, rotary):
     return q, k
 
 
+def stream_qkv(attn: torch.nn.Module, x: Tensor, context: bool = False):
+    """q, k, v ``[B, S, H, D]`` of one stream of a diffusers ``Attention``: its own projections,
+    or (``context``) the added ones of the text stream. The head count follows the projection's
+    width (a column-sharded projection holds fewer heads)."""
+    head_dim = attn.inner_dim // attn.heads
+    projections = ((attn.add_q_proj, attn.add_k_proj, attn.add_v_proj) if context
+                   else (attn.to_q, attn.to_k, attn.to_v))
+    return tuple(p(x).unflatten(-1, (-1, head_dim)) for p in projections)
+
+
 def norm_rope(q: Tensor, k: Tensor, norm_q: Optional[torch.nn.Module],
               norm_k: Optional[torch.nn.Module], rotary: Optional[Tuple[Tensor, Tensor]]):
     """Per-head RMSNorm of q and k (``[B, S, H, D]``; modules ``norm_q``/``norm_k``, or None

@@ -30,6 +30,7 @@ from ._shared import (
     linear_rows,
     mark_fused,
     norm_rope,
+    stream_qkv,
     swap_processor,
 )
 from .hunyuan_video import double_block_forward
@@ -52,13 +53,10 @@ class HunyuanVideo15FusedAttnProcessor(FusedAttnProcessor):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
                                  image_rotary_emb)
 
-        def heads(proj, x):
-            return proj(x).unflatten(2, (attn.heads, -1))
-        query, key, value = (heads(p, hidden_states) for p in (attn.to_q, attn.to_k, attn.to_v))
+        query, key, value = stream_qkv(attn, hidden_states)
         query, key = norm_rope(query, key, attn.norm_q, attn.norm_k, image_rotary_emb)
-        encoder_query, encoder_key, encoder_value = (
-            heads(p, encoder_hidden_states)
-            for p in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj))
+        encoder_query, encoder_key, encoder_value = stream_qkv(attn, encoder_hidden_states,
+                                                               context=True)
         encoder_query, encoder_key = norm_rope(encoder_query, encoder_key, attn.norm_added_q,
                                                attn.norm_added_k, None)
         query = torch.cat([query, encoder_query], dim=1)

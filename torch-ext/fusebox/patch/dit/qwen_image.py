@@ -36,6 +36,7 @@ from ._shared import (
     mark_fused,
     modulated_norm,
     norm_rope,
+    stream_qkv,
     stream_tail,
     swap_processor,
 )
@@ -74,15 +75,8 @@ class QwenImageFusedAttnProcessor(FusedAttnProcessor):
             attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)
             attention_mask = attention_mask[:, None, None, :]
         seq_txt = encoder_hidden_states.shape[1]
-        head_dim = attn.inner_dim // attn.heads
-
-        def heads(proj, x):
-            return proj(x).unflatten(-1, (-1, head_dim))
-        img_query, img_key, img_value = (heads(p, hidden_states)
-                                         for p in (attn.to_q, attn.to_k, attn.to_v))
-        txt_query, txt_key, txt_value = (heads(p, encoder_hidden_states)
-                                         for p in (attn.add_q_proj, attn.add_k_proj,
-                                                   attn.add_v_proj))
+        img_query, img_key, img_value = stream_qkv(attn, hidden_states)
+        txt_query, txt_key, txt_value = stream_qkv(attn, encoder_hidden_states, context=True)
         img_freqs, txt_freqs = image_rotary_emb
         img_query, img_key = norm_rope(img_query, img_key, attn.norm_q, attn.norm_k,
                                        complex_rotary_tables(img_freqs))

@@ -38,6 +38,7 @@ from ._shared import (
     mark_fused,
     modulated_norm,
     qk_norm_weights,
+    stream_qkv,
     swap_processor,
 )
 
@@ -64,8 +65,7 @@ class ZImageFusedAttnProcessor(FusedAttnProcessor):
                 or freqs_cis.dim() != 3 or attn.norm_q is None or attn.norm_k is None
                 or grad_needed(attn, hidden_states)):
             return original()
-        query, key, value = (proj(hidden_states).unflatten(-1, (attn.heads, -1))
-                             for proj in (attn.to_q, attn.to_k, attn.to_v))
+        query, key, value = stream_qkv(attn, hidden_states)
         weights = qk_norm_weights(attn, query)
         cos, sin = complex_rotary_tables(freqs_cis)   # [B, S, head_dim]
         if weights is None or not fusable(query, weights[0], weights[1], cos, sin,
