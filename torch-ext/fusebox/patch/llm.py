@@ -1,17 +1,24 @@
 """transformers decoder LLMs (Llama, Mistral, Ministral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, GLM-4.5, GPT-OSS, OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2, Gemma3 text, Falcon) on fusebox.
+Qwen3-MoE, GLM-4.5, GPT-OSS, OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2, Gemma3 text,
+Falcon, and the classes of other families whose forwards read as these) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
 
-- ``*RMSNorm`` whose forward is one of the two transformers formulas (Llama's
-  ``weight * norm(x).to(dtype)`` or Gemma's fp32 ``norm(x) * (1 + weight)``) -> ``rms_norm``;
-- gated MLPs ``down(act(gate(x)) * up(x))`` with silu / gelu-tanh / gelu -> ``gated_activation``;
+- ``*RMSNorm`` whose forward is one of the three transformers formulas (Llama's
+  ``weight * norm(x).to(dtype)``, T5's ``(weight * norm(x)).to(dtype)`` as GPT-OSS and OLMo
+  write it, or Gemma's fp32 ``norm(x) * (1 + weight)``) -> ``rms_norm``;
+- gated MLPs ``down(act(gate(x)) * up(x))`` with silu / gelu-tanh / gelu -> ``gated_activation``
+  (Phi's packed ``gate_up_proj`` -> ``gated_activation_packed``);
 - the attention of the known families: q/k RoPE -> ``rope``, or ``qk_norm_rope`` where the
-  model normalizes q and k per head (Qwen3, Gemma3). The KV-cache update and the attention
-  interface (``config._attn_implementation``) are called exactly as the original does;
+  model normalizes q and k (per head: Qwen3, Gemma3, GLM-4.5; across heads: OLMo). The
+  rotation is what a probe of the module's ``apply_rotary_pos_emb`` finds (``layers``). The
+  KV-cache update and the attention interface (``config._attn_implementation``) are called
+  exactly as the original does;
 - the decoder layer of the known families: the residual add and the norm after it become one
   ``fused_add_rms_norm`` (pre-norm layers: attention add + ``post_attention_layernorm``;
   Gemma2/3 sandwich layers: attention add + ``pre_feedforward_layernorm``);
+- an attention or decoder layer of another family whose forward reads, word for word, as one
+  of the known families' gets that family's fused forward;
 - Falcon (rotary, not ALiBi): its ``LayerNorm`` modules -> ``layer_norm``, and the rotary of q/k
   read in place from the fused QKV projection -> ``rope`` (for grouped keys, before they are
   repeated over the heads, which the model's cache then holds as it does unpatched). Multi-query
@@ -91,8 +98,8 @@ def _forward_reads_as(cls, references: Tuple[Tuple[str, str], ...]) -> Optional[
     src = _source(cls.forward)
     for module, name in references:
         try:
-            ref = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"),
-                          name)
+            package = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+            ref = getattr(package, name)
         except (ImportError, AttributeError):
             continue
         if src and _source(ref.forward) == src:
@@ -296,7 +303,8 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "SmolLM3Attention": AttentionSpec(extra=_sliding, rope_flag="use_rope"),
     "Glm4MoeAttention": AttentionSpec(qk_norm=True, qk_norm_flag="use_qk_norm"),
     "Phi3Attention": AttentionSpec(
-        fused_qkv=True, extra=lambda m: {"sliding_window": getattr(m.config, "sliding_window", None)}),
+        fused_qkv=True,
+        extra=lambda m: {"sliding_window": getattr(m.config, "sliding_window", None)}),
     "Gemma2Attention": AttentionSpec(
         extra=lambda m: {"sliding_window": m.sliding_window, "softcap": m.attn_logit_softcapping}),
     "Gemma3Attention": AttentionSpec(qk_norm=True, extra=_sliding),
