@@ -338,7 +338,7 @@ def assert_unpatch_keeps_hooks(model, run, ref):
 # --------------------------------------------------------------------------- tiny LLMs
 
 LLM_VOCAB = 128
-_TINY_LLM = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+TINY_LLM = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                  num_attention_heads=4, num_key_value_heads=2, vocab_size=LLM_VOCAB,
                  max_position_embeddings=256)
 # family -> (transformers config class name, extra config values)
@@ -395,14 +395,22 @@ def tiny_llm(family, dtype=torch.float32, device="cpu", **overrides):
     import transformers
 
     cls_name, extra = LLM_FAMILIES[family]
-    config = getattr(transformers, cls_name)(**{**_TINY_LLM, **extra, **overrides})
+    config = getattr(transformers, cls_name)(**{**TINY_LLM, **extra, **overrides})
+    return causal_lm(config).to(device=device, dtype=dtype)
+
+
+def causal_lm(config):
+    """A random transformers causal LM of ``config`` (seeded), its 1-D parameters (norm weights,
+    biases) given noise."""
+    import transformers
+
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
-    return model.to(device=device, dtype=dtype)
+    return model
 
 
 # Falcon's three attention layouts: multi-query with a parallel MLP (7B), grouped keys with two

@@ -50,17 +50,22 @@ B = 2
 # --------------------------------------------------------------------------- tiny models
 
 
+def _flux_inputs(**extra):
+    """12 image tokens on a 3x4 grid and 5 text tokens (positions not all 0), FLUX.1's 3-axis
+    ids."""
+    img_ids = torch.stack([torch.zeros(12), torch.arange(12) // 4, torch.arange(12) % 4], 1)
+    txt_ids = torch.stack([torch.arange(5.0), torch.zeros(5), torch.zeros(5)], 1)
+    return dict(hidden_states=torch.randn(B, 12, 8), encoder_hidden_states=torch.randn(B, 5, 32),
+                timestep=torch.tensor([0.2, 0.9]), img_ids=img_ids, txt_ids=txt_ids, **extra)
+
+
 def _flux():
     model = FluxTransformer2DModel(
         patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
         num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=16,
         axes_dims_rope=(4, 6, 6), guidance_embeds=True)
-    img_ids = torch.stack([torch.zeros(12), torch.arange(12) // 4, torch.arange(12) % 4], 1)
-    txt_ids = torch.stack([torch.arange(5.0), torch.zeros(5), torch.zeros(5)], 1)  # not all 0
-    inputs = dict(hidden_states=torch.randn(B, 12, 8), encoder_hidden_states=torch.randn(B, 5, 32),
-                  pooled_projections=torch.randn(B, 16), timestep=torch.tensor([0.2, 0.9]),
-                  img_ids=img_ids, txt_ids=txt_ids, guidance=torch.full((B,), 3.5))
-    return model, inputs
+    return model, _flux_inputs(pooled_projections=torch.randn(B, 16),
+                               guidance=torch.full((B,), 3.5))
 
 
 def _flux2():
@@ -83,11 +88,7 @@ def _chroma():
         patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
         num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
         approximator_num_channels=16, approximator_hidden_dim=32, approximator_layers=1)
-    img_ids = torch.stack([torch.zeros(12), torch.arange(12) // 4, torch.arange(12) % 4], 1)
-    txt_ids = torch.stack([torch.arange(5.0), torch.zeros(5), torch.zeros(5)], 1)
-    inputs = dict(hidden_states=torch.randn(B, 12, 8), encoder_hidden_states=torch.randn(B, 5, 32),
-                  timestep=torch.tensor([0.2, 0.9]), img_ids=img_ids, txt_ids=txt_ids)
-    return model, inputs
+    return model, _flux_inputs()
 
 
 def _sd3():

@@ -20,6 +20,8 @@ from helpers import (  # noqa: E402
     FuseboxOps,
     GraphOps,
     LLM_VOCAB,
+    TINY_LLM,
+    causal_lm,
     rel_err,
     tiny_falcon,
     tiny_llm,
@@ -308,9 +310,7 @@ def test_attention_left_alone_when_its_rotary_differs(monkeypatch):
 
 # Families fused through classes whose forward reads as a named family's: (config class, extra
 # config values, the classes fused)
-_TINY_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, vocab_size=LLM_VOCAB, max_position_embeddings=256,
-                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+_TINY_BASE = dict(TINY_LLM, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 BY_SOURCE = {
     "arcee": ("ArceeConfig", {}, ("ArceeAttention", "ArceeDecoderLayer")),
     "granite": ("GraniteConfig", {"residual_multiplier": 0.5, "attention_multiplier": 0.3,
@@ -336,13 +336,7 @@ def test_families_fused_by_their_forward_source(family):
     """Classes not named in the tables get a named family's fused forward where theirs reads
     the same, with the rotation the probe finds; logits as unpatched."""
     cls_name, extra, fused = BY_SOURCE[family]
-    torch.manual_seed(0)
-    config = getattr(transformers, cls_name)(**{**_TINY_BASE, **extra})
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
+    model = causal_lm(getattr(transformers, cls_name)(**{**_TINY_BASE, **extra}))
     ids = token_ids()
     ref = logits(model, ids)
     model16 = copy.deepcopy(model).to(torch.bfloat16)

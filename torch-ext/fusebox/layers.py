@@ -125,6 +125,14 @@ def rotary_form(fn, half_tables: bool = False):
     return None
 
 
+def probe_rotary(fn):
+    """(form, half_tables) of an ``apply_rotary_pos_emb``: its form with full-width tables, or
+    failing that with tables of half the head; (None, ...) when neither is one rope runs.
+    (No function takes both: Llama's cannot broadcast half tables, GPT-OSS's full ones.)"""
+    form = rotary_form(fn)
+    return (form, False) if form is not None else (rotary_form(fn, half_tables=True), True)
+
+
 _HOST_FORMS = {}   # kernels' wrapper class -> (form or None, half_tables)
 
 
@@ -142,12 +150,7 @@ def _host_form(wrapper_cls):
     half-width tables (form None: none fusebox runs); ("direct", False) without one."""
     if wrapper_cls not in _HOST_FORMS:
         host = _host_function(wrapper_cls)
-        if host is None:
-            _HOST_FORMS[wrapper_cls] = ("direct", False)
-        else:
-            form = rotary_form(host)
-            _HOST_FORMS[wrapper_cls] = ((form, False) if form is not None
-                                        else (rotary_form(host, half_tables=True), True))
+        _HOST_FORMS[wrapper_cls] = ("direct", False) if host is None else probe_rotary(host)
     return _HOST_FORMS[wrapper_cls]
 
 

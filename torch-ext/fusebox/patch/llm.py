@@ -47,7 +47,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .. import functional as F
-from ..layers import rotary_form, rotary_tables
+from ..layers import probe_rotary, rotary_tables
 from ._common import derived_once, has_hooks, needs_autograd, original_forward, replace_forward
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -261,9 +261,6 @@ class AttentionSpec:
     """What a family's attention forward does beyond Llama's."""
     qk_norm: bool = False                                   # per-head q_norm / k_norm
     extra: Callable[[torch.nn.Module], dict] = lambda m: {}  # extra attention-interface kwargs
-    # the model's cos/sin hold each frequency once ([.., D/2]: GPT-OSS rotates the halves of a
-    # head with them); the fused op takes them written out for both halves
-    half_tables: bool = False
     # q_norm / k_norm span all heads of a token, applied to the projections (OLMo-2)
     qk_norm_across: bool = False
     # the layer rotates q and k only where this attribute is true (SmolLM3's NoPE layers)
@@ -297,7 +294,7 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "Qwen3Attention": _QWEN3_ATTENTION,
     "Qwen3MoeAttention": _QWEN3_ATTENTION,
     "GptOssAttention": AttentionSpec(
-        half_tables=True, extra=lambda m: {"sliding_window": m.sliding_window, "s_aux": m.sinks}),
+        extra=lambda m: {"sliding_window": m.sliding_window, "s_aux": m.sinks}),
     "Olmo2Attention": AttentionSpec(qk_norm=True, qk_norm_across=True),
     "Olmo3Attention": AttentionSpec(qk_norm=True, qk_norm_across=True, extra=_sliding),
     "SmolLM3Attention": AttentionSpec(extra=_sliding, rope_flag="use_rope"),
@@ -313,8 +310,9 @@ _ATTENTION_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_
                      "past_key_values", "kwargs")
 
 
-def _make_attention_forward(spec: AttentionSpec, form: str, q_style: Optional[NormStyle],
-                            k_style: Optional[NormStyle], eager: Callable) -> Callable:
+def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool,
+                            q_style: Optional[NormStyle], k_style: Optional[NormStyle],
+                            eager: Callable) -> Callable:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
@@ -326,9 +324,9 @@ def _make_attention_forward(spec: AttentionSpec, form: str, q_style: Optional[No
                 or cos.dtype != hidden_states.dtype:
             return original_forward(self)(hidden_states, position_embeddings, attention_mask,
                                           past_key_values, **kwargs)
-        if spec.half_tables or form == "interleaved, first half":
-            cos, sin = derived_once(
-                cos, form, lambda: rotary_tables(form, cos, sin, spec.half_tables))
+        if half_tables or form == "interleaved, first half":
+            # (GPT-OSS: tables of half the head; GLM, Ernie: the first half's entries paired)
+            cos, sin = derived_once(cos, form, lambda: rotary_tables(form, cos, sin, half_tables))
         interleaved = form != "half"
         input_shape = hidden_states.shape[:-1]
         hidden_shape = (*input_shape, -1, self.head_dim)
@@ -460,11 +458,10 @@ def _falcon_attention_patch(module) -> Tuple[Optional[Callable], str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _rotary_form(module_name: str, half_tables: bool) -> Optional[str]:
-    """The rotary form (``layers.ROTARY_FORMS``) of the ``apply_rotary_pos_emb`` next to an
-    attention class, or None."""
-    return rotary_form(getattr(sys.modules[module_name], "apply_rotary_pos_emb", None),
-                       half_tables)
+def _rotary_form(module_name: str) -> Tuple[Optional[str], bool]:
+    """(form, half_tables) of the ``apply_rotary_pos_emb`` next to an attention class
+    (``layers.probe_rotary``); form None when rope runs none of its rotations."""
+    return probe_rotary(getattr(sys.modules[module_name], "apply_rotary_pos_emb", None))
 
 
 def _attention_patch(module) -> Tuple[Optional[Callable], str]:
@@ -476,7 +473,7 @@ def _attention_patch(module) -> Tuple[Optional[Callable], str]:
         spec, reads_as = ATTENTION[reference], f" (forward as {reference}'s)"
     if _params(type(module).forward) != _ATTENTION_PARAMS:
         return None, "forward signature differs from the supported transformers versions"
-    form = _rotary_form(type(module).__module__, spec.half_tables)
+    form, half_tables = _rotary_form(type(module).__module__)
     if form is None:
         return None, "apply_rotary_pos_emb is none of the rotations fusebox runs"
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
@@ -489,7 +486,7 @@ def _attention_patch(module) -> Tuple[Optional[Callable], str]:
         q_style, k_style = norm_style(module.q_norm), norm_style(module.k_norm)
         if q_style is None or k_style is None or q_style != k_style:
             return None, "q_norm/k_norm formula not recognized"
-    return _make_attention_forward(spec, form, q_style, k_style, eager), (
+    return _make_attention_forward(spec, form, half_tables, q_style, k_style, eager), (
         ("qk_norm_rope" if spec.qk_norm else "rope") + reads_as)
 
 

@@ -66,8 +66,8 @@ class HunyuanVideo15FusedAttnProcessor(FusedAttnProcessor):
         # the joint mask: text padding on both sides of the score matrix, as diffusers builds it
         batch_size, seq_len = query.shape[:2]
         mask = F.pad(attention_mask, (seq_len - attention_mask.shape[1], 0), value=True).bool()
-        rows = mask.view(batch_size, 1, 1, seq_len).repeat(1, 1, seq_len, 1)
-        mask = rows & rows.transpose(2, 3)
+        keys = mask.view(batch_size, 1, 1, seq_len).repeat(1, 1, seq_len, 1)
+        mask = keys & keys.transpose(2, 3)
 
         hidden_states = dispatch_attention_fn(
             query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False,
