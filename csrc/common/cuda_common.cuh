@@ -415,7 +415,6 @@ struct TuningKnobs {
   std::optional<int> rope_items;      // FUSEBOX_ROPE_ITEMS: heads per lane group (1, 2 or 4)
   std::optional<int> rope_early;      // FUSEBOX_ROPE_EARLY=0: wide rows load rotation factors after the sum
   std::optional<int> act_flat;        // FUSEBOX_ACT_FLAT: packed rows as one long row (0 or 1)
-  std::optional<int> reg_caps;        // FUSEBOX_REG_CAPS=1: the register-capped kernel variants
 };
 const TuningKnobs& tuning_knobs();
 

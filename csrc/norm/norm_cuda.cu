@@ -333,7 +333,8 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
 // bound reaches the compiler's scheduling, not only the register allocator, so the 4-vector
 // modulated rows fit without spills (ptxas, sm_90: fp16 92-100 -> 64 registers; bf16 stays at
 // 64 and loses its 8-20 bytes of spills), where a bare register cap (__maxnreg__(64)) spills
-// 60-84 bytes. Compiled for those rows only; FUSEBOX_REG_CAPS=1 launches it (tuning runs).
+// 60-84 bytes. Measured (H100, fp16): per-sample adaln LTX 23.6 -> 20.2 us, Wan 14B 267.6 -> 234.0;
+// bf16 unchanged to 2.6% faster (bench/results/2026-11-25_h100_dc4298d/tune).
 template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD>
 __global__ void __launch_bounds__(kMaxThreads, 2) norm_rows_kernel_64_registers(const NormKernelArgs a) {
   norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD>(a);
@@ -534,11 +535,10 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, int n_params, int6
         if (smem > 32 * 1024) allow_dynamic_smem(kernel, smem);
         launch(kernel, dim3(unsigned((groups + a.row_iters - 1) / a.row_iters)), block, smem, stream, a);
       };
-      if constexpr (ITEMS == 4 && kMod && !kRes) {
-        if (tuning_knobs().reg_caps.value_or(0) != 0)
-          return launch_kernel(norm_rows_kernel_64_registers<T, P, VEC, ITEMS, kNorm, kRes, kMod>);
-      }
-      launch_kernel(norm_rows_kernel<T, P, VEC, ITEMS, kNorm, kRes, kMod>);
+      if constexpr (ITEMS == 4 && kMod && !kRes)
+        launch_kernel(norm_rows_kernel_64_registers<T, P, VEC, ITEMS, kNorm, kRes, kMod>);
+      else
+        launch_kernel(norm_rows_kernel<T, P, VEC, ITEMS, kNorm, kRes, kMod>);
     }
   };
   auto with_flags = [&](auto norm) {

@@ -453,10 +453,10 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
 // - 96: two heads of half-split units with their norm per lane group (Qwen3's q/k): at 102
 //   registers three blocks of 160 threads fit an SM, at 96 four (2048 tokens 22.4 -> 19.9 us,
 //   8192 67.4 -> 60.2).
-// - 80, with FUSEBOX_REG_CAPS=1 (tuning runs): four heads of interleaved one-vector units with
-//   their norm (FLUX's q/k). fp16 gets 82 registers uncapped against bf16's 80 (ptxas, sm_90),
-//   one register step past the 80 at which FLUX's 192-thread blocks fit four to an SM; capped,
-//   80 without spills.
+// - 80: four heads of interleaved one-vector units with their norm (FLUX's q/k). fp16 gets 82
+//   registers uncapped against bf16's 80 (ptxas, sm_90), one register step past the 80 at which
+//   FLUX's 192-thread blocks fit four to an SM; capped, 80 without spills (H100, fp16: 50.8 ->
+//   47.4 us; bf16 unchanged).
 template <int MAX_REGISTERS, typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
 __global__ void __maxnreg__(MAX_REGISTERS)
     rope_heads_kernel_capped(const RopeKernelArgs a, const int head_groups) {
@@ -482,9 +482,7 @@ void launch_rope(const RopeKernelArgs& a, int head_groups, bool interleaved, boo
     if constexpr (HEADS && ITEMS == 2 && N && UnitLayout<I, VEC>::kTwoVectors)
       launch(rope_heads_kernel_capped<96, T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups);
     else if constexpr (HEADS && ITEMS == 4 && N && !UnitLayout<I, VEC>::kTwoVectors)
-      tuning_knobs().reg_caps.value_or(0) != 0
-          ? launch(rope_heads_kernel_capped<80, T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups)
-          : launch(rope_heads_kernel<T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups);
+      launch(rope_heads_kernel_capped<80, T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups);
     else if constexpr (HEADS)
       launch(rope_heads_kernel<T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups);
     else if constexpr (ITEMS == 4 && VEC > 1)

@@ -1,5 +1,5 @@
 """Launch plans and kernel variants the tuning variables can force (FUSEBOX_NORM_ITEMS,
-FUSEBOX_ROPE_ITEMS, FUSEBOX_ACT_FLAT, FUSEBOX_REG_CAPS, used by scripts/tune.py): each still
+FUSEBOX_ROPE_ITEMS, FUSEBOX_ACT_FLAT, used by scripts/tune.py): each still
 computes the reference result on CUDA."""
 
 import os
@@ -47,7 +47,7 @@ for dtype in (BF16, F16, F32):
         assert_close(h, expect_h, dtype, name="h")
         assert_close(normed, expect_normed, dtype, name="fused_add_rms_norm")
     # rows past half a wave of resident threads: the 4-vector plans of the modulated rows
-    # (FUSEBOX_REG_CAPS=1: at 64 registers), per sample and per token (5120: 4 vectors even
+    # (their 64-register kernel), per sample and per token (5120: 4 vectors even
     # per token), the modulation in x's dtype or fp32
     for rows, width in ((700, 2048), (300, 5120)):
         x = randn(gen, (rows, width), dtype, "cuda")
@@ -109,7 +109,7 @@ print("ok")
 @pytest.mark.parametrize("setting", ["FUSEBOX_NORM_ITEMS=1", "FUSEBOX_NORM_ITEMS=2", "FUSEBOX_NORM_ITEMS=4",
                                      "FUSEBOX_NORM_ITEMS=8", "FUSEBOX_ROPE_ITEMS=1",
                                      "FUSEBOX_ROPE_ITEMS=2", "FUSEBOX_ROPE_ITEMS=4",
-                                     "FUSEBOX_ACT_FLAT=0", "FUSEBOX_ACT_FLAT=1", "FUSEBOX_REG_CAPS=1"])
+                                     "FUSEBOX_ACT_FLAT=0", "FUSEBOX_ACT_FLAT=1"])
 def test_forced_launch_plans(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8
     applies to ops without a residual; the residual op keeps its default plan)."""
