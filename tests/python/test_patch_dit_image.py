@@ -332,6 +332,53 @@ def test_qwen_image_edit_models_keep_their_block_forward(layer3d_rope, device):
     assert rel_err(out, ref) < 1e-5
 
 
+
+@pytest.mark.parametrize("padding", ["none", "same suffix", "per sample"])
+def test_hunyuan_video15_attention_over_valid_keys(padding, device, monkeypatch):
+    """Both streams of a patched block match diffusers' (padded text rows included) whether the
+    keys are cut to a shared valid prefix (no mask reaches attention) or masked per sample; the
+    whole model matches too."""
+    from fusebox.patch.dit import hunyuan_video15
+
+    model, inputs = build("hunyuan_video15", device)
+    mask = torch.ones(B, 5, dtype=torch.bool, device=device)
+    if padding == "same suffix":
+        mask[:, 3:] = False
+    elif padding == "per sample":
+        mask[1, 2:] = False
+    block, (x, c, temb, _, rotary) = _block_cases("hunyuan_video15", model, inputs, device)[0]
+    with torch.no_grad():
+        ref = block(x, c, temb, mask, rotary)
+    fusebox.patch(model)
+    seen = []
+    original = hunyuan_video15.dispatch_attention_fn
+
+    def recording(query, key, value, attn_mask=None, **kwargs):
+        seen.append((key.shape[1], attn_mask is None))
+        return original(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(hunyuan_video15, "dispatch_attention_fn", recording)
+    with torch.no_grad():
+        out = block(x, c, temb, mask, rotary)
+    for r, o in zip(ref, out):
+        assert torch.isfinite(o).all() and rel_err(o, r) < 1e-5
+    keys = x.shape[1] + {"none": 5, "same suffix": 3, "per sample": 5}[padding]
+    assert seen == [(keys, padding != "per sample")]
+
+    # whole model: the ByT5 and image tokens padded alike in both samples
+    inputs["encoder_attention_mask"] = torch.ones(B, 7, device=device)
+    inputs["encoder_attention_mask_2"][:] = 1
+    inputs["encoder_attention_mask_2"][:, 2:] = 0
+    fusebox.unpatch(model)
+    ref = forward(model, inputs)
+    fusebox.patch(model)
+    seen.clear()
+    out = forward(model, inputs)
+    assert rel_err(out, ref) < 1e-5
+    assert seen and all(no_mask for _, no_mask in seen)
+    with torch.inference_mode():     # the mask is an inference tensor there
+        assert torch.equal(model(**inputs, return_dict=False)[0], out)
+
 def test_report_sd3_pixart_hunyuan_dit():
     summary = {name: fusebox.patch(build(name)[0]).summary() for name in
                ("sd3", "pixart", "hunyuan_video", "dit")}

@@ -2,8 +2,9 @@
 
 - attention (``HunyuanVideo15AttnProcessor2_0``): the video tokens' per-head q/k RMSNorm and
   interleaved RoPE as one ``qk_norm_rope`` launch, the text tokens' q/k norms (no RoPE) as
-  ``rms_norm``; concatenation video-then-text, the joint mask built and
-  ``dispatch_attention_fn`` called as in diffusers, each stream's output projection run on its
+  ``rms_norm``; concatenation video-then-text; attention over the valid keys only (unmasked
+  over a valid prefix, else with a key mask) instead of diffusers' square mask, the padded
+  text queries zeroed as that mask leaves them; each stream's output projection run on its
   slice of the attention output;
 - dual-stream blocks, per stream: the gated attention residual + ``norm2`` + modulation as one
   ``gated_residual_norm``, the feed-forward residual as one ``gated_residual``. ``norm1``
@@ -13,6 +14,8 @@ The token refiner keeps its forward; its generic modules are fused by the generi
 """
 
 from __future__ import annotations
+
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -63,23 +66,65 @@ class HunyuanVideo15FusedAttnProcessor(FusedAttnProcessor):
         key = torch.cat([key, encoder_key], dim=1)
         value = torch.cat([value, encoder_value], dim=1)
 
-        # the joint mask: text padding on both sides of the score matrix, as diffusers builds it
-        batch_size, seq_len = query.shape[:2]
-        mask = F.pad(attention_mask, (seq_len - attention_mask.shape[1], 0), value=True).bool()
-        keys = mask.view(batch_size, 1, 1, seq_len).repeat(1, 1, seq_len, 1)
-        mask = keys & keys.transpose(2, 3)
-
-        hidden_states = dispatch_attention_fn(
-            query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False,
-            backend=self._attention_backend, parallel_config=self._parallel_config)
+        hidden_states = self._joint_attention(query, key, value, attention_mask)
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
         text = encoder_hidden_states.shape[1]
         video_out, text_out = hidden_states[:, :-text], hidden_states[:, -text:]
+        # diffusers masks padded text queries from every key: their rows come out of attention
+        # as zeros, here too (they never reach a valid token: padded keys are masked)
+        text_out = text_out * attention_mask.bool().to(text_out.dtype).unsqueeze(-1)
         if getattr(attn, "to_out", None) is not None:
             video_out = attn.to_out[1](linear_rows(attn.to_out[0], video_out))
         if getattr(attn, "to_add_out", None) is not None:
             text_out = linear_rows(attn.to_add_out, text_out)
         return video_out, text_out
+
+    def _joint_attention(self, query, key, value, text_mask):
+        """Attention of every token over the valid ones. diffusers masks both sides (a
+        ``[B, 1, S, S]`` mask, which keeps SDPA on its masked kernel and costs passes over
+        S^2 bytes per block); the valid tokens' outputs need only the keys' side. When every
+        sample's padding is the same text suffix (the model's token order puts valid text
+        first), the keys are cut to the valid prefix and attention runs unmasked; otherwise
+        the key mask is ``[B, 1, 1, S]``."""
+        batch, seq = query.shape[:2]
+        # (a compiled or captured graph keeps the data-independent key mask)
+        traced = torch.compiler.is_compiling() or (
+            query.is_cuda and torch.cuda.is_current_stream_capturing())
+        valid_text = None if traced else _uniform_valid_prefix(text_mask)
+        text_mask = text_mask.bool()
+        if valid_text is not None:
+            keys = seq - text_mask.shape[1] + valid_text
+            mask = None
+            key, value = key[:, :keys], value[:, :keys]
+        else:
+            mask = F.pad(text_mask, (seq - text_mask.shape[1], 0), value=True).view(batch, 1, 1, seq)
+        return dispatch_attention_fn(
+            query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False,
+            backend=self._attention_backend, parallel_config=self._parallel_config)
+
+
+# The text mask the model hands every block of a forward, and its valid prefix length: one
+# host read per forward instead of one per block (the model's forward already reads its masks
+# on the host to reorder the tokens).
+_prefix_cache: dict = {"mask": None, "version": -1, "valid": None}
+
+
+def _uniform_valid_prefix(text_mask: torch.Tensor):
+    """The number of valid text tokens when every sample's mask is that many ones followed by
+    zeros, else None."""
+    # (inference tensors carry no version counter)
+    version = None if text_mask.is_inference() else text_mask._version
+    cached = _prefix_cache["mask"]
+    if cached is not None and cached() is text_mask and _prefix_cache["version"] == version:
+        return _prefix_cache["valid"]
+    valid_tokens = text_mask.bool()
+    counts = valid_tokens.sum(1)
+    positions = torch.arange(text_mask.shape[1], device=text_mask.device)
+    prefix = (valid_tokens == (positions < counts[:, None])).all()
+    low, high, is_prefix = torch.stack([counts.min(), counts.max(), prefix.long()]).tolist()
+    valid = low if is_prefix and low == high else None
+    _prefix_cache.update(mask=weakref.ref(text_mask), version=version, valid=valid)
+    return valid
 
 
 def patch(model: torch.nn.Module, report, **options) -> None:
