@@ -334,7 +334,7 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
 // modulated rows fit without spills (ptxas, sm_90: fp16 92-100 -> 64 registers; bf16 stays at
 // 64 and loses its 8-20 bytes of spills), where a bare register cap (__maxnreg__(64)) spills
 // 60-84 bytes. Measured (H100, fp16): per-sample adaln LTX 23.6 -> 20.2 us, Wan 14B 267.6 -> 234.0;
-// bf16 unchanged to 2.6% faster (bench/results/2026-11-25_h100_dc4298d/tune).
+// bf16 unchanged to 2.6% faster (bench/results/2026-11-25_h100_bafa32a/tune).
 template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD>
 __global__ void __launch_bounds__(kMaxThreads, 2) norm_rows_kernel_64_registers(const NormKernelArgs a) {
   norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD>(a);
