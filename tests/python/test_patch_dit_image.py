@@ -333,50 +333,74 @@ def test_qwen_image_edit_models_keep_their_block_forward(layer3d_rope, device):
 
 
 
-@pytest.mark.parametrize("padding", ["none", "same suffix", "per sample"])
-def test_hunyuan_video15_attention_over_valid_keys(padding, device, monkeypatch):
-    """Both streams of a patched block match diffusers' (padded text rows included) whether the
-    keys are cut to a shared valid prefix (no mask reaches attention) or masked per sample; the
-    whole model matches too."""
-    from fusebox.patch.dit import hunyuan_video15
-
-    model, inputs = build("hunyuan_video15", device)
-    mask = torch.ones(B, 5, dtype=torch.bool, device=device)
+def _text_mask(padding, device, text=5):
+    mask = torch.ones(B, text, dtype=torch.bool, device=device)
     if padding == "same suffix":
         mask[:, 3:] = False
     elif padding == "per sample":
         mask[1, 2:] = False
-    block, (x, c, temb, _, rotary) = _block_cases("hunyuan_video15", model, inputs, device)[0]
+    return mask
+
+
+def _with_mask(name, args, mask):
+    """The block arguments of ``_block_cases`` with the text mask in the form the model hands
+    its blocks: HunyuanVideo's ``[B, 1, 1, video + text]``, the others' ``[B, text]``."""
+    if name == "hunyuan_video":
+        x = args[0]
+        full = torch.cat([torch.ones(B, x.shape[1], dtype=torch.bool, device=x.device), mask], 1)
+        return args[:3] + (full.view(B, 1, 1, -1),) + args[4:]
+    at = 2 if name == "qwen_image" else 3
+    return args[:at] + (mask,) + args[at + 1:]
+
+
+# how many keys reach attention unmasked (None: all of them, masked)
+_CUT = {"hunyuan_video15": {"none": 5, "same suffix": 3, "per sample": None},
+        "hunyuan_video": {"none": 5, "same suffix": 3, "per sample": None},
+        "qwen_image": {"none": 5, "same suffix": None, "per sample": None}}
+
+
+@pytest.mark.parametrize("padding", ["none", "same suffix", "per sample"])
+@pytest.mark.parametrize("name", list(_CUT))
+def test_attention_over_valid_keys(name, padding, device, monkeypatch):
+    """A patched block's streams match diffusers' (padded text rows included) whether the keys
+    are cut to the valid prefix every sample shares (no mask reaches attention: SDPA's
+    unmasked kernels) or masked; the whole model matches too, also under inference_mode."""
+    from fusebox.patch.dit import _shared
+
+    model, inputs = build(name, device)
+    mask = _text_mask(padding, device)
+    cases = [(block, _with_mask(name, args, mask))
+             for block, args in _block_cases(name, model, inputs, device)]
     with torch.no_grad():
-        ref = block(x, c, temb, mask, rotary)
+        refs = [block(*args) for block, args in cases]
     fusebox.patch(model)
     seen = []
-    original = hunyuan_video15.dispatch_attention_fn
+    original = _shared.dispatch_attention_fn
 
     def recording(query, key, value, attn_mask=None, **kwargs):
-        seen.append((key.shape[1], attn_mask is None))
+        seen.append((query.shape[1] - key.shape[1], attn_mask is None))
         return original(query, key, value, attn_mask=attn_mask, **kwargs)
 
-    monkeypatch.setattr(hunyuan_video15, "dispatch_attention_fn", recording)
-    with torch.no_grad():
-        out = block(x, c, temb, mask, rotary)
-    for r, o in zip(ref, out):
-        assert torch.isfinite(o).all() and rel_err(o, r) < 1e-5
-    keys = x.shape[1] + {"none": 5, "same suffix": 3, "per sample": 5}[padding]
-    assert seen == [(keys, padding != "per sample")]
+    monkeypatch.setattr(_shared, "dispatch_attention_fn", recording)
+    for (block, args), ref in zip(cases, refs):
+        seen.clear()
+        with torch.no_grad():
+            out = block(*args)
+        for r, o in zip(ref, out):
+            assert torch.isfinite(o).all() and rel_err(o, r) < 1e-5
+        valid = _CUT[name][padding]
+        assert seen == [(0 if valid is None else 5 - valid, valid is not None)], seen
 
-    # whole model: the ByT5 and image tokens padded alike in both samples
-    inputs["encoder_attention_mask"] = torch.ones(B, 7, device=device)
-    inputs["encoder_attention_mask_2"][:] = 1
-    inputs["encoder_attention_mask_2"][:, 2:] = 0
+    if padding == "none":       # the model's text masks let every token through
+        inputs = {k: torch.ones_like(v) if "mask" in k else v for k, v in inputs.items()}
     fusebox.unpatch(model)
     ref = forward(model, inputs)
     fusebox.patch(model)
     seen.clear()
     out = forward(model, inputs)
     assert rel_err(out, ref) < 1e-5
-    assert seen and all(no_mask for _, no_mask in seen)
-    with torch.inference_mode():     # the mask is an inference tensor there
+    assert seen and all(no_mask for _, no_mask in seen) == (padding == "none"), seen
+    with torch.inference_mode():     # masks made there are inference tensors
         assert torch.equal(model(**inputs, return_dict=False)[0], out)
 
 def test_report_sd3_pixart_hunyuan_dit():

@@ -478,6 +478,41 @@ def _eager_norm_rope(q, k, norm_q, norm_k, rotary):
     return q, k
 
 
+def valid_key_prefix(processor: FusedAttnProcessor, mask: Tensor) -> Optional[int]:
+    """How many keys a boolean key mask (``[B, N]`` or ``[B, 1, 1, N]``, True = attend) lets
+    through when, in every sample, they are the same first ones; else None. Attention over that
+    prefix needs no mask, so SDPA runs its unmasked kernels, where a mask (even all True) keeps
+    it on the masked one. The mask is read on the host once per mask tensor: a model hands
+    every block the same one, so once a forward. None without a read where the count cannot
+    be used: in a compiled or captured graph, and under context parallelism (keys split over
+    ranks)."""
+    if (mask.dtype != torch.bool or mask.dim() not in (2, 4) or mask.shape[1:-1].numel() != 1
+            or processor._parallel_config is not None or torch.compiler.is_compiling()
+            or (mask.is_cuda and torch.cuda.is_current_stream_capturing())):
+        return None
+
+    def read() -> Optional[int]:
+        valid = mask.reshape(mask.shape[0], -1)
+        counts = valid.sum(1)
+        positions = torch.arange(valid.shape[1], device=valid.device)
+        prefix = (valid == (positions < counts[:, None])).all()
+        low, high, is_prefix = torch.stack([counts.min(), counts.max(), prefix.long()]).tolist()
+        return low if is_prefix and low == high and low > 0 else None
+
+    return derived_once(mask, "valid key prefix", read)
+
+
+def attend(processor: FusedAttnProcessor, query: Tensor, key: Tensor, value: Tensor,
+           valid_keys: Optional[int], key_mask: Optional[Tensor]) -> Tensor:
+    """``dispatch_attention_fn`` as diffusers calls it (the processor's backend and parallel
+    config), over the first ``valid_keys`` keys unmasked when that count is known, else over
+    all keys with ``key_mask``."""
+    if valid_keys is not None:
+        key, value, key_mask = key[:, :valid_keys], value[:, :valid_keys], None
+    return dispatch_attention_fn(query, key, value, attn_mask=key_mask, dropout_p=0.0,
+                                 is_causal=False, backend=processor._attention_backend,
+                                 parallel_config=processor._parallel_config)
+
 def stream_qkv(attn: torch.nn.Module, x: Tensor, context: bool = False):
     """q, k, v ``[B, S, H, D]`` of one stream of a diffusers ``Attention``: its own projections,
     or (``context``) the added ones of the text stream. The head count follows the projection's

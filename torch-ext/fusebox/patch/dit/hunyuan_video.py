@@ -6,7 +6,8 @@
   launch with identity rows (cos = 1, sin = 0) appended to the tables; the text q/k of the
   double-stream blocks (their own norms, no RoPE) get ``rms_norm``. Concatenation is
   video-then-text and ``dispatch_attention_fn`` gets the processor's backend and parallel
-  config, as in diffusers;
+  config, as in diffusers; when the model's key mask lets through the same prefix in every
+  sample (video, then the valid text), attention runs unmasked over that prefix;
 - double-stream blocks: per stream, gated attention residual + ``norm2`` + modulation in one
   ``gated_residual_norm``, the feed-forward residual in one ``gated_residual``;
 - single-stream blocks: ``proj_mlp`` bias + GELU-tanh in one pass, one ``gated_residual``.
@@ -19,7 +20,6 @@ pass.
 from __future__ import annotations
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_hunyuan_video import (
     HunyuanVideoAttnProcessor2_0,
     HunyuanVideoSingleTransformerBlock,
@@ -29,17 +29,19 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
 
 from ._shared import (
     FusedAttnProcessor,
+    attend,
     fusable,
     grad_needed,
     install_processor,
-    linear_rows,
     linear_act,
+    linear_rows,
     mark_fused,
     norm_rope,
     original_processor,
     patch_two_stream_model,
     single_stream_out,
     stream_tail,
+    valid_key_prefix,
 )
 
 FAMILY = "hunyuan-video"
@@ -88,9 +90,11 @@ class HunyuanVideoFusedAttnProcessor(FusedAttnProcessor):
             key = torch.cat([key, encoder_key], dim=1)
             value = torch.cat([value, encoder_value], dim=1)
 
-        hidden_states = dispatch_attention_fn(
-            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
-            backend=self._attention_backend, parallel_config=self._parallel_config)
+        # the model's mask lets through the video tokens and each sample's valid text, a prefix
+        valid_keys = None
+        if attention_mask is not None and attention_mask.shape[-1] == key.shape[1]:
+            valid_keys = valid_key_prefix(self, attention_mask)
+        hidden_states = attend(self, query, key, value, valid_keys, attention_mask)
         hidden_states = hidden_states.flatten(2, 3)
         hidden_states = hidden_states.to(query.dtype)
 

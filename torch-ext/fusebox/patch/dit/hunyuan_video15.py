@@ -15,11 +15,8 @@ The token refiner keeps its forward; its generic modules are fused by the generi
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 import torch.nn.functional as F
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_hunyuan_video15 import (
     HunyuanVideo15AttnProcessor2_0,
     HunyuanVideo15Transformer3DModel,
@@ -29,12 +26,14 @@ from diffusers.models.transformers.transformer_hunyuan_video15 import (
 from .._common import replace_forward
 from ._shared import (
     FusedAttnProcessor,
+    attend,
     grad_needed,
     linear_rows,
     mark_fused,
     norm_rope,
     stream_qkv,
     swap_processor,
+    valid_key_prefix,
 )
 from .hunyuan_video import double_block_forward
 
@@ -81,50 +80,18 @@ class HunyuanVideo15FusedAttnProcessor(FusedAttnProcessor):
 
     def _joint_attention(self, query, key, value, text_mask):
         """Attention of every token over the valid ones. diffusers masks both sides (a
-        ``[B, 1, S, S]`` mask, which keeps SDPA on its masked kernel and costs passes over
-        S^2 bytes per block); the valid tokens' outputs need only the keys' side. When every
-        sample's padding is the same text suffix (the model's token order puts valid text
-        first), the keys are cut to the valid prefix and attention runs unmasked; otherwise
-        the key mask is ``[B, 1, 1, S]``."""
+        ``[B, 1, S, S]`` mask, rebuilt in every block over S^2 bytes, which keeps SDPA on its
+        masked kernel); the valid tokens' outputs need only the keys' side. The model puts
+        valid text first, so when every sample pads the same text suffix the keys are cut to
+        the valid prefix and attention runs unmasked; otherwise the key mask is
+        ``[B, 1, 1, S]``."""
         batch, seq = query.shape[:2]
-        # (a compiled or captured graph keeps the data-independent key mask)
-        traced = torch.compiler.is_compiling() or (
-            query.is_cuda and torch.cuda.is_current_stream_capturing())
-        valid_text = None if traced else _uniform_valid_prefix(text_mask)
-        text_mask = text_mask.bool()
+        video = seq - text_mask.shape[1]
+        valid_text = valid_key_prefix(self, text_mask)
         if valid_text is not None:
-            keys = seq - text_mask.shape[1] + valid_text
-            mask = None
-            key, value = key[:, :keys], value[:, :keys]
-        else:
-            mask = F.pad(text_mask, (seq - text_mask.shape[1], 0), value=True).view(batch, 1, 1, seq)
-        return dispatch_attention_fn(
-            query, key, value, attn_mask=mask, dropout_p=0.0, is_causal=False,
-            backend=self._attention_backend, parallel_config=self._parallel_config)
-
-
-# The text mask the model hands every block of a forward, and its valid prefix length: one
-# host read per forward instead of one per block (the model's forward already reads its masks
-# on the host to reorder the tokens).
-_prefix_cache: dict = {"mask": None, "version": -1, "valid": None}
-
-
-def _uniform_valid_prefix(text_mask: torch.Tensor):
-    """The number of valid text tokens when every sample's mask is that many ones followed by
-    zeros, else None."""
-    # (inference tensors carry no version counter)
-    version = None if text_mask.is_inference() else text_mask._version
-    cached = _prefix_cache["mask"]
-    if cached is not None and cached() is text_mask and _prefix_cache["version"] == version:
-        return _prefix_cache["valid"]
-    valid_tokens = text_mask.bool()
-    counts = valid_tokens.sum(1)
-    positions = torch.arange(text_mask.shape[1], device=text_mask.device)
-    prefix = (valid_tokens == (positions < counts[:, None])).all()
-    low, high, is_prefix = torch.stack([counts.min(), counts.max(), prefix.long()]).tolist()
-    valid = low if is_prefix and low == high else None
-    _prefix_cache.update(mask=weakref.ref(text_mask), version=version, valid=valid)
-    return valid
+            return attend(self, query, key, value, video + valid_text, None)
+        mask = F.pad(text_mask.bool(), (video, 0), value=True).view(batch, 1, 1, seq)
+        return attend(self, query, key, value, None, mask)
 
 
 def patch(model: torch.nn.Module, report, **options) -> None:

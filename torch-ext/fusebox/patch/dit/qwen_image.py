@@ -4,8 +4,9 @@
   the RoPE as one ``qk_norm_rope`` launch. The model's complex frequencies multiply
   consecutive channel pairs, which is the interleaved rotation with each pair's cos and sin
   written twice; those tables are formed once per forward, not once per block. Concatenation
-  is text-then-image, the joint mask is built and ``dispatch_attention_fn`` called with the
-  processor's backend and parallel config, as in diffusers;
+  is text-then-image, the joint mask is built (dropped when the text mask lets every token
+  through, so SDPA runs unmasked) and ``dispatch_attention_fn`` called with the processor's
+  backend and parallel config, as in diffusers;
 - blocks: per stream, ``norm1`` + modulation in one ``adaln``, the gated attention residual +
   ``norm2`` + modulation in one ``gated_residual_norm``, the feed-forward residual in one
   ``gated_residual``. The edit models' per-token modulation (``zero_cond_t``) keeps the
@@ -20,7 +21,6 @@ from __future__ import annotations
 from typing import List, Optional
 
 import torch
-from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_qwenimage import (
     QwenDoubleStreamAttnProcessor2_0,
     QwenImageTransformer2DModel,
@@ -30,6 +30,7 @@ from diffusers.models.transformers.transformer_qwenimage import (
 from .._common import original_forward, replace_forward
 from ._shared import (
     FusedAttnProcessor,
+    attend,
     complex_rotary_tables,
     grad_needed,
     linear_rows,
@@ -39,6 +40,7 @@ from ._shared import (
     stream_qkv,
     stream_tail,
     swap_processor,
+    valid_key_prefix,
 )
 
 FAMILY = "qwen-image"
@@ -69,12 +71,14 @@ class QwenImageFusedAttnProcessor(FusedAttnProcessor):
                 or grad_needed(attn, hidden_states, encoder_hidden_states)):
             return self.original(attn, hidden_states, encoder_hidden_states,
                                  encoder_hidden_states_mask, attention_mask, image_rotary_emb)
-        if encoder_hidden_states_mask is not None:
+        seq_txt = encoder_hidden_states.shape[1]
+        # a text mask that lets every token through is dropped: SDPA then runs unmasked
+        if (encoder_hidden_states_mask is not None
+                and valid_key_prefix(self, encoder_hidden_states_mask) != seq_txt):
             image_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool,
                                     device=hidden_states.device)
             attention_mask = torch.cat([encoder_hidden_states_mask, image_mask], dim=1)
             attention_mask = attention_mask[:, None, None, :]
-        seq_txt = encoder_hidden_states.shape[1]
         img_query, img_key, img_value = stream_qkv(attn, hidden_states)
         txt_query, txt_key, txt_value = stream_qkv(attn, encoder_hidden_states, context=True)
         img_freqs, txt_freqs = image_rotary_emb
@@ -86,10 +90,7 @@ class QwenImageFusedAttnProcessor(FusedAttnProcessor):
         joint_query = torch.cat([txt_query, img_query], dim=1)
         joint_key = torch.cat([txt_key, img_key], dim=1)
         joint_value = torch.cat([txt_value, img_value], dim=1)
-        joint = dispatch_attention_fn(
-            joint_query, joint_key, joint_value, attn_mask=attention_mask, dropout_p=0.0,
-            is_causal=False, backend=self._attention_backend,
-            parallel_config=self._parallel_config)
+        joint = attend(self, joint_query, joint_key, joint_value, None, attention_mask)
         joint = joint.flatten(2, 3).to(joint_query.dtype)
 
         img_out = linear_rows(attn.to_out[0], joint[:, seq_txt:])
