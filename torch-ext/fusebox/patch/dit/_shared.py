@@ -513,6 +513,7 @@ def attend(processor: FusedAttnProcessor, query: Tensor, key: Tensor, value: Ten
                                  is_causal=False, backend=processor._attention_backend,
                                  parallel_config=processor._parallel_config)
 
+
 def stream_qkv(attn: torch.nn.Module, x: Tensor, context: bool = False):
     """q, k, v ``[B, S, H, D]`` of one stream of a diffusers ``Attention``: its own projections,
     or (``context``) the added ones of the text stream. The head count follows the projection's

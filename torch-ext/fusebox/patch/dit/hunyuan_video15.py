@@ -65,29 +65,30 @@ class HunyuanVideo15FusedAttnProcessor(FusedAttnProcessor):
         key = torch.cat([key, encoder_key], dim=1)
         value = torch.cat([value, encoder_value], dim=1)
 
-        hidden_states = self._joint_attention(query, key, value, attention_mask)
-        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
         text = encoder_hidden_states.shape[1]
+        valid_text = valid_key_prefix(self, attention_mask)
+        hidden_states = self._joint_attention(query, key, value, attention_mask, valid_text)
+        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
         video_out, text_out = hidden_states[:, :-text], hidden_states[:, -text:]
-        # diffusers masks padded text queries from every key: their rows come out of attention
-        # as zeros, here too (they never reach a valid token: padded keys are masked)
-        text_out = text_out * attention_mask.bool().to(text_out.dtype).unsqueeze(-1)
+        if valid_text != text:
+            # diffusers masks padded text queries from every key: their rows come out of
+            # attention as zeros, here too (they never reach a valid token: padded keys are masked)
+            text_out = text_out * attention_mask.bool().to(text_out.dtype).unsqueeze(-1)
         if getattr(attn, "to_out", None) is not None:
             video_out = attn.to_out[1](linear_rows(attn.to_out[0], video_out))
         if getattr(attn, "to_add_out", None) is not None:
             text_out = linear_rows(attn.to_add_out, text_out)
         return video_out, text_out
 
-    def _joint_attention(self, query, key, value, text_mask):
+    def _joint_attention(self, query, key, value, text_mask, valid_text):
         """Attention of every token over the valid ones. diffusers masks both sides (a
         ``[B, 1, S, S]`` mask, rebuilt in every block over S^2 bytes, which keeps SDPA on its
         masked kernel); the valid tokens' outputs need only the keys' side. The model puts
-        valid text first, so when every sample pads the same text suffix the keys are cut to
-        the valid prefix and attention runs unmasked; otherwise the key mask is
-        ``[B, 1, 1, S]``."""
+        valid text first, so when every sample pads the same text suffix (``valid_text``
+        tokens each) the keys are cut to the valid prefix and attention runs unmasked;
+        otherwise the key mask is ``[B, 1, 1, S]``."""
         batch, seq = query.shape[:2]
         video = seq - text_mask.shape[1]
-        valid_text = valid_key_prefix(self, text_mask)
         if valid_text is not None:
             return attend(self, query, key, value, video + valid_text, None)
         mask = F.pad(text_mask.bool(), (video, 0), value=True).view(batch, 1, 1, seq)
