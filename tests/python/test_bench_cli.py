@@ -402,6 +402,37 @@ def test_report_from_synthetic(tmp_path, capsys):
     assert len(list(tmp_path.glob("*.png"))) == len(pngs)
 
 
+
+def test_two_mode_samples_are_retimed_once(monkeypatch):
+    """A measurement whose median sits at 1.5x its fastest sample or more is timed once more;
+    the first median stays in the result."""
+    from fusebox.bench import timing
+
+    rounds = [[10.0] * 4 + [25.0] * 6, [10.0, 10.2, 10.1, 10.3]]
+    monkeypatch.setattr(timing, "_sync", lambda: None)
+    timer = timing.Timer(warmup=1, iters=10)
+    monkeypatch.setattr(timer, "host_enqueue_us", lambda *a, **k: 5.0)
+    monkeypatch.setattr(timer, "device_times", lambda *a: rounds.pop(0))
+    out = timer.measure(lambda t: None, [None], flush=False, small=False)
+    assert out["retimed_from_us"] == 25.0 and out["us"] == pytest.approx(10.15) and not rounds
+    rounds = [[10.0, 10.2, 10.1, 14.9], [99.0]]
+    out = timer.measure(lambda t: None, [None], flush=False, small=False)
+    assert "retimed_from_us" not in out and out["us"] == pytest.approx(10.15) and rounds == [[99.0]]
+
+
+def test_unsteady_and_retimed_are_reported():
+    cases = suite.select(suite.OP_NAMES, suite.GROUPS, ["bf16"], quick=True)
+    doc = _synthetic_doc(cases)
+    steady = doc["results"][2]["impls"]["fusebox"]
+    doc["results"][2]["impls"]["compile"].update(min_us=1.0)          # median >= 1.5x min
+    steady["retimed_from_us"] = 3 * steady["us"]
+    s = report.finalize(doc)["summary"]
+    assert s["unsteady"] == [f"{cases[2].key} [compile: median "
+                             f"{doc['results'][2]['impls']['compile']['us']:.1f} us, min 1.0]"]
+    assert s["retimed"] == [f"{cases[2].key} [fusebox]"]
+    lines = "\n".join(report.summary_lines(doc))
+    assert "unsteady timings" in lines and "retimed once" in lines
+
 def test_report_json_only(tmp_path):
     cases = suite.select(["rms_norm"], ["llm"], ["bf16"], quick=True)
     report.write_all(str(tmp_path), _synthetic_doc(cases), json_only=True)

@@ -15,6 +15,7 @@ LABELS = {"fusebox": "fusebox", "eager": "eager", "torch": "torch op",
           "compile": "torch.compile", "liger": "Liger"}
 ERR_WARN = 3e-2            # fusebox vs the eager reference; bf16/fp16 rounding is ~1e-3..1e-2
 DIT_FUSED = ("qk_norm_rope", "adaln", "gated_residual_norm", "rope_3d")
+UNSTEADY_RATIO = 1.5       # a median this many times the fastest sample: two modes, not one
 
 
 def _num(x) -> Optional[float]:
@@ -138,7 +139,25 @@ def summarize(results: List[dict], calib: dict) -> dict:
         }
     s["per_op"] = per_op
     s["worst"] = [r["key"] for r in sorted(compared, key=lambda r: r["speedup_best"])[:5]]
+    s["unsteady"] = unsteady(results)
+    s["retimed"] = [f"{r['key']} [{name}]" for r in results for name, m in r["impls"].items()
+                    if _num((m or {}).get("retimed_from_us")) is not None]
     return s
+
+
+def unsteady(results: List[dict]) -> List[str]:
+    """Measurements whose median is UNSTEADY_RATIO or more times their fastest sample: two
+    modes in one case's samples (a clock or a neighbour changed under it) make its median, and
+    every ratio built on it, say more about the machine than about the kernel. The timer
+    retimes such a measurement once; those still two-moded are named, so that a reader reruns
+    them (``--ops``/``--shapes``) instead of trusting them."""
+    out = []
+    for r in results:
+        for name, m in r["impls"].items():
+            us, fastest = _us(m), _num((m or {}).get("min_us"))
+            if us is not None and fastest and us >= UNSTEADY_RATIO * fastest:
+                out.append(f"{r['key']} [{name}: median {us:.1f} us, min {fastest:.1f}]")
+    return out
 
 
 def _median(xs: List[float]) -> Optional[float]:
@@ -248,6 +267,12 @@ def summary_lines(doc: dict, md: bool = False) -> List[str]:
                    + ", ".join(s["mismatches"][:10]))
     if s.get("worst"):
         out.append("lowest speedups: " + ", ".join(s["worst"]))
+    if s.get("retimed"):
+        out.append(f"retimed once for samples in two modes (first medians in results.json): "
+                   f"{len(s['retimed'])}")
+    if s.get("unsteady"):
+        out.append(f"unsteady timings (median >= {UNSTEADY_RATIO:g}x the fastest sample; rerun "
+                   "before trusting): " + ", ".join(s["unsteady"]))
     return out
 
 
