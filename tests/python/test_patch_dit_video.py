@@ -64,6 +64,29 @@ def tiny_wan(device="cpu", dtype=torch.float32, **config):
     return keep_fp32(model, dtype)
 
 
+def tiny_skyreels(device="cpu", dtype=torch.float32, **config):
+    """SkyReels-V2: Wan 2.1's blocks; ``num_frame_per_block`` 2 gives diffusion forcing's
+    causal frame-block mask."""
+    torch.manual_seed(0)
+    model = diffusers.SkyReelsV2Transformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=24, in_channels=4,
+        out_channels=4, text_dim=32, freq_dim=32, ffn_dim=96, num_layers=2, rope_max_seq_len=64,
+        **config)
+    return keep_fp32(model.to(device=device).eval(), dtype)
+
+
+def skyreels_inputs(device="cpu", dtype=torch.float32, forcing=False):
+    """Four latent frames; with ``forcing``, a timestep per frame (per-token modulation)."""
+    g = torch.Generator().manual_seed(1)
+    b, f, h, w = 2, 4, 4, 6
+    timestep = torch.rand(b, f, generator=g) * 1000 if forcing else torch.tensor([300.0, 700.0])
+    tensors = dict(hidden_states=torch.randn(b, 4, f, h, w, generator=g),
+                   encoder_hidden_states=torch.randn(b, 7, 32, generator=g))
+    kw = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+    kw.update(timestep=timestep.to(device), enable_diffusion_forcing=forcing, return_dict=False)
+    return kw
+
+
 def keep_fp32(model, dtype):
     """``model`` in ``dtype`` with its ``_keep_in_fp32_modules`` in fp32, as from_pretrained
     loads it."""
@@ -92,14 +115,17 @@ CASES = {
     "wan-t2v": (tiny_wan, {}, dict(per_token=False)),
     "wan-ti2v": (tiny_wan, {}, dict(per_token=True)),
     "wan-i2v": (tiny_wan, dict(image_dim=16, added_kv_proj_dim=48), dict(image=True)),
+    "skyreels-t2v": (tiny_skyreels, {}, {}),
+    "skyreels-forcing": (tiny_skyreels, dict(num_frame_per_block=2), dict(forcing=True)),
 }
+INPUTS = {tiny_ltx: ltx_inputs, tiny_wan: wan_inputs, tiny_skyreels: skyreels_inputs}
+FAMILY = {"ltx": "ltx-video", "wan": "wan", "skyreels": "skyreels-v2"}
 
 
 def build(case, device, dtype=torch.float32):
     make, config, inputs = CASES[case]
     model = make(device, dtype, **config)
-    feed = ltx_inputs if make is tiny_ltx else wan_inputs
-    return model, feed(device, dtype, **inputs)
+    return model, INPUTS[make](device, dtype, **inputs)
 
 
 def run(model, kw):
@@ -114,6 +140,7 @@ EXPECTED_OPS = {
     "ltx": {"fused_norm": 4, "gated_residual": 6, "rotary": 2, "rms_norm": 4, "act": 2},
     "wan": {"fused_norm": 6, "gated_residual": 4, "rotary": 2, "rms_norm": 4, "act": 2},
 }
+EXPECTED_OPS["skyreels"] = EXPECTED_OPS["wan"]
 
 
 # --------------------------------------------------------------------------- numerics
@@ -125,7 +152,7 @@ def test_fp32_patched_matches_unpatched(case, device):
     model, kw = build(case, device)
     ref = run(model, kw)
     report = fusebox.patch(model)
-    assert report.family == {"ltx": "ltx-video", "wan": "wan"}[case.split("-")[0]]
+    assert report.family == FAMILY[case.split("-")[0]]
     with FuseboxOps() as ops:
         out = run(model, kw)
     expected = dict(EXPECTED_OPS[case.split("-")[0]])
@@ -138,7 +165,7 @@ def test_fp32_patched_matches_unpatched(case, device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["ltx-t2v", "ltx-i2v", "wan-t2v", "wan-ti2v"])
+@pytest.mark.parametrize("case", ["ltx-t2v", "ltx-i2v", "wan-t2v", "wan-ti2v", "skyreels-forcing"])
 def test_bf16_within_bf16_spread(case, device):
     """bf16 patched output is as close to the fp32 model as bf16 eager is (same weights)."""
     model, kw = build(case, device)
@@ -186,7 +213,7 @@ def _state(model):
             for name, m in model.named_modules()}
 
 
-@pytest.mark.parametrize("case", ["ltx-t2v", "wan-i2v"])
+@pytest.mark.parametrize("case", ["ltx-t2v", "wan-i2v", "skyreels-forcing"])
 def test_unpatch_restores(case):
     model, kw = build(case, "cpu")
     before = _state(model)
@@ -316,7 +343,7 @@ def test_attention_backend_reaches_the_replaced_processor():
 # --------------------------------------------------------------------------- fallbacks
 
 
-@pytest.mark.parametrize("case", ["ltx-t2v", "wan-t2v"])
+@pytest.mark.parametrize("case", ["ltx-t2v", "wan-t2v", "skyreels-forcing"])
 def test_autograd_falls_back(case):
     model, kw = build(case, "cpu")
     out = assert_patch_falls_back(model, lambda m: m(**kw)[0])   # every fused forward fell back
@@ -372,7 +399,7 @@ def test_diffusers_group_offload(offload_type):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", ["ltx-i2v", "wan-t2v"])
+@pytest.mark.parametrize("case", ["ltx-i2v", "wan-t2v", "skyreels-forcing"])
 def test_compiled_patched_block_fullgraph(case, device):
     model, kw = build(case, device)
     captured = {}
@@ -396,7 +423,7 @@ def test_compiled_patched_block_fullgraph(case, device):
     assert rel_err(out, eager) < FP32_TOL
 
 
-@pytest.mark.parametrize("case", ["ltx-i2v", "wan-ti2v"])
+@pytest.mark.parametrize("case", ["ltx-i2v", "wan-ti2v", "skyreels-forcing"])
 def test_compiled_patched_model_fullgraph(case):
     model, kw = build(case, "cpu")
     ref = run(model, kw)
@@ -488,6 +515,28 @@ def test_chronoedit_gets_the_wan_fusions(device):
     assert ops.calls["rotary"] == 2 and ops.calls["gated_residual"] == 4, ops.calls
     assert rel_err(out, ref) < 1e-5
 
+
+
+def _spec_names():
+    from fusebox.bench.e2e import dit
+
+    return [n for n in dit.SPECS if not n.startswith("tiny")]
+
+
+@pytest.mark.parametrize("name", _spec_names())
+def test_e2e_spec_builds_its_class(name):
+    """Each end-to-end spec's published config builds its diffusers class as the harness builds
+    it (on the meta device: no memory, no init work) and its inputs are arguments of that
+    class's forward."""
+    import inspect
+
+    from fusebox.bench.e2e import dit
+
+    spec = dit.SPECS[name]
+    model = dit.build(spec, "meta", torch.bfloat16)
+    assert type(model).__name__ == spec.cls and sum(p.numel() for p in model.parameters()) > 1e8
+    inputs = spec.inputs("meta", torch.bfloat16)
+    assert set(inputs) <= set(inspect.signature(model.forward).parameters), name
 
 def test_bench_tiny_cli(tmp_path, capsys):
     from fusebox.bench.e2e import main

@@ -150,6 +150,16 @@ def _wan_inputs(frames, height, width, text=512):
     return _latent_inputs(_video_latents(frames, height, width), text, 500.0)
 
 
+def _skyreels_df_inputs(frames, height, width, text=512):
+    """SkyReels-V2 diffusion forcing (synchronous): Wan 2.1 latents with a timestep per latent
+    frame, so the blocks modulate per token."""
+    latents = _video_latents(frames, height, width)
+    per_frame = torch.linspace(900.0, 300.0, latents[2])
+    return _latent_inputs(latents, text,
+                          lambda device, dtype, g: per_frame[None].to(device),
+                          enable_diffusion_forcing=True)
+
+
 def _hunyuan_inputs(frames, height, width, text=256):
     return _latent_inputs(_video_latents(frames, height, width), text, 500.0,
                           encoder_attention_mask=_mask(1, text),
@@ -244,6 +254,15 @@ SPECS: Dict[str, Spec] = {
         _wan_inputs(81, 480, 832),
         "81 frames 480x832 -> latent 21x60x104 -> 32760 tokens, text 512",
         steps=50, forwards_per_step=2),
+    "skyreels-v2-df-1.3b": Spec(
+        "SkyReels-V2-DF-1.3B-540P, 97x544x960 (51000 tokens), a timestep per latent frame, "
+        "CFG as 2 forwards, 30 steps",
+        "SkyReelsV2Transformer3DModel",
+        dict(WAN_BASE, num_attention_heads=12, ffn_dim=8960, num_layers=30, pos_embed_seq_len=None,
+             inject_sample_info=False, num_frame_per_block=1),
+        _skyreels_df_inputs(97, 544, 960),
+        "97 frames 544x960 -> latent 25x68x120 -> 51000 tokens, text 512, diffusion forcing "
+        "(per-frame timesteps)", steps=30, forwards_per_step=2),
     "wan-14b": Spec(
         "Wan2.1-T2V-14B, 81x480x832 (32760 tokens), CFG as 2 forwards, 50 steps",
         "WanTransformer3DModel",

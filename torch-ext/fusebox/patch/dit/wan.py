@@ -1,4 +1,5 @@
-"""Wan 2.1 / 2.2 (diffusers ``WanTransformer3DModel``) on fusebox.
+"""Wan 2.1 / 2.2 (diffusers ``WanTransformer3DModel``) and SkyReels-V2
+(``SkyReelsV2Transformer3DModel``, Wan 2.1's blocks) on fusebox.
 
 Wan keeps its norms and modulation in fp32 (``FP32LayerNorm``, fp32 ``scale_shift_table + temb``)
 and rounds to the activation dtype where noted below; the fused ops do the same math in fp32 and
@@ -14,7 +15,9 @@ round once at the same places. Per ``WanTransformerBlock``:
   :func:`gated_residual_norm`;
 - ``(x.float() + ff.float() * c_gate).type_as(x)`` -> :func:`gated_residual`.
 
-Per-sample (``temb`` [B, 6, D]) and per-token (Wan 2.2 TI2V, [B, S, 6, D]) modulation both.
+Per-sample (``temb`` [B, 6, D]) and per-token (Wan 2.2 TI2V, [B, S, 6, D]; SkyReels-V2's
+diffusion forcing, [B, 6, S, D]) modulation both; SkyReels-V2's self-attention mask passes
+through.
 Image-conditioned cross-attention (Wan 2.1 I2V: ``add_k_proj``) keeps diffusers' processor.
 The feed-forward GELU-tanh and the model's final ``norm_out`` (an ``FP32LayerNorm`` ->
 :func:`layer_norm`) are fused by the generic module pass; the output modulation runs eagerly.
@@ -22,6 +25,8 @@ Wan's rotary embedding already builds one ``[1, S, 1, D]`` table for the whole b
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from diffusers.models.transformers.transformer_wan import _get_qkv_projections
@@ -39,14 +44,25 @@ from ._shared import (
     rows,
 )
 
-MODEL = "WanTransformer3DModel"
-BLOCK = "WanTransformerBlock"
-ATTENTION = "WanAttention"
+class Names(NamedTuple):
+    """The classes of one model built on Wan's blocks."""
+    model: str
+    block: str
+    attention: str
+    processor: str
+
+
+WAN = Names("WanTransformer3DModel", "WanTransformerBlock", "WanAttention", "WanAttnProcessor")
+# SkyReels-V2: Wan 2.1's blocks, with an attention mask (diffusion forcing's causal frame
+# blocks) and per-token modulation laid out [B, 6, S, D]
+SKYREELS_V2 = Names("SkyReelsV2Transformer3DModel", "SkyReelsV2TransformerBlock",
+                    "SkyReelsV2Attention", "SkyReelsV2AttnProcessor")
+FAMILIES = {"wan": WAN, "skyreels-v2": SKYREELS_V2}
 IMAGE_CROSS_ATTENTION = "image cross-attention (I2V) keeps diffusers' processor"
 
 
 def applies(module: torch.nn.Module) -> bool:
-    return contains_class(module, MODEL, BLOCK)
+    return any(contains_class(module, n.model, n.block) for n in FAMILIES.values())
 
 
 # --------------------------------------------------------------------------- attention
@@ -64,14 +80,25 @@ class WanFusedAttnProcessor(TokenQKNormAttnProcessor):
         return self._parallel_config if encoder_hidden_states is None else None
 
 
+class SkyReelsV2FusedAttnProcessor(WanFusedAttnProcessor):
+    """``SkyReelsV2AttnProcessor``, fused as Wan's; it hands its parallel config to the text
+    cross-attention too."""
+
+    def parallel_config(self, encoder_hidden_states):
+        return self._parallel_config
+
+
 # --------------------------------------------------------------------------- block
 
 
-def _modulation(table: torch.Tensor, temb: torch.Tensor):
-    """The six fp32 modulation terms exactly as Wan forms them: [B, 1, D] views of
-    ``table + temb`` per sample, [B, S, D] per token (temb [B, S, 6, D])."""
+def _modulation(table: torch.Tensor, temb: torch.Tensor, terms_first: bool):
+    """The six fp32 modulation terms exactly as the model forms them: [B, 1, D] views of
+    ``table + temb`` per sample, [B, S, D] per token (temb [B, S, 6, D]; SkyReels-V2's
+    ``terms_first``: [B, 6, S, D])."""
     if temb.ndim == 4:
-        return tuple(t.squeeze(2) for t in modulation_sum(table.unsqueeze(0), temb.float()).chunk(6, dim=2))
+        at = 1 if terms_first else 2
+        terms = modulation_sum(table.unsqueeze(3 - at), temb.float()).chunk(6, dim=at)
+        return tuple(t.squeeze(at) for t in terms)
     return modulation_sum(table, temb.float()).chunk(6, dim=1)
 
 
@@ -81,18 +108,21 @@ def _block_forward(
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
     rotary_emb: tuple[torch.Tensor, torch.Tensor],
+    *mask: torch.Tensor,
 ) -> torch.Tensor:
+    """Wan's block; SkyReels-V2's takes the self-attention's mask after the rotary tables."""
     if (grad_needed(block, hidden_states, encoder_hidden_states, temb)
             or not fusable(hidden_states, block.scale_shift_table)):
-        return original_forward(block)(hidden_states, encoder_hidden_states, temb, rotary_emb)
+        return original_forward(block)(hidden_states, encoder_hidden_states, temb, rotary_emb,
+                                       *mask)
     # (WanVACE hands the first block the patch embedding's transposed output)
     hidden_states = rows(hidden_states)
     shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = _modulation(
-        block.scale_shift_table, temb)
+        block.scale_shift_table, temb, terms_first=type(block).__name__ == SKYREELS_V2.block)
 
     norm_hidden_states = fb.adaln(hidden_states, scale_msa, shift_msa, norm_type="layer",
                                   eps=block.norm1.eps)
-    attn_output = block.attn1(norm_hidden_states, None, None, rotary_emb)
+    attn_output = block.attn1(norm_hidden_states, None, mask[0] if mask else None, rotary_emb)
     norm2 = block.norm2
     if isinstance(norm2, torch.nn.LayerNorm) and fusable(hidden_states, norm2.weight, norm2.bias):
         norm_hidden_states, hidden_states = fb.gated_residual_norm(
@@ -128,23 +158,26 @@ def _block_unfusable(block: torch.nn.Module) -> str:
 
 
 def patch(model: torch.nn.Module, report, **options) -> None:
-    report.family = "wan"
+    family, names = next((f, n) for f, n in FAMILIES.items()
+                         if contains_class(model, n.model, n.block))
+    report.family = family
+    processor = SkyReelsV2FusedAttnProcessor if names is SKYREELS_V2 else WanFusedAttnProcessor
     image_cross_attention = 0
     for path, module in model.named_modules():
         kind = type(module).__name__
-        if kind == BLOCK:
+        if kind == names.block:
             norms = [c for c in ("norm1", "norm2", "norm3")
                      if isinstance(getattr(module, c, None), torch.nn.LayerNorm)]
             patch_block(path, module, report, _block_unfusable(module), _block_forward,
                         "wan block", norms, "adaln(layer, fp32 modulation) + "
                                             "gated_residual_norm(layer) x2 + gated_residual")
-        elif kind == ATTENTION:
+        elif kind == names.attention:
             image = getattr(module, "add_k_proj", None) is not None
             why = patch_qk_norm_attention(
-                path, module, report, "WanAttnProcessor", WanFusedAttnProcessor,
+                path, module, report, names.processor, processor,
                 "processor: qk_norm_rope(across heads, interleaved) (self) / rms_norm q, k "
                 "(cross)", why=IMAGE_CROSS_ATTENTION if image else "")
             image_cross_attention += why == IMAGE_CROSS_ATTENTION
     if image_cross_attention:
-        report.note("wan: image-conditioned cross-attention (I2V image tokens) runs diffusers' "
+        report.note(f"{family}: image-conditioned cross-attention (I2V image tokens) runs diffusers' "
                     "processor")
