@@ -20,6 +20,7 @@ from diffusers import (  # noqa: E402
     Flux2Transformer2DModel,
     FluxTransformer2DModel,
     HunyuanVideo15Transformer3DModel,
+    HunyuanVideoFramepackTransformer3DModel,
     HunyuanVideoTransformer3DModel,
     PixArtTransformer2DModel,
     QwenImageTransformer2DModel,
@@ -127,6 +128,28 @@ def _hunyuan_video():
     return model, inputs
 
 
+def _hunyuan_video_framepack():
+    """FramePack: HunyuanVideo's blocks, with SigLIP image tokens and the clean / 2x / 4x
+    history latents packed before the noisy ones (one rotary table for all of them)."""
+    model = HunyuanVideoFramepackTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16, num_layers=2,
+        num_single_layers=2, num_refiner_layers=1, patch_size=2, patch_size_t=1,
+        text_embed_dim=32, pooled_projection_dim=16, rope_axes_dim=(4, 6, 6), guidance_embeds=True,
+        has_image_proj=True, image_proj_dim=20, has_clean_x_embedder=True)
+    mask = torch.ones(B, 7, dtype=torch.bool)
+    mask[:, 5:] = False   # padded text
+    inputs = dict(hidden_states=torch.randn(B, 4, 3, 8, 8), timestep=torch.tensor([10, 500]),
+                  encoder_hidden_states=torch.randn(B, 7, 32), encoder_attention_mask=mask,
+                  pooled_projections=torch.randn(B, 16), image_embeds=torch.randn(B, 5, 20),
+                  indices_latents=torch.arange(3), guidance=torch.tensor([3.0, 3.0]),
+                  latents_clean=torch.randn(B, 4, 2, 8, 8), indices_latents_clean=torch.tensor([3, 4]),
+                  latents_history_2x=torch.randn(B, 4, 2, 8, 8),
+                  indices_latents_history_2x=torch.tensor([5, 6]),
+                  latents_history_4x=torch.randn(B, 4, 4, 8, 8),
+                  indices_latents_history_4x=torch.tensor([7, 8, 9, 10]))
+    return model, inputs
+
+
 def _qwen_image():
     model = QwenImageTransformer2DModel(
         patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
@@ -171,6 +194,8 @@ MODELS = {
     "pixart": (_pixart, "pixart", {"fused_norm", "gated_residual", "act"}),
     "hunyuan_video": (_hunyuan_video, "hunyuan-video",
                       {"rotary", "rms_norm", "fused_norm", "gated_residual", "act"}),
+    "hunyuan_video_framepack": (_hunyuan_video_framepack, "hunyuan-video-framepack",
+                                {"rotary", "rms_norm", "fused_norm", "gated_residual", "act"}),
     "hunyuan_video15": (_hunyuan_video15, "hunyuan-video-1.5",
                         {"rotary", "rms_norm", "fused_norm", "gated_residual", "act"}),
     "qwen_image": (_qwen_image, "qwen-image", {"rotary", "fused_norm", "gated_residual", "act"}),

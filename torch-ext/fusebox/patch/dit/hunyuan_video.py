@@ -1,4 +1,5 @@
-"""HunyuanVideo (``HunyuanVideoTransformer3DModel``) on fusebox.
+"""HunyuanVideo (``HunyuanVideoTransformer3DModel``) on fusebox, and the models built on its
+blocks and attention (FramePack's ``HunyuanVideoFramepackTransformer3DModel``).
 
 - attention (``HunyuanVideoAttnProcessor2_0``): the per-head q/k RMSNorm and the interleaved
   RoPE of the video tokens run as one ``qk_norm_rope`` launch; the text tokens of the
@@ -48,7 +49,9 @@ FAMILY = "hunyuan-video"
 
 
 def applies(model: torch.nn.Module) -> bool:
-    return isinstance(model, HunyuanVideoTransformer3DModel)
+    """HunyuanVideo, and the models built on its blocks (FramePack)."""
+    return isinstance(model, HunyuanVideoTransformer3DModel) or any(
+        type(m) is HunyuanVideoTransformerBlock for m in model.modules())
 
 
 def _with_identity_rows(rotary, n: int):
@@ -167,7 +170,9 @@ def _patch_attention(path, module, report) -> None:
 
 
 def patch(model: torch.nn.Module, report, **options) -> None:
-    patch_two_stream_model(model, report, FAMILY,
+    family = {"HunyuanVideoFramepackTransformer3DModel": "hunyuan-video-framepack"}.get(
+        type(model).__name__, FAMILY)
+    patch_two_stream_model(model, report, family,
                            (HunyuanVideoTransformerBlock, double_block_forward),
                            (HunyuanVideoSingleTransformerBlock, _single_block_forward),
                            _patch_attention)
