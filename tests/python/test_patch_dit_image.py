@@ -22,6 +22,9 @@ from diffusers import (  # noqa: E402
     HunyuanVideo15Transformer3DModel,
     HunyuanVideoFramepackTransformer3DModel,
     HunyuanVideoTransformer3DModel,
+    LongCatImageTransformer2DModel,
+    OvisImageTransformer2DModel,
+    BriaFiboTransformer2DModel,
     PixArtTransformer2DModel,
     QwenImageTransformer2DModel,
     SD3Transformer2DModel,
@@ -67,6 +70,34 @@ def _flux():
         axes_dims_rope=(4, 6, 6), guidance_embeds=True)
     return model, _flux_inputs(pooled_projections=torch.randn(B, 16),
                                guidance=torch.full((B,), 3.5))
+
+
+def _longcat_image():
+    """LongCat-Image: FLUX's blocks and attention copied under its own class names."""
+    model = LongCatImageTransformer2DModel(
+        patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=16,
+        axes_dims_rope=(4, 6, 6))
+    return model, _flux_inputs()
+
+
+def _ovis_image():
+    """Ovis-Image: FLUX's double-stream blocks and attention; its single-stream blocks gate
+    their MLP (SwiGLU) and keep their forward."""
+    model = OvisImageTransformer2DModel(
+        patch_size=1, in_channels=8, out_channels=8, num_layers=2, num_single_layers=2,
+        attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
+        axes_dims_rope=(4, 6, 6))
+    return model, _flux_inputs()
+
+
+def _bria_fibo():
+    """Bria FIBO: FLUX's double-stream blocks and attention, a text-encoder layer per block."""
+    model = BriaFiboTransformer2DModel(
+        patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
+        num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=[4, 6, 6],
+        text_encoder_dim=24)
+    return model, _flux_inputs(text_encoder_layers=[torch.randn(B, 5, 24) for _ in range(4)])
 
 
 def _flux2():
@@ -189,6 +220,9 @@ def _dit():
 # name -> (builder, family, fusebox operators every patched forward must run)
 MODELS = {
     "flux": (_flux, "flux", {"rotary", "fused_norm", "gated_residual", "act"}),
+    "longcat_image": (_longcat_image, "flux", {"rotary", "fused_norm", "gated_residual", "act"}),
+    "ovis_image": (_ovis_image, "flux", {"rotary", "fused_norm", "gated_residual"}),
+    "bria_fibo": (_bria_fibo, "flux", {"rotary", "fused_norm", "gated_residual"}),
     "flux2": (_flux2, "flux2", {"rotary", "fused_norm", "gated_residual", "gated_act_packed"}),
     "sd3": (_sd3, "sd3", {"rms_norm", "fused_norm", "gated_residual", "act"}),
     "pixart": (_pixart, "pixart", {"fused_norm", "gated_residual", "act"}),
@@ -208,9 +242,15 @@ def build(name, device="cpu", dtype=torch.float32):
     torch.manual_seed(0)
     model, inputs = MODELS[name][0]()
     model = model.eval().to(device=device, dtype=dtype)
-    inputs = {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
-              if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
-    return model, inputs
+
+    def moved(v):
+        if isinstance(v, list):
+            return [moved(t) for t in v]
+        if isinstance(v, torch.Tensor):
+            return v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype)
+        return v
+
+    return model, {k: moved(v) for k, v in inputs.items()}
 
 
 def forward(model, inputs):
@@ -300,6 +340,35 @@ def test_report_flux():
     assert "transformer_blocks.0.attn" in {e.path for e in report.patched}
     assert "[flux]" in str(report)
 
+
+
+def test_flux_copies_are_found_by_their_source():
+    """A class named like FLUX's with another prefix gets FLUX's fusions only when its code reads
+    as FLUX's: LongCat-Image's single-stream block does, Ovis-Image's (a gated MLP) and
+    Chroma's (its own modulation) do not; the report names the model's matched classes."""
+    from diffusers.models.transformers import (
+        transformer_chroma,
+        transformer_flux,
+        transformer_longcat_image,
+        transformer_ovis_image,
+    )
+
+    from fusebox.patch.dit.flux import reads_as_flux
+
+    single = transformer_flux.FluxSingleTransformerBlock
+    assert reads_as_flux(single, single)
+    assert reads_as_flux(transformer_longcat_image.LongCatImageSingleTransformerBlock, single)
+    assert not reads_as_flux(transformer_ovis_image.OvisImageSingleTransformerBlock, single)
+    assert not reads_as_flux(transformer_chroma.ChromaSingleTransformerBlock, single)
+    assert reads_as_flux(transformer_longcat_image.LongCatImageAttnProcessor,
+                         transformer_flux.FluxAttnProcessor, "__call__")
+
+    model, _ = build("ovis_image")
+    report = fusebox.patch(model)
+    patched = Counter(e.kind for e in report.patched)
+    assert patched["OvisImageTransformerBlock"] == 2 and patched["OvisImageAttention"] == 4
+    assert "OvisImageSingleTransformerBlock" not in patched
+    assert "read as FLUX's" in str(report)
 
 def test_report_flux2():
     model, _ = build("flux2")

@@ -12,6 +12,8 @@ the original back wherever the fused forward is found then, and those hooks stay
 
 from __future__ import annotations
 
+import inspect
+import re
 import types
 import weakref
 from typing import Callable, Iterator, List, Optional, Tuple, TypeVar
@@ -22,6 +24,17 @@ ORIGINAL_ATTR = "_fusebox_original_forward"   # the bound forward we replaced
 FUSED_ATTR = "_fusebox_fused_forward"         # the bound fused forward we put in its place
 SLOT_ATTR = "_fusebox_forward_slot"           # where the fused forward was put (for unpatch)
 TAG_ATTR = "_fusebox_patch"                   # short description of the patch ("rms_norm", ...)
+
+
+def source_text(fn) -> str:
+    """A function's source without whitespace or comments: the text two functions are compared
+    by when a fused forward serves every class whose forward reads as the one it re-implements."""
+    try:
+        text = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return ""
+    text = re.sub(r"#[^\n]*", "", text)
+    return re.sub(r"\s+", "", text)
 
 
 def _class_forward(module: torch.nn.Module):

@@ -38,7 +38,6 @@ import functools
 import importlib
 import inspect
 import math
-import re
 import sys
 import dataclasses
 from dataclasses import dataclass
@@ -48,7 +47,14 @@ import torch
 
 from .. import functional as F
 from ..layers import probe_rotary, rotary_tables
-from ._common import derived_once, has_hooks, needs_autograd, original_forward, replace_forward
+from ._common import (
+    derived_once,
+    has_hooks,
+    needs_autograd,
+    original_forward,
+    replace_forward,
+    source_text,
+)
 
 FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -72,16 +78,6 @@ def _fusable(*tensors: Optional[torch.Tensor]) -> bool:
     return all(t is None or t.dtype in FUSED_DTYPES for t in tensors)
 
 
-def _source(fn) -> str:
-    """A function's source without whitespace or comments (for formula matching)."""
-    try:
-        text = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return ""
-    text = re.sub(r"#[^\n]*", "", text)
-    return re.sub(r"\s+", "", text)
-
-
 # Classes whose forward a fused forward re-implements. A class of another family whose forward
 # reads the same, word for word, gets the same fused forward (its signature, norms and rotary
 # formula are checked as for the named classes): many transformers models copy these.
@@ -95,14 +91,14 @@ _LAYER_REFERENCES = (("llama", "LlamaDecoderLayer"), ("mixtral", "MixtralDecoder
 @functools.lru_cache(maxsize=None)
 def _forward_reads_as(cls, references: Tuple[Tuple[str, str], ...]) -> Optional[str]:
     """The name of the first reference class whose forward has ``cls.forward``'s source."""
-    src = _source(cls.forward)
+    src = source_text(cls.forward)
     for module, name in references:
         try:
             package = importlib.import_module(f"transformers.models.{module}.modeling_{module}")
             ref = getattr(package, name)
         except (ImportError, AttributeError):
             continue
-        if src and _source(ref.forward) == src:
+        if src and source_text(ref.forward) == src:
             return name
     return None
 
@@ -134,7 +130,7 @@ def norm_style(module: torch.nn.Module) -> Optional[NormStyle]:
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
         return None
     cls = type(module)
-    src = _source(cls.forward) + _source(getattr(cls, "_norm", None))
+    src = source_text(cls.forward) + source_text(getattr(cls, "_norm", None))
     if all(s in src for s in _LLAMA_NORM) and hasattr(module, "variance_epsilon"):
         return NormStyle(float(module.variance_epsilon), 0.0, True)
     if all(s in src for s in _T5_NORM) and hasattr(module, "variance_epsilon"):
@@ -208,7 +204,7 @@ _PACKED_MLP = ("gate,up_states=up_states.chunk(2,dim=-1)"
 
 def mlp_form(module: torch.nn.Module) -> Optional[str]:
     """"gated" (separate gate and up projections), "packed" (one ``gate_up_proj``) or None."""
-    src = _source(type(module).forward)
+    src = source_text(type(module).forward)
     return "gated" if _GATED_MLP in src else "packed" if _PACKED_MLP in src else None
 
 

@@ -1,4 +1,6 @@
-"""FLUX.1 (``FluxTransformer2DModel``) on fusebox.
+"""FLUX.1 (``FluxTransformer2DModel``) on fusebox, and the models that copy its blocks and
+attention word for word under their own class names (LongCat-Image, Ovis-Image's double-stream
+blocks, Bria FIBO's double-stream blocks): found by their source (:func:`reads_as_flux`).
 
 - ``FluxAttention``: a processor that runs the per-head q/k RMSNorm and the interleaved RoPE
   of each stream as one ``qk_norm_rope`` launch (text with the first rows of the joint
@@ -16,6 +18,10 @@ generic pass (:mod:`._modules`).
 
 from __future__ import annotations
 
+import functools
+import sys
+from typing import Optional
+
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
 from diffusers.models.transformers.transformer_flux import (
@@ -27,6 +33,7 @@ from diffusers.models.transformers.transformer_flux import (
     _get_qkv_projections,
 )
 
+from .._common import source_text
 from ._shared import (
     FusedAttnProcessor,
     install_processor,
@@ -43,8 +50,56 @@ from ._shared import (
 FAMILY = "flux"
 
 
+# --------------------------------------------------------------------------- FLUX's copies
+
+
+def _flux_normal_form(text: str, prefix: str) -> str:
+    """Source text (``source_text``) of a class copied from FLUX's module with its class names
+    renamed (``prefix``Attention for FluxAttention...), in FLUX's words: the prefix back to
+    "Flux", heads split by count or by width (the same split: heads * head_dim is the width),
+    and the ``.contiguous()`` FLUX puts before its output projections (no change of values)."""
+    text = text.replace(prefix, "Flux") if prefix else text
+    text = text.replace("unflatten(-1,(attn.heads,-1))", "unflatten(-1,(-1,attn.head_dim))")
+    return text.replace(".contiguous())", ")")
+
+
+@functools.lru_cache(maxsize=None)
+def reads_as_flux(cls: type, flux_cls: type, method: str = "forward") -> bool:
+    """Is ``cls`` a copy of FLUX's ``flux_cls`` (named ``<prefix><its name without Flux>``)
+    whose ``method`` reads as FLUX's, word for word? LongCat-Image, Ovis-Image and Bria FIBO
+    copy FLUX's blocks and attention this way."""
+    suffix = flux_cls.__name__[len("Flux"):]
+    if cls is flux_cls or not cls.__name__.endswith(suffix):
+        return cls is flux_cls
+    prefix = cls.__name__[: -len(suffix)]
+    ours = source_text(getattr(cls, method, None))
+    return bool(ours) and (_flux_normal_form(ours, prefix)
+                           == _flux_normal_form(source_text(getattr(flux_cls, method)), ""))
+
+
+def _flux_attention(module: torch.nn.Module) -> bool:
+    """FLUX's attention module or a copy of it whose processor and projections read as FLUX's."""
+    cls = type(module)
+    if cls is FluxAttention:
+        return type(original_processor(module)) is FluxAttnProcessor
+    processor = type(original_processor(module))
+    helper = sys.modules[cls.__module__].__dict__.get("_get_qkv_projections")
+    prefix = cls.__name__[: -len("Attention")]
+    return (reads_as_flux(cls, FluxAttention, "__init__")
+            and reads_as_flux(processor, FluxAttnProcessor, "__call__")
+            and helper is not None
+            and _flux_normal_form(source_text(helper), prefix)
+            == source_text(_get_qkv_projections))
+
+
+def _block_class(model: torch.nn.Module, flux_cls: type) -> Optional[type]:
+    """The class of ``model``'s modules that is FLUX's ``flux_cls`` or reads as it."""
+    return next((type(m) for m in model.modules() if reads_as_flux(type(m), flux_cls)), None)
+
+
 def applies(model: torch.nn.Module) -> bool:
-    return isinstance(model, FluxTransformer2DModel)
+    return (isinstance(model, FluxTransformer2DModel)
+            or _block_class(model, FluxTransformerBlock) is not None)
 
 
 class FluxFusedAttnProcessor(FusedAttnProcessor):
@@ -146,17 +201,21 @@ def _single_block_forward(self, hidden_states, encoder_hidden_states, temb,
 
 
 def _patch_attention(path, module, report) -> None:
-    if type(module) is not FluxAttention:
+    if not hasattr(module, "processor") or not (
+            type(module) is FluxAttention or reads_as_flux(type(module), FluxAttention, "__init__")):
         return
-    processor = original_processor(module)
-    if type(processor) is not FluxAttnProcessor:
-        report.skip(path, module, f"processor {type(processor).__name__} kept")
+    if not _flux_attention(module):
+        report.skip(path, module, f"processor {type(original_processor(module)).__name__} kept")
         return
     install_processor(module, FluxFusedAttnProcessor)
     report.add(path, module, "qk_norm_rope per head (interleaved), per stream")
 
 
 def patch(model: torch.nn.Module, report, **options) -> None:
-    patch_two_stream_model(model, report, FAMILY,
-                           (FluxTransformerBlock, _double_block_forward),
-                           (FluxSingleTransformerBlock, _single_block_forward), _patch_attention)
+    double = _block_class(model, FluxTransformerBlock)
+    single = _block_class(model, FluxSingleTransformerBlock)
+    if not isinstance(model, FluxTransformer2DModel):
+        report.note(f"{type(model).__name__}: blocks{'' if single else ' (double-stream)'} and "
+                    "attention that read as FLUX's get FLUX's fusions")
+    patch_two_stream_model(model, report, FAMILY, (double, _double_block_forward),
+                           (single, _single_block_forward), _patch_attention)
