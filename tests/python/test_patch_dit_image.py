@@ -63,40 +63,32 @@ def _flux_inputs(**extra):
                 timestep=torch.tensor([0.2, 0.9]), img_ids=img_ids, txt_ids=txt_ids, **extra)
 
 
+# the widths of every tiny FLUX-style model (FLUX.1 and the models that copy its blocks)
+FLUX_TINY = dict(patch_size=1, in_channels=8, num_layers=2, num_single_layers=2,
+                 attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
+                 axes_dims_rope=(4, 6, 6))
+
+
 def _flux():
-    model = FluxTransformer2DModel(
-        patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=16,
-        axes_dims_rope=(4, 6, 6), guidance_embeds=True)
+    model = FluxTransformer2DModel(**FLUX_TINY, pooled_projection_dim=16, guidance_embeds=True)
     return model, _flux_inputs(pooled_projections=torch.randn(B, 16),
                                guidance=torch.full((B,), 3.5))
 
 
 def _longcat_image():
     """LongCat-Image: FLUX's blocks and attention copied under its own class names."""
-    model = LongCatImageTransformer2DModel(
-        patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=4, joint_attention_dim=32, pooled_projection_dim=16,
-        axes_dims_rope=(4, 6, 6))
-    return model, _flux_inputs()
+    return LongCatImageTransformer2DModel(**FLUX_TINY, pooled_projection_dim=16), _flux_inputs()
 
 
 def _ovis_image():
     """Ovis-Image: FLUX's double-stream blocks and attention; its single-stream blocks gate
     their MLP (SwiGLU) and keep their forward."""
-    model = OvisImageTransformer2DModel(
-        patch_size=1, in_channels=8, out_channels=8, num_layers=2, num_single_layers=2,
-        attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
-        axes_dims_rope=(4, 6, 6))
-    return model, _flux_inputs()
+    return OvisImageTransformer2DModel(**FLUX_TINY, out_channels=8), _flux_inputs()
 
 
 def _bria_fibo():
     """Bria FIBO: FLUX's double-stream blocks and attention, a text-encoder layer per block."""
-    model = BriaFiboTransformer2DModel(
-        patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=[4, 6, 6],
-        text_encoder_dim=24)
+    model = BriaFiboTransformer2DModel(**FLUX_TINY, text_encoder_dim=24)
     return model, _flux_inputs(text_encoder_layers=[torch.randn(B, 5, 24) for _ in range(4)])
 
 
