@@ -662,7 +662,7 @@ def _block_cases(name, model, inputs, device):
         return torch.randn(*shape, device=device)
 
     x, c, temb = randn(B, 12, d), randn(B, 5, d), randn(B, d)
-    if name == "flux":
+    if name in ("flux", "longcat_image"):
         rotary = model.pos_embed(torch.cat([inputs["txt_ids"], inputs["img_ids"]]))
         return [(model.transformer_blocks[0], (x, c, temb, rotary)),
                 (model.single_transformer_blocks[0], (x, c, temb, rotary))]
@@ -692,8 +692,8 @@ def _block_cases(name, model, inputs, device):
             (model.single_transformer_blocks[0], (x, c, temb, mask, rotary))]
 
 
-@pytest.mark.parametrize("name", ["flux", "flux2", "sd3", "pixart", "hunyuan_video", "hunyuan_video15",
-                                  "qwen_image"])
+@pytest.mark.parametrize("name", ["flux", "longcat_image", "flux2", "sd3", "pixart", "hunyuan_video",
+                                  "hunyuan_video15", "qwen_image"])
 def test_compiled_block_has_no_graph_break(name, device):
     model, inputs = build(name, device)
     fusebox.patch(model)
