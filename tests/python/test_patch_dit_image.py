@@ -107,12 +107,14 @@ def _flux2():
 
 
 def _chroma():
-    """FLUX's attention in a model without a family patcher: the generic pass fuses it."""
+    """FLUX's attention and Chroma's pruned AdaLN layers in a model without a family patcher:
+    the generic pass fuses them."""
     model = ChromaTransformer2DModel(
-        patch_size=1, in_channels=8, num_layers=2, num_single_layers=2, attention_head_dim=16,
-        num_attention_heads=4, joint_attention_dim=32, axes_dims_rope=(4, 6, 6),
-        approximator_num_channels=16, approximator_hidden_dim=32, approximator_layers=1)
-    return model, _flux_inputs()
+        **FLUX_TINY, approximator_num_channels=16, approximator_hidden_dim=32,
+        approximator_layers=1)
+    mask = torch.ones(B, 5 + 12)
+    mask[1, 3:5] = 0    # padded text in the second sample (the blocks square the mask)
+    return model, _flux_inputs(attention_mask=mask)
 
 
 def _sd3():
@@ -225,7 +227,7 @@ MODELS = {
     "hunyuan_video15": (_hunyuan_video15, "hunyuan-video-1.5",
                         {"rotary", "rms_norm", "fused_norm", "gated_residual", "act"}),
     "qwen_image": (_qwen_image, "qwen-image", {"rotary", "fused_norm", "gated_residual", "act"}),
-    "chroma": (_chroma, "", {"rotary", "layer_norm", "act"}),
+    "chroma": (_chroma, "", {"rotary", "fused_norm", "layer_norm", "act"}),
     "dit": (_dit, "", {"fused_norm", "layer_norm", "act"}),
 }
 

@@ -7,8 +7,9 @@ building blocks every diffusers model is made of, when no family patcher already
   strided, such as a VAE's channels, keep diffusers' forward);
 - ``nn.LayerNorm`` / ``FP32LayerNorm`` -> ``layer_norm``;
 - ``AdaLayerNormZero``, ``AdaLayerNormZeroSingle``, ``SD35AdaLayerNormZeroX``,
-  ``AdaLayerNormContinuous``: the conditioning projection stays, ``norm(x) * (1 + scale) +
-  shift`` becomes one ``adaln`` pass;
+  ``AdaLayerNormContinuous`` and Chroma's pruned forms of three of them (terms without a
+  projection): the conditioning projection stays, ``norm(x) * (1 + scale) + shift`` becomes
+  one ``adaln`` pass;
 - ``activations.GELU``: the projection without its bias, then the bias + GELU in one pass
   (this is also the feed-forward fusion of every family's blocks);
 - ``GEGLU`` / ``SwiGLU`` -> ``gated_activation_packed`` (gate = second half);
@@ -77,20 +78,44 @@ def _fp32_layer_norm_forward(self, inputs):  # FP32LayerNorm.forward's signature
     return _layer_norm(self, inputs)
 
 
-def _ada_layer_norm_zero_forward(self, x, timestep=None, class_labels=None, hidden_dtype=None,
-                                 emb=None):
-    if self.emb is not None:
-        emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
-    emb = self.linear(self.silu(emb))
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = emb.chunk(6, dim=1)
+def _zero_terms(self, x, terms):
+    """AdaLN-Zero's outputs from its six terms ``[B, 6D]``: the modulated norm and the rest."""
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = terms.chunk(6, dim=1)
     x = modulated_norm(self.norm, x, scale_msa[:, None], shift_msa[:, None])
     return x, gate_msa, shift_mlp, scale_mlp, gate_mlp
 
 
-def _ada_layer_norm_zero_single_forward(self, x, emb=None):
-    emb = self.linear(self.silu(emb))
-    shift_msa, scale_msa, gate_msa = emb.chunk(3, dim=1)
+def _zero_single_terms(self, x, terms):
+    shift_msa, scale_msa, gate_msa = terms.chunk(3, dim=1)
     return modulated_norm(self.norm, x, scale_msa[:, None], shift_msa[:, None]), gate_msa
+
+
+def _ada_layer_norm_zero_forward(self, x, timestep=None, class_labels=None, hidden_dtype=None,
+                                 emb=None):
+    if self.emb is not None:
+        emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
+    return _zero_terms(self, x, self.linear(self.silu(emb)))
+
+
+def _ada_layer_norm_zero_single_forward(self, x, emb=None):
+    return _zero_single_terms(self, x, self.linear(self.silu(emb)))
+
+
+# Chroma's pruned AdaLN layers take their terms ready-made ([B, n, D]), without a projection.
+def _pruned_ada_layer_norm_zero_forward(self, x, timestep=None, class_labels=None,
+                                        hidden_dtype=None, emb=None):
+    if self.emb is not None:
+        emb = self.emb(timestep, class_labels, hidden_dtype=hidden_dtype)
+    return _zero_terms(self, x, emb.flatten(1, 2))
+
+
+def _pruned_ada_layer_norm_zero_single_forward(self, x, emb=None):
+    return _zero_single_terms(self, x, emb.flatten(1, 2))
+
+
+def _pruned_ada_layer_norm_continuous_forward(self, x, emb):
+    shift, scale = torch.chunk(emb.flatten(1, 2).to(x.dtype), 2, dim=1)
+    return modulated_norm(self.norm, x, scale[:, None, :], shift[:, None, :])
 
 
 def _sd35_ada_layer_norm_zero_x_forward(self, hidden_states, emb=None):
@@ -135,6 +160,20 @@ _ADA_NORMS = {
     SD35AdaLayerNormZeroX: (_sd35_ada_layer_norm_zero_x_forward, "adaln x2"),
     AdaLayerNormContinuous: (_ada_layer_norm_continuous_forward, "adaln"),
 }
+try:
+    from diffusers.models.transformers.transformer_chroma import (
+        ChromaAdaLayerNormContinuousPruned,
+        ChromaAdaLayerNormZeroPruned,
+        ChromaAdaLayerNormZeroSinglePruned,
+    )
+
+    _ADA_NORMS.update({
+        ChromaAdaLayerNormZeroPruned: (_pruned_ada_layer_norm_zero_forward, "adaln"),
+        ChromaAdaLayerNormZeroSinglePruned: (_pruned_ada_layer_norm_zero_single_forward, "adaln"),
+        ChromaAdaLayerNormContinuousPruned: (_pruned_ada_layer_norm_continuous_forward, "adaln"),
+    })
+except ImportError:     # a diffusers without Chroma
+    pass
 
 
 def _generic_rule(module: torch.nn.Module):
