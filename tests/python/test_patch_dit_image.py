@@ -227,7 +227,7 @@ MODELS = {
     "hunyuan_video15": (_hunyuan_video15, "hunyuan-video-1.5",
                         {"rotary", "rms_norm", "fused_norm", "gated_residual", "act"}),
     "qwen_image": (_qwen_image, "qwen-image", {"rotary", "fused_norm", "gated_residual", "act"}),
-    "chroma": (_chroma, "", {"rotary", "fused_norm", "layer_norm", "act"}),
+    "chroma": (_chroma, "chroma", {"rotary", "fused_norm", "gated_residual", "act"}),
     "dit": (_dit, "", {"fused_norm", "layer_norm", "act"}),
 }
 
@@ -668,6 +668,13 @@ def _block_cases(name, model, inputs, device):
         rotary = model.pos_embed(torch.cat([inputs["txt_ids"], inputs["img_ids"]]))
         return [(model.transformer_blocks[0], (x, c, temb, rotary)),
                 (model.single_transformer_blocks[0], (x, c, temb, rotary))]
+    if name == "chroma":
+        rotary = model.pos_embed(torch.cat([inputs["txt_ids"], inputs["img_ids"]]))
+        mask = torch.ones(B, 5 + 12, device=device)
+        mask[1, 3:5] = 0
+        return [(model.transformer_blocks[0], (x, c, randn(B, 12, d), rotary, mask)),
+                (model.single_transformer_blocks[0], (torch.cat([c, x], 1), randn(B, 3, d),
+                                                      rotary, mask))]
     if name == "flux2":
         rotary = model.pos_embed(torch.cat([inputs["txt_ids"], inputs["img_ids"]]))
         mod_img, mod_txt, mod_single = randn(B, 6 * d), randn(B, 6 * d), randn(B, 3 * d)
@@ -694,8 +701,8 @@ def _block_cases(name, model, inputs, device):
             (model.single_transformer_blocks[0], (x, c, temb, mask, rotary))]
 
 
-@pytest.mark.parametrize("name", ["flux", "longcat_image", "flux2", "sd3", "pixart", "hunyuan_video",
-                                  "hunyuan_video15", "qwen_image"])
+@pytest.mark.parametrize("name", ["flux", "longcat_image", "chroma", "flux2", "sd3", "pixart",
+                                  "hunyuan_video", "hunyuan_video15", "qwen_image"])
 def test_compiled_block_has_no_graph_break(name, device):
     model, inputs = build(name, device)
     fusebox.patch(model)

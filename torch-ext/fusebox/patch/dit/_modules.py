@@ -13,8 +13,8 @@ building blocks every diffusers model is made of, when no family patcher already
 - ``activations.GELU``: the projection without its bias, then the bias + GELU in one pass
   (this is also the feed-forward fusion of every family's blocks);
 - ``GEGLU`` / ``SwiGLU`` -> ``gated_activation_packed`` (gate = second half);
-- attention modules whose processor is one a family patcher fuses (``FluxAttnProcessor``, as
-  Chroma's blocks use it) get that fused processor.
+- attention modules whose processor is one a family patcher fuses (``FluxAttnProcessor``, which
+  models outside the FLUX family also use) get that fused processor.
 """
 
 from __future__ import annotations

@@ -148,19 +148,20 @@ class FluxFusedAttnProcessor(FusedAttnProcessor):
         return hidden_states
 
 
-def _double_block_forward(self, hidden_states, encoder_hidden_states, temb,
-                          image_rotary_emb=None, joint_attention_kwargs=None):
+def double_block(self, hidden_states, encoder_hidden_states, temb, context_temb,
+                 image_rotary_emb, attention_kwargs):
+    """FLUX's double-stream block (Chroma's too, with a modulation of its own per stream):
+    AdaLN-Zero per stream, the joint attention, then each stream's tail."""
     norm_hidden_states, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.norm1(
         hidden_states, emb=temb)
     norm_encoder_hidden_states, c_gate_msa, c_shift_mlp, c_scale_mlp, c_gate_mlp = (
-        self.norm1_context(encoder_hidden_states, emb=temb))
-    joint_attention_kwargs = joint_attention_kwargs or {}
+        self.norm1_context(encoder_hidden_states, emb=context_temb))
 
     attention_outputs = self.attn(
         hidden_states=norm_hidden_states,
         encoder_hidden_states=norm_encoder_hidden_states,
         image_rotary_emb=image_rotary_emb,
-        **joint_attention_kwargs,
+        **attention_kwargs,
     )
     attn_output, context_attn_output = attention_outputs[0], attention_outputs[1]
 
@@ -176,31 +177,39 @@ def _double_block_forward(self, hidden_states, encoder_hidden_states, temb,
     return encoder_hidden_states, hidden_states
 
 
-def _single_block_forward(self, hidden_states, encoder_hidden_states, temb,
-                          image_rotary_emb=None, joint_attention_kwargs=None):
-    text_seq_len = encoder_hidden_states.shape[1]
-    hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-
+def single_block(self, hidden_states, temb, image_rotary_emb, attention_kwargs):
+    """FLUX's single-stream block over the joint tokens (Chroma's too)."""
     residual = hidden_states
     norm_hidden_states, gate = self.norm(hidden_states, emb=temb)
     mlp_hidden_states = linear_act(self.proj_mlp, self.act_mlp, norm_hidden_states)
-    joint_attention_kwargs = joint_attention_kwargs or {}
     attn_output = self.attn(
         hidden_states=norm_hidden_states,
         image_rotary_emb=image_rotary_emb,
-        **joint_attention_kwargs,
+        **attention_kwargs,
     )
 
     hidden_states = single_stream_out(self, residual, attn_output, mlp_hidden_states, gate)
     if hidden_states.dtype == torch.float16:
         hidden_states = hidden_states.clip(-65504, 65504)
-
-    encoder_hidden_states, hidden_states = (hidden_states[:, :text_seq_len],
-                                            hidden_states[:, text_seq_len:])
-    return encoder_hidden_states, hidden_states
+    return hidden_states
 
 
-def _patch_attention(path, module, report) -> None:
+def _double_block_forward(self, hidden_states, encoder_hidden_states, temb,
+                          image_rotary_emb=None, joint_attention_kwargs=None):
+    return double_block(self, hidden_states, encoder_hidden_states, temb, temb,
+                        image_rotary_emb, joint_attention_kwargs or {})
+
+
+def _single_block_forward(self, hidden_states, encoder_hidden_states, temb,
+                          image_rotary_emb=None, joint_attention_kwargs=None):
+    text_seq_len = encoder_hidden_states.shape[1]
+    hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    hidden_states = single_block(self, hidden_states, temb, image_rotary_emb,
+                                 joint_attention_kwargs or {})
+    return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+
+
+def patch_attention(path, module, report) -> None:
     if not hasattr(module, "processor") or not (
             type(module) is FluxAttention or reads_as_flux(type(module), FluxAttention, "__init__")):
         return
@@ -218,4 +227,4 @@ def patch(model: torch.nn.Module, report, **options) -> None:
         report.note(f"{type(model).__name__}: blocks{'' if single else ' (double-stream)'} and "
                     "attention that read as FLUX's get FLUX's fusions")
     patch_two_stream_model(model, report, FAMILY, (double, _double_block_forward),
-                           (single, _single_block_forward), _patch_attention)
+                           (single, _single_block_forward), patch_attention)
