@@ -120,6 +120,22 @@ def _flux_inputs(size=1024, text=512):
         guidance=_filled(1, 3.5))
 
 
+def _chroma_inputs(size=1024, text=512, valid_text=300):
+    """Chroma: FLUX.1's latents and ids without pooled projections or guidance, and the
+    pipeline's attention mask over text + image tokens (T5 padding past ``valid_text`` plus one
+    token, which Chroma keeps)."""
+    h = w = size // 16
+
+    def mask(device, dtype, g):
+        m = torch.ones(1, text + h * w, device=device)
+        m[:, valid_text + 1:text] = 0
+        return m
+    return _latent_inputs(
+        (1, h * w, 64), text, _filled(1, 0.5), img_ids=_flux_image_ids(h, w),
+        txt_ids=lambda device, dtype, g: torch.zeros(text, 3, device=device, dtype=dtype),
+        attention_mask=mask)
+
+
 def _flux2_inputs(size=1024, text=512):
     """FLUX.2: 32-channel latents at 1/8 packed 2x2 (128 channels), 4-axis positions (time,
     row, column, layer; text tokens count along the last), Mistral text states (3 layers of
@@ -238,6 +254,15 @@ SPECS: Dict[str, Spec] = {
              pooled_projection_dim=768, guidance_embeds=True, axes_dims_rope=[16, 56, 56]),
         _flux_inputs(), "1024x1024 -> 4096 image tokens + 512 text, guidance 3.5, batch 1",
         steps=28),
+    "chroma1-hd": Spec(
+        "Chroma1-HD 8.9B, 1024x1024 (4096 image + 512 text tokens, 300 of them valid), 40 steps",
+        "ChromaTransformer2DModel",
+        dict(patch_size=1, in_channels=64, num_layers=19, num_single_layers=38,
+             attention_head_dim=128, num_attention_heads=24, joint_attention_dim=4096,
+             axes_dims_rope=[16, 56, 56], approximator_num_channels=64,
+             approximator_hidden_dim=5120, approximator_layers=5),
+        _chroma_inputs(), "1024x1024 -> 4096 image tokens + 512 text (300 valid), batch 1",
+        steps=40),
     "flux2-dev": Spec(
         "FLUX.2-dev 32B, 1024x1024 (4096 image + 512 text tokens), 50 steps",
         "Flux2Transformer2DModel",
