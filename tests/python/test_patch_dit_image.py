@@ -364,6 +364,30 @@ def test_flux_copies_are_found_by_their_source():
     assert "OvisImageSingleTransformerBlock" not in patched
     assert "read as FLUX's" in str(report)
 
+
+def test_flux_controlnet_gets_the_flux_fusions(device):
+    """FLUX's ControlNet runs FLUX's own block classes: they get FLUX's fused forwards, and
+    every block sample matches unpatched (zero-initialized projections moved off zero)."""
+    from diffusers import FluxControlNetModel
+
+    torch.manual_seed(0)
+    model = FluxControlNetModel(**FLUX_TINY, pooled_projection_dim=16,
+                                guidance_embeds=True).eval().to(device)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    inputs = {k: v.to(device) for k, v in _flux_inputs(
+        controlnet_cond=torch.randn(B, 12, 8), pooled_projections=torch.randn(B, 16),
+        guidance=torch.full((B,), 3.5)).items()}
+    with torch.no_grad():
+        ref = model(**inputs, return_dict=False)
+        report = fusebox.patch(model)
+        with FuseboxOps() as ops:
+            out = model(**inputs, return_dict=False)
+    assert report.family == "flux" and {"rotary", "gated_residual"} <= set(ops.calls)
+    samples = [(o, r) for outs, refs in zip(out, ref) for o, r in zip(outs, refs)]
+    assert len(samples) == 4 and all(rel_err(o, r) < 1e-5 for o, r in samples)
+
 def test_report_flux2():
     model, _ = build("flux2")
     report = fusebox.patch(model)

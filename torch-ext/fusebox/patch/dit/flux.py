@@ -1,6 +1,7 @@
-"""FLUX.1 (``FluxTransformer2DModel``) on fusebox, and the models that copy its blocks and
-attention word for word under their own class names (LongCat-Image, Ovis-Image's double-stream
-blocks, Bria FIBO's double-stream blocks): found by their source (:func:`reads_as_flux`).
+"""FLUX.1 (``FluxTransformer2DModel``) on fusebox, the models built on its block classes (FLUX's
+ControlNet), and the models that copy its blocks and attention word for word under their own
+class names (LongCat-Image, Ovis-Image's double-stream blocks, Bria FIBO's double-stream
+blocks): found by their source (:func:`reads_as_flux`).
 
 - ``FluxAttention``: a processor that runs the per-head q/k RMSNorm and the interleaved RoPE
   of each stream as one ``qk_norm_rope`` launch (text with the first rows of the joint
@@ -224,7 +225,7 @@ def patch(model: torch.nn.Module, report, **options) -> None:
     double = _block_class(model, FluxTransformerBlock)
     single = _block_class(model, FluxSingleTransformerBlock)
     if not isinstance(model, FluxTransformer2DModel):
-        report.note(f"{type(model).__name__}: blocks{'' if single else ' (double-stream)'} and "
-                    "attention that read as FLUX's get FLUX's fusions")
+        report.note(f"{type(model).__name__}: its blocks{'' if single else ' (double-stream)'} "
+                    "and attention are FLUX's or read as FLUX's, and get FLUX's fusions")
     patch_two_stream_model(model, report, FAMILY, (double, _double_block_forward),
                            (single, _single_block_forward), patch_attention)
