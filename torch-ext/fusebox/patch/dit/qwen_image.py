@@ -47,7 +47,9 @@ FAMILY = "qwen-image"
 
 
 def applies(model: torch.nn.Module) -> bool:
-    return isinstance(model, QwenImageTransformer2DModel)
+    """Qwen-Image, and the models built on its blocks (its ControlNet)."""
+    return isinstance(model, QwenImageTransformer2DModel) or any(
+        type(m) is QwenImageTransformerBlock for m in model.modules())
 
 
 def _complex_pair(rotary) -> bool:

@@ -35,7 +35,9 @@ FAMILY = "sd3"
 
 
 def applies(model: torch.nn.Module) -> bool:
-    return isinstance(model, SD3Transformer2DModel)
+    """SD3 / SD3.5, and the models built on their joint blocks (their ControlNet)."""
+    return isinstance(model, SD3Transformer2DModel) or any(
+        type(m) is JointTransformerBlock for m in model.modules())
 
 
 class SD3JointAttnProcessor(FusedAttnProcessor):
