@@ -176,6 +176,12 @@ class TokenQKNormAttnProcessor(FusedAttnProcessor):
         return attn.to_out[1](hidden_states)
 
 
+def built_on(model: torch.nn.Module, model_class: type, block_class: type) -> bool:
+    """Is ``model`` a ``model_class``, or built on its ``block_class`` (a ControlNet,
+    FramePack), whose blocks then take the family's fused forwards?"""
+    return isinstance(model, model_class) or any(type(m) is block_class for m in model.modules())
+
+
 def contains_class(module: torch.nn.Module, *class_names: str) -> bool:
     """Is ``module`` or one of its submodules of a class named in ``class_names``?"""
     return any(type(m).__name__ in class_names for m in module.modules())

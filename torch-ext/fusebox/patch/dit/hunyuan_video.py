@@ -31,6 +31,7 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
 from ._shared import (
     FusedAttnProcessor,
     attend,
+    built_on,
     fusable,
     grad_needed,
     install_processor,
@@ -50,8 +51,7 @@ FAMILY = "hunyuan-video"
 
 def applies(model: torch.nn.Module) -> bool:
     """HunyuanVideo, and the models built on its blocks (FramePack)."""
-    return isinstance(model, HunyuanVideoTransformer3DModel) or any(
-        type(m) is HunyuanVideoTransformerBlock for m in model.modules())
+    return built_on(model, HunyuanVideoTransformer3DModel, HunyuanVideoTransformerBlock)
 
 
 def _with_identity_rows(rotary, n: int):

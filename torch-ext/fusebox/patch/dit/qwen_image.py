@@ -31,6 +31,7 @@ from .._common import original_forward, replace_forward
 from ._shared import (
     FusedAttnProcessor,
     attend,
+    built_on,
     complex_rotary_tables,
     grad_needed,
     linear_rows,
@@ -48,8 +49,7 @@ FAMILY = "qwen-image"
 
 def applies(model: torch.nn.Module) -> bool:
     """Qwen-Image, and the models built on its blocks (its ControlNet)."""
-    return isinstance(model, QwenImageTransformer2DModel) or any(
-        type(m) is QwenImageTransformerBlock for m in model.modules())
+    return built_on(model, QwenImageTransformer2DModel, QwenImageTransformerBlock)
 
 
 def _complex_pair(rotary) -> bool:

@@ -27,7 +27,7 @@ from diffusers.models.transformers.transformer_sd3 import SD3Transformer2DModel
 
 from .._common import replace_forward
 from ._shared import (
-    FusedAttnProcessor, custom_processor, gated_add, gated_add_norm, grad_needed,
+    FusedAttnProcessor, built_on, custom_processor, gated_add, gated_add_norm, grad_needed,
     install_processor, linear_rows, mark_fused,
 )
 
@@ -36,8 +36,7 @@ FAMILY = "sd3"
 
 def applies(model: torch.nn.Module) -> bool:
     """SD3 / SD3.5, and the models built on their joint blocks (their ControlNet)."""
-    return isinstance(model, SD3Transformer2DModel) or any(
-        type(m) is JointTransformerBlock for m in model.modules())
+    return built_on(model, SD3Transformer2DModel, JointTransformerBlock)
 
 
 class SD3JointAttnProcessor(FusedAttnProcessor):
