@@ -517,6 +517,38 @@ def test_chronoedit_gets_the_wan_fusions(device):
 
 
 
+
+def test_wan_animate_gets_the_wan_fusions(device):
+    """Wan-Animate copies Wan's block, attention and processor classes under Wan's names, with
+    pose latents, a face motion encoder and face blocks around them: the Wan family fuses the
+    blocks, with the unpatched result (weights moved off their init values)."""
+    torch.manual_seed(0)
+    model = diffusers.WanAnimateTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=24, in_channels=36,
+        latent_channels=16, out_channels=16, text_dim=32, freq_dim=32, ffn_dim=96, num_layers=2,
+        image_dim=16, rope_max_seq_len=64, motion_encoder_size=32, motion_style_dim=32,
+        motion_dim=8, motion_encoder_dim=48, face_encoder_hidden_dim=48,
+        face_encoder_num_heads=2, inject_face_latents_blocks=1).to(device).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    g = torch.Generator().manual_seed(1)
+    tensors = dict(hidden_states=torch.randn(1, 36, 3, 4, 6, generator=g),
+                   encoder_hidden_states=torch.randn(1, 7, 32, generator=g),
+                   encoder_hidden_states_image=torch.randn(1, 5, 16, generator=g),
+                   pose_hidden_states=torch.randn(1, 16, 2, 4, 6, generator=g),
+                   face_pixel_values=torch.randn(1, 3, 5, 32, 32, generator=g))
+    inputs = {k: v.to(device) for k, v in tensors.items()}
+    inputs["timestep"] = torch.tensor([500.0], device=device)
+    with torch.no_grad():
+        ref = model(**inputs, return_dict=False)[0]
+        report = fusebox.patch(model)
+        with FuseboxOps() as ops:
+            out = model(**inputs, return_dict=False)[0]
+    assert report.family == "wan"
+    assert ops.calls["rotary"] == 2 and ops.calls["fused_norm"] >= 6, ops.calls
+    assert rel_err(out, ref) < 1e-5
+
 def _spec_names():
     from fusebox.bench.e2e import dit
 
