@@ -435,6 +435,24 @@ def test_compiled_patched_model_fullgraph(case):
     assert {"rotary", "fused_norm"} <= backend.ops      # the fused path was traced
 
 
+def test_skyreels_block_takes_its_mask_by_keyword_too():
+    """SkyReels-V2's block signature names the mask; a caller may pass it by keyword."""
+    model, kw = build("skyreels-forcing", "cpu")
+    captured = {}
+    handle = model.blocks[0].register_forward_pre_hook(
+        lambda module, args: captured.setdefault("args", args))
+    run(model, kw)
+    handle.remove()
+    *head, mask = captured["args"]
+    assert mask is not None
+    block = model.blocks[0]
+    with torch.no_grad():
+        ref = block(*head, mask)
+        fusebox.patch(model)
+        positional, keyword = block(*head, mask), block(*head, attention_mask=mask)
+    assert torch.equal(positional, keyword) and rel_err(keyword, ref) < FP32_TOL
+
+
 # --------------------------------------------------------------------------- layouts
 
 

@@ -108,21 +108,23 @@ def _block_forward(
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
     rotary_emb: tuple[torch.Tensor, torch.Tensor],
-    *mask: torch.Tensor,
+    attention_mask: torch.Tensor = None,
 ) -> torch.Tensor:
-    """Wan's block; SkyReels-V2's takes the self-attention's mask after the rotary tables."""
+    """Wan's block; SkyReels-V2's also takes the self-attention's mask."""
+    skyreels = type(block).__name__ == SKYREELS_V2.block
     if (grad_needed(block, hidden_states, encoder_hidden_states, temb)
             or not fusable(hidden_states, block.scale_shift_table)):
+        mask = (attention_mask,) if skyreels else ()
         return original_forward(block)(hidden_states, encoder_hidden_states, temb, rotary_emb,
                                        *mask)
     # (WanVACE hands the first block the patch embedding's transposed output)
     hidden_states = rows(hidden_states)
     shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = _modulation(
-        block.scale_shift_table, temb, terms_first=type(block).__name__ == SKYREELS_V2.block)
+        block.scale_shift_table, temb, terms_first=skyreels)
 
     norm_hidden_states = fb.adaln(hidden_states, scale_msa, shift_msa, norm_type="layer",
                                   eps=block.norm1.eps)
-    attn_output = block.attn1(norm_hidden_states, None, mask[0] if mask else None, rotary_emb)
+    attn_output = block.attn1(norm_hidden_states, None, attention_mask, rotary_emb)
     norm2 = block.norm2
     if isinstance(norm2, torch.nn.LayerNorm) and fusable(hidden_states, norm2.weight, norm2.bias):
         norm_hidden_states, hidden_states = fb.gated_residual_norm(
