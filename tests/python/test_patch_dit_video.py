@@ -512,6 +512,16 @@ def test_wan_vace(device, dtype):
         assert rel_err(out, ref) <= 1.5 * rel_err(eager, ref), (rel_err(out, ref), rel_err(eager, ref))
 
 
+def _patch_against_unpatched(model, inputs):
+    """(report, fused ops run, patched output, unpatched output) of one forward on ``inputs``."""
+    with torch.no_grad():
+        ref = model(**inputs, return_dict=False)[0]
+        report = fusebox.patch(model)
+        with FuseboxOps() as ops:
+            out = model(**inputs, return_dict=False)[0]
+    return report, ops, out, ref
+
+
 def test_chronoedit_gets_the_wan_fusions(device):
     """ChronoEdit defines its own WanTransformerBlock / WanAttention / WanAttnProcessor classes,
     which read as Wan's: the Wan family patches them, with the same result as unpatched."""
@@ -524,16 +534,10 @@ def test_chronoedit_gets_the_wan_fusions(device):
     inputs = dict(hidden_states=torch.randn(2, 4, 3, 4, 6, generator=g).to(device),
                   timestep=torch.tensor([300.0, 700.0], device=device),
                   encoder_hidden_states=torch.randn(2, 7, 32, generator=g).to(device))
-    with torch.no_grad():
-        ref = model(**inputs, return_dict=False)[0]
-        report = fusebox.patch(model)
-        with FuseboxOps() as ops:
-            out = model(**inputs, return_dict=False)[0]
+    report, ops, out, ref = _patch_against_unpatched(model, inputs)
     assert report.family == "wan"
     assert ops.calls["rotary"] == 2 and ops.calls["gated_residual"] == 4, ops.calls
     assert rel_err(out, ref) < 1e-5
-
-
 
 
 def test_wan_animate_gets_the_wan_fusions(device):
@@ -558,14 +562,11 @@ def test_wan_animate_gets_the_wan_fusions(device):
                    face_pixel_values=torch.randn(1, 3, 5, 32, 32, generator=g))
     inputs = {k: v.to(device) for k, v in tensors.items()}
     inputs["timestep"] = torch.tensor([500.0], device=device)
-    with torch.no_grad():
-        ref = model(**inputs, return_dict=False)[0]
-        report = fusebox.patch(model)
-        with FuseboxOps() as ops:
-            out = model(**inputs, return_dict=False)[0]
+    report, ops, out, ref = _patch_against_unpatched(model, inputs)
     assert report.family == "wan"
     assert ops.calls["rotary"] == 2 and ops.calls["fused_norm"] >= 6, ops.calls
     assert rel_err(out, ref) < 1e-5
+
 
 def _spec_names():
     from fusebox.bench.e2e import dit

@@ -587,6 +587,16 @@ def stream_tail(x: Tensor, attn_output: Tensor, gate_msa: Tensor, norm2: torch.n
     return gated_add(x, ff(normed), rows_of(gate_mlp))
 
 
+def context_stream_tail(block: torch.nn.Module, x: Tensor, attn_output: Tensor, gate_msa: Tensor,
+                        scale_mlp: Tensor, shift_mlp: Tensor, gate_mlp: Tensor) -> Tensor:
+    """The text stream's :func:`stream_tail` in FLUX's double-stream blocks (FLUX.1, Chroma,
+    FLUX.2), through the block's ``norm2_context`` / ``ff_context``, clipped to fp16's range
+    in fp16 as those blocks clip it."""
+    x = stream_tail(x, attn_output, gate_msa, block.norm2_context, scale_mlp, shift_mlp,
+                    block.ff_context, gate_mlp)
+    return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+
+
 def single_stream_out(block: torch.nn.Module, residual: Tensor, attn_output: Tensor,
                       mlp_hidden_states: Tensor, gate: Tensor) -> Tensor:
     """``residual + gate * proj_out(cat(attn, mlp))`` of a single-stream block."""

@@ -37,6 +37,7 @@ from diffusers.models.transformers.transformer_flux import (
 from .._common import source_text
 from ._shared import (
     FusedAttnProcessor,
+    context_stream_tail,
     install_processor,
     linear_act,
     linear_rows,
@@ -170,11 +171,8 @@ def double_block(self, hidden_states, encoder_hidden_states, temb, context_temb,
                                 shift_mlp, self.ff, gate_mlp)
     if len(attention_outputs) == 3:   # IP-adapter processors add a third output
         hidden_states = hidden_states + attention_outputs[2]
-    encoder_hidden_states = stream_tail(encoder_hidden_states, context_attn_output, c_gate_msa,
-                                        self.norm2_context, c_scale_mlp, c_shift_mlp,
-                                        self.ff_context, c_gate_mlp)
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    encoder_hidden_states = context_stream_tail(self, encoder_hidden_states, context_attn_output,
+                                                c_gate_msa, c_scale_mlp, c_shift_mlp, c_gate_mlp)
     return encoder_hidden_states, hidden_states
 
 

@@ -35,6 +35,7 @@ from ... import functional as fb
 from .._common import original_forward, replace_forward
 from ._shared import (
     FusedAttnProcessor,
+    context_stream_tail,
     fusable,
     gated_add,
     grad_needed,
@@ -112,11 +113,8 @@ def _double_block_forward(self, hidden_states, encoder_hidden_states, temb_mod_i
     )
     hidden_states = stream_tail(hidden_states, attn_output, gate_msa, self.norm2, scale_mlp,
                                 shift_mlp, self.ff, gate_mlp)
-    encoder_hidden_states = stream_tail(encoder_hidden_states, context_attn_output, c_gate_msa,
-                                        self.norm2_context, c_scale_mlp, c_shift_mlp,
-                                        self.ff_context, c_gate_mlp)
-    if encoder_hidden_states.dtype == torch.float16:
-        encoder_hidden_states = encoder_hidden_states.clip(-65504, 65504)
+    encoder_hidden_states = context_stream_tail(self, encoder_hidden_states, context_attn_output,
+                                                c_gate_msa, c_scale_mlp, c_shift_mlp, c_gate_mlp)
     return encoder_hidden_states, hidden_states
 
 
