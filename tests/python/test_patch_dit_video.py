@@ -208,6 +208,34 @@ def test_modulation_sum_exact_in_one_launch(device, dtype, per_token):
     assert not ops.calls and torch.equal(mixed, table.double() + emb)
 
 
+@pytest.mark.parametrize("layout", ["sample", "token", "token terms first"])
+@pytest.mark.parametrize("dtypes", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                    (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
+                         ids=["f32", "bf16", "f32-table", "f32-temb"])
+def test_wan_modulation_terms_exact(layout, dtypes):
+    """The Wan block's six fp32 modulation terms equal the model's ``table + temb.float()``
+    bit for bit, whatever the table's and temb's dtypes (a 16-bit temb is widened inside the
+    add instead of copied first)."""
+    from fusebox.patch.dit.wan import _modulation
+
+    table_dtype, temb_dtype = dtypes
+    g = torch.Generator().manual_seed(5)
+    table = torch.randn(1, 6, 37, generator=g).to(table_dtype)
+    shape = {"sample": (2, 6, 37), "token": (2, 5, 6, 37), "token terms first": (2, 6, 5, 37)}[layout]
+    temb = torch.randn(*shape, generator=g).to(temb_dtype)
+    terms = _modulation(table, temb, terms_first=layout == "token terms first")
+    if layout == "sample":
+        expected = (table + temb.float()).chunk(6, dim=1)
+    elif layout == "token":
+        expected = [t.squeeze(2) for t in (table.unsqueeze(0) + temb.float()).chunk(6, dim=2)]
+    else:
+        expected = [t.squeeze(1) for t in (table.unsqueeze(2) + temb.float()).chunk(6, dim=1)]
+    assert len(terms) == 6
+    for got, want in zip(terms, expected):
+        assert got.dtype == torch.float32 and got.shape == want.shape
+        assert torch.equal(got, want)
+
+
 def _state(model):
     return {name: (type(getattr(m, "processor", None)).__name__, "forward" in m.__dict__)
             for name, m in model.named_modules()}

@@ -95,11 +95,18 @@ def _modulation(table: torch.Tensor, temb: torch.Tensor, terms_first: bool):
     """The six fp32 modulation terms exactly as the model forms them: [B, 1, D] views of
     ``table + temb`` per sample, [B, S, D] per token (temb [B, S, 6, D]; SkyReels-V2's
     ``terms_first``: [B, 6, S, D])."""
+    at = 1 if temb.ndim == 3 or terms_first else 2
     if temb.ndim == 4:
-        at = 1 if terms_first else 2
-        terms = modulation_sum(table.unsqueeze(3 - at), temb.float()).chunk(6, dim=at)
-        return tuple(t.squeeze(at) for t in terms)
-    return modulation_sum(table, temb.float()).chunk(6, dim=1)
+        table = table.unsqueeze(3 - at)
+    if temb.dtype == torch.float32 and table.dtype == torch.float32:
+        terms = modulation_sum(table, temb)
+    else:
+        # A 16-bit temb is widened inside the add, in one pass: the model's ``temb.float()``
+        # first writes an fp32 copy, which per token (SkyReels-V2 at 51000 tokens: 1.9 GB a
+        # block) costs a pass of its own. The sum is the same.
+        terms = table.float() + temb
+    terms = terms.chunk(6, dim=at)
+    return tuple(t.squeeze(at) for t in terms) if temb.ndim == 4 else terms
 
 
 def _block_forward(
