@@ -6,6 +6,7 @@ Tiny random configs; each model is compared with its own unpatched forward on th
 """
 
 import copy
+import inspect
 from collections import Counter
 
 import pytest
@@ -299,12 +300,18 @@ def _processors(model):
     return {n: m.processor for n, m in model.named_modules() if hasattr(m, "processor")}
 
 
+def _module_hooks(model):
+    return {n: (list(m._forward_pre_hooks), list(m._forward_hooks))
+            for n, m in model.named_modules()}
+
+
 @pytest.mark.parametrize("name", list(MODELS))
 def test_unpatch_restores_exactly(name, device):
     model, inputs = build(name, device)
     ref = forward(model, inputs)
     processors = _processors(model)
     dicts = {n: set(m.__dict__) for n, m in model.named_modules()}
+    hooks = _module_hooks(model)
 
     fusebox.patch(model)
     fusebox.patch(model)   # patching twice changes nothing more
@@ -315,6 +322,7 @@ def test_unpatch_restores_exactly(name, device):
     after = _processors(model)
     assert all(after[n] is p for n, p in processors.items())
     assert {n: set(m.__dict__) for n, m in model.named_modules()} == dicts
+    assert _module_hooks(model) == hooks
     with FuseboxOps() as ops:
         out = forward(model, inputs)
     assert not ops.calls
@@ -543,6 +551,240 @@ def test_attention_over_valid_keys(name, padding, device, monkeypatch):
     assert seen and all(no_mask for _, no_mask in seen) == (padding == "none"), seen
     with torch.inference_mode():     # masks made there are inference tensors
         assert torch.equal(model(**inputs, return_dict=False)[0], out)
+
+
+# --------------------------------------------------------------------------- text padding at the input
+
+
+def _sdpa_masked(gm):
+    """Whether each SDPA call of a captured graph gets a mask."""
+    calls = [n for n in gm.graph.nodes if "scaled_dot_product_attention" in str(n.target)]
+    return [n.kwargs.get("attn_mask", n.args[3] if len(n.args) > 3 else None) is not None
+            for n in calls]
+
+
+# name -> case -> (text tokens the blocks get, attention unmasked). The tiny models' inputs:
+# HunyuanVideo 1.5 7 text + 3 glyph + 4 image tokens, HunyuanVideo 7 text tokens.
+_TRIMMED = {
+    "hunyuan_video15": {
+        "shared suffix": (4 + 2, True),          # the image tokens (all zero) dropped too
+        "per sample": (5 + 3, False),
+        "no glyphs": (4, True),
+        "image": (4 + 2 + 4, True),              # image-to-video: its tokens are all valid
+        "image, per sample": (5 + 3 + 4, False),
+    },
+    "hunyuan_video": {"shared suffix": (4, True), "per sample": (5, False)},
+}
+
+
+def _padded_inputs(name, case, device, gen):
+    """The tiny model of ``name`` and its inputs, the text padded as ``case`` says, the text and
+    image states drawn afresh."""
+    model, inputs = build(name, device)
+
+    def randn(like):
+        return torch.randn(like.shape, generator=gen).to(like)
+
+    mask = torch.ones(B, 7, device=device, dtype=inputs["encoder_attention_mask"].dtype)
+    if "per sample" in case:
+        mask[0, 5:], mask[1, 3:] = 0, 0
+    else:
+        mask[:, 4:] = 0
+    inputs.update(encoder_attention_mask=mask,
+                  encoder_hidden_states=randn(inputs["encoder_hidden_states"]))
+    if name == "hunyuan_video15":
+        mask_2 = torch.ones(B, 3, device=device)
+        if case == "no glyphs":
+            mask_2[:] = 0
+        elif "per sample" in case:
+            mask_2[1, 1:] = 0
+        else:
+            mask_2[:, 2:] = 0
+        inputs.update(encoder_attention_mask_2=mask_2,
+                      encoder_hidden_states_2=randn(inputs["encoder_hidden_states_2"]))
+        if "image" in case:
+            inputs["image_embeds"] = randn(inputs["image_embeds"])
+        else:
+            assert not inputs["image_embeds"].any()     # text-to-video
+    return model, inputs
+
+
+def _call(model, inputs, style):
+    """The model's forward with ``inputs`` by keyword, or positionally up to the last of them."""
+    if style == "keyword":
+        return forward(model, inputs)
+    parameters = inspect.signature(model.forward).parameters
+    names = list(parameters)
+    last = max(names.index(name) for name in inputs)
+    args = [inputs.get(name, parameters[name].default) for name in names[:last + 1]]
+    with torch.no_grad():
+        return model(*args, return_dict=False)[0]
+
+
+@pytest.mark.parametrize("style", ["keyword", "positional"])
+@pytest.mark.parametrize("name, case", [(n, c) for n in _TRIMMED for c in _TRIMMED[n]])
+def test_text_padding_trimmed_at_the_input(name, case, style, device, gen, monkeypatch):
+    """The patched model drops the text (and text-to-video image) tokens that are padding in
+    every sample before its blocks run, and attends unmasked when none is left; its output
+    matches the unpatched model's."""
+    from fusebox.patch.dit import _shared
+
+    model, inputs = _padded_inputs(name, case, device, gen)
+    ref = forward(model, inputs)
+    fusebox.patch(model)
+    text_seen, unmasked = [], []
+    model.transformer_blocks[0].register_forward_pre_hook(
+        lambda block, args: text_seen.append(args[1].shape[1]))
+    original = _shared.dispatch_attention_fn
+
+    def recording(query, key, value, attn_mask=None, **kwargs):
+        unmasked.append(attn_mask is None)
+        return original(query, key, value, attn_mask=attn_mask, **kwargs)
+
+    monkeypatch.setattr(_shared, "dispatch_attention_fn", recording)
+    out = _call(model, inputs, style)
+    assert torch.isfinite(out).all() and rel_err(out, ref) < 1e-5
+    text, no_mask = _TRIMMED[name][case]
+    assert text_seen == [text]
+    assert unmasked and set(unmasked) == {no_mask}, unmasked
+
+
+def test_text_padding_state_cleared_after_forward_and_error(device, gen):
+    """The processors hear "all valid" only during the forward whose inputs were trimmed: not
+    after it, nor after a forward that raised; the next call is then masked as it must be."""
+    model, inputs = _padded_inputs("hunyuan_video15", "shared suffix", device, gen)
+    _, per_sample = _padded_inputs("hunyuan_video15", "per sample", device, gen)
+    ref = forward(model, per_sample)
+    fusebox.patch(model)
+    state = model.transformer_blocks[0].attn.processor.text_padding
+    assert all(b.attn.processor.text_padding is state for b in model.transformer_blocks)
+    during = []
+    hook = model.transformer_blocks[0].register_forward_pre_hook(
+        lambda block, args: during.append(state.all_valid))
+    forward(model, inputs)
+    assert during == [True] and not state.all_valid
+
+    def failing(block, args):
+        raise RuntimeError("block failed")
+
+    failure = model.transformer_blocks[1].register_forward_pre_hook(failing)
+    with pytest.raises(RuntimeError, match="block failed"):
+        forward(model, inputs)
+    assert during == [True, True] and not state.all_valid
+    failure.remove()
+    assert rel_err(forward(model, per_sample), ref) < 1e-5
+    assert during[-1] is False
+    hook.remove()
+
+
+@pytest.mark.parametrize("name", list(_TRIMMED))
+def test_compiled_block_follows_text_padding_state(name, device):
+    """A block compiled with fullgraph runs attention unmasked while the model's state says all
+    text is valid and masked otherwise: flipping the state recompiles (once per value) rather
+    than reusing the graph traced for the other value. The padded text of the mask shows which
+    graph ran."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    model, inputs = build(name, device)
+    fusebox.patch(model)
+    state = model.transformer_blocks[0].attn.processor.text_padding
+    mask = _text_mask("per sample", device)
+    for block, args in _block_cases(name, model, inputs, device):
+        args = _with_mask(name, args, mask)
+        masked = []
+
+        def backend(gm, example_inputs):
+            masked.append(_sdpa_masked(gm))
+            return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+        counter = CompileCounterWithBackend(backend)
+        torch._dynamo.reset()
+        compiled = torch.compile(block, fullgraph=True, backend=counter)
+        video_out = {}
+        try:
+            with torch.no_grad():
+                for all_valid in (False, True, False, True):
+                    state.all_valid = all_valid
+                    eager, out = block(*args), compiled(*args)
+                    for e, o in zip(eager, out):
+                        assert torch.allclose(e, o, rtol=1e-5, atol=1e-6)
+                    video_out[all_valid] = out[0]
+        finally:
+            state.all_valid = False
+        assert counter.frame_count == 2 and masked == [[True], [False]], masked
+        assert not torch.allclose(video_out[True], video_out[False])
+
+
+def test_regional_compile_attends_unmasked_after_trim(gen):
+    """``compile_repeated_blocks(fullgraph=True)``: the compiled blocks of a call whose text is
+    all valid once trimmed run attention unmasked, those of a call with per-sample padding
+    masked, each matching the unpatched model."""
+    model, inputs = _padded_inputs("hunyuan_video15", "shared suffix", "cpu", gen)
+    _, per_sample = _padded_inputs("hunyuan_video15", "per sample", "cpu", gen)
+    refs = [forward(model, inputs), forward(model, per_sample)]
+    fusebox.patch(model)
+    block_graphs = []
+
+    def backend(gm, example_inputs):
+        if any("fusebox.rotary" in str(n.target) for n in gm.graph.nodes):
+            block_graphs.append(_sdpa_masked(gm))
+        return torch._dynamo.lookup_backend("aot_eager")(gm, example_inputs)
+
+    torch._dynamo.reset()
+    model.compile_repeated_blocks(fullgraph=True, backend=backend)
+    try:
+        for call_inputs, ref, masked in zip((inputs, per_sample), refs, (False, True)):
+            block_graphs.clear()
+            assert rel_err(forward(model, call_inputs), ref) < 1e-5
+            assert block_graphs and all(g == [masked] for g in block_graphs), block_graphs
+    finally:
+        torch._dynamo.reset()
+
+
+def test_whole_model_compile_matches_unpatched(gen):
+    """Under a whole-model ``torch.compile`` dynamo also runs the model's hooks (each in a frame
+    of its own), so the pre-hook does nothing (no host read in a graph): the output matches the
+    unpatched model's, and the state an earlier eager call set never leaks in."""
+    model, inputs = _padded_inputs("hunyuan_video15", "per sample", "cpu", gen)
+    ref = forward(model, inputs)
+    fusebox.patch(model)
+    state = model.transformer_blocks[0].attn.processor.text_padding
+    all_valid = {k: torch.ones_like(v) if "mask" in k else v for k, v in inputs.items()}
+    forward(model, all_valid)      # an eager call that sets the state, then clears it
+    torch._dynamo.reset()
+    try:
+        out = forward(torch.compile(model, backend="aot_eager"), inputs)
+    finally:
+        torch._dynamo.reset()
+    assert rel_err(out, ref) < 1e-5 and not state.all_valid
+
+
+@pytest.mark.parametrize("name", list(_TRIMMED))
+def test_unpatch_removes_text_trim(name, gen):
+    """Patching twice installs one pre-hook and one forward hook sharing one state with every
+    fused processor; unpatch removes both hooks and the state, and the model again hands its
+    blocks the untrimmed text."""
+    from fusebox.patch.dit import _shared
+
+    model, inputs = _padded_inputs(name, "shared suffix", "cpu", gen)
+    ref = forward(model, inputs)
+    fusebox.patch(model)
+    fusebox.patch(model)
+    assert len(model._forward_pre_hooks) == 1 and len(model._forward_hooks) == 1
+    state = model.__dict__[_shared.TEXT_PADDING_ATTR]
+    processors = [m.processor for m in model.modules()
+                  if isinstance(getattr(m, "processor", None), _shared.FusedAttnProcessor)]
+    assert processors and all(p.text_padding is state for p in processors)
+    fusebox.unpatch(model)
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert not model._forward_pre_hooks_with_kwargs and not model._forward_hooks_always_called
+    assert _shared.TEXT_PADDING_ATTR not in model.__dict__
+    text_seen = []
+    model.transformer_blocks[0].register_forward_pre_hook(
+        lambda block, args: text_seen.append(args[1].shape[1]))
+    assert torch.equal(forward(model, inputs), ref)
+    assert text_seen == [7 + 3 + 4 if name == "hunyuan_video15" else 7]
+
 
 def test_report_sd3_pixart_hunyuan_dit():
     summary = {name: fusebox.patch(build(name)[0]).summary() for name in

@@ -13,8 +13,9 @@ and otherwise runs the eager formula, so a patched block never changes what a mo
 from __future__ import annotations
 
 import functools
+import inspect
 import os
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -106,11 +107,19 @@ class FusedAttnProcessor:
     for the calls it cannot fuse and for unpatch, and shares that processor's attention
     backend and parallel config, so ``model.set_attention_backend(...)`` reaches both."""
 
+    # the model's, where its inputs are trimmed of text padding (:func:`trim_text_padding`)
+    text_padding: Optional[TextPadding] = None
+
     def __init__(self, original):
         self.original = original
 
     _attention_backend = _shared_with_original("_attention_backend")
     _parallel_config = _shared_with_original("_parallel_config")
+
+    def text_all_valid(self) -> bool:
+        """Is every text token the model hands its blocks in this forward valid in every
+        sample? Then attention needs no text mask. Known without a host read, compiled too."""
+        return self.text_padding is not None and self.text_padding.all_valid
 
 
 class TokenQKNormAttnProcessor(FusedAttnProcessor):
@@ -484,6 +493,14 @@ def _eager_norm_rope(q, k, norm_q, norm_k, rotary):
     return q, k
 
 
+def host_readable(t: Tensor, parallel_config) -> bool:
+    """May a call read ``t`` on the host and shape its work by what it finds? Not in a compiled
+    or captured graph, nor under context parallelism (``parallel_config``: the sequence split
+    over ranks, which must all take the same path)."""
+    return not (parallel_config is not None or torch.compiler.is_compiling()
+                or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
+
+
 def valid_key_prefix(processor: FusedAttnProcessor, mask: Tensor) -> Optional[int]:
     """How many keys a boolean key mask (``[B, N]`` or ``[B, 1, 1, N]``, True = attend) lets
     through when, in every sample, they are the same first ones; else None. Attention over that
@@ -493,8 +510,7 @@ def valid_key_prefix(processor: FusedAttnProcessor, mask: Tensor) -> Optional[in
     be used: in a compiled or captured graph, and under context parallelism (keys split over
     ranks)."""
     if (mask.dtype != torch.bool or mask.dim() not in (2, 4) or mask.shape[1:-1].numel() != 1
-            or processor._parallel_config is not None or torch.compiler.is_compiling()
-            or (mask.is_cuda and torch.cuda.is_current_stream_capturing())):
+            or not host_readable(mask, processor._parallel_config)):
         return None
 
     def read() -> Optional[int]:
@@ -622,3 +638,132 @@ def patch_two_stream_model(model: torch.nn.Module, report, family: str, double_b
             report.add(path, module, "linear + gelu_tanh(+bias), gated_residual")
         else:
             patch_attention(path, module, report)
+
+
+# --------------------------------------------------------------------------- text padding
+
+
+class TextPadding:
+    """What one model's fused attention processors know of the forward under way:
+    ``all_valid`` is True while every text token the model hands its blocks is valid in every
+    sample (its inputs were trimmed of padding), so attention needs no text mask. A plain
+    attribute, read without a host sync; compiled blocks guard on it, so a flip recompiles them
+    instead of running a graph traced for the other value."""
+
+    def __init__(self):
+        self.all_valid = False
+
+
+class PaddedStream(NamedTuple):
+    mask: Tensor                # [B, N]; nonzero where a token is valid
+    states: Tensor              # [B, N, ...]: the tokens
+    never_empty: bool = False   # a stream the model cannot take without a token keeps one
+
+
+class TrimmedText(NamedTuple):
+    streams: List[Tuple[Tensor, Tensor]]   # (mask, states) of each stream
+    all_valid: bool                        # every token left is valid in every sample
+    flags: List[bool]                      # the values of the flags read alongside
+
+
+def drop_padded_columns(streams: Sequence[PaddedStream], *flags: Tensor,
+                        suffix_only: bool = False) -> TrimmedText:
+    """Each stream without the columns (tokens) that are padding in every sample, its mask and
+    states indexed alike (views where a prefix stays), with ``suffix_only`` only those after
+    every sample's last valid token (for a model that counts valid tokens rather than reading
+    where they are). One host read for all streams and the 0-d boolean tensors ``flags``."""
+    device = streams[0].mask.device
+    parts = []
+    for stream in streams:
+        valid = stream.mask.bool()
+        parts += [valid.any(0), valid.all(0)]
+    parts += [flag.reshape(1) for flag in flags]
+    values = torch.cat([part.to(device) for part in parts]).tolist()
+
+    trimmed, all_valid, at = [], True, 0
+    for stream in streams:
+        n = stream.mask.shape[1]
+        used, full = values[at:at + n], values[at + n:at + 2 * n]
+        at += 2 * n
+        keep = [i for i in range(n) if used[i]]
+        if suffix_only and keep:
+            keep = list(range(keep[-1] + 1))
+        if not keep and stream.never_empty and n:
+            keep = [0]
+        all_valid = all_valid and all(full[i] for i in keep)
+        trimmed.append(_columns(stream, keep))
+    return TrimmedText(trimmed, all_valid, [bool(v) for v in values[at:]])
+
+
+def _columns(stream: PaddedStream, keep: List[int]) -> Tuple[Tensor, Tensor]:
+    mask, states = stream.mask, stream.states
+    if keep == list(range(len(keep))):
+        return mask[:, :len(keep)], states[:, :len(keep)]
+    index = torch.tensor(keep, device=mask.device)
+    return mask.index_select(1, index), states.index_select(1, index.to(states.device))
+
+
+TEXT_PADDING_ATTR = "_fusebox_text_padding"   # the model's TextPadding, while patched
+
+
+def trim_text_padding(model: torch.nn.Module, names: Sequence[str],
+                      trim: Callable[[Dict[str, Any]], Optional[bool]]) -> None:
+    """Trims the text padding off ``model``'s inputs before each eager forward and tells the
+    model's fused attention processors when none is left. A forward pre-hook hands ``trim`` the
+    forward's arguments ``names`` (positional or keyword; absent ones as None); ``trim``
+    replaces in that dict the ones it trims and returns whether every text token left is valid
+    in every sample (None when it cannot tell: an input it needs is missing). In compiled or
+    captured calls and under context parallelism the hook does nothing. A forward hook that
+    also runs when the forward raises clears the processors' state, so no later call sees a
+    stale one (a whole-model compile, where the pre-hook does nothing, reads it in its graph).
+    Patching again keeps the hooks and hands the state to the new processors."""
+    state = model.__dict__.get(TEXT_PADDING_ATTR)
+    if state is None:
+        state = TextPadding()
+        parameters = list(inspect.signature(type(model).forward).parameters)[1:]   # no self
+        positions = {name: parameters.index(name) for name in names}
+        trim_hook = model.register_forward_pre_hook(
+            functools.partial(_trim_inputs, state, positions, trim), with_kwargs=True)
+        clear_hook = model.register_forward_hook(functools.partial(_clear, state),
+                                                 always_call=True)
+        model.__dict__[TEXT_PADDING_ATTR] = state
+        add_undo(model, functools.partial(_remove_text_trim, model, trim_hook, clear_hook))
+    for module in model.modules():
+        processor = getattr(module, "processor", None)
+        if isinstance(processor, FusedAttnProcessor):
+            processor.text_padding = state
+
+
+def _context_parallel(model: torch.nn.Module):
+    return getattr(getattr(model, "_parallel_config", None), "context_parallel_config", None)
+
+
+def _trim_inputs(state: TextPadding, positions: Dict[str, int], trim, model, args, kwargs):
+    if torch.compiler.is_compiling():     # before any other work, which a graph would trace
+        return None
+    inputs = {name: args[at] if at < len(args) else kwargs.get(name)
+              for name, at in positions.items()}
+    tensors = [t for t in inputs.values() if isinstance(t, Tensor)]
+    if not tensors or not host_readable(tensors[0], _context_parallel(model)):
+        return None
+    all_valid = trim(inputs)
+    if all_valid is None:
+        return None
+    args, kwargs = list(args), dict(kwargs)
+    for name, at in positions.items():
+        if at < len(args):
+            args[at] = inputs[name]
+        elif name in kwargs:
+            kwargs[name] = inputs[name]
+    state.all_valid = all_valid
+    return tuple(args), kwargs
+
+
+def _clear(state: TextPadding, model, args, output) -> None:
+    state.all_valid = False
+
+
+def _remove_text_trim(model: torch.nn.Module, *hooks) -> None:
+    for hook in hooks:
+        hook.remove()
+    model.__dict__.pop(TEXT_PADDING_ATTR, None)

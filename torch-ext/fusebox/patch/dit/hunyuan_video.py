@@ -1,14 +1,22 @@
 """HunyuanVideo (``HunyuanVideoTransformer3DModel``) on fusebox, and the models built on its
 blocks and attention (FramePack's ``HunyuanVideoFramepackTransformer3DModel``).
 
+- text padding, at ``HunyuanVideoTransformer3DModel``'s input (a forward pre-hook, eager calls
+  only): the text columns after every sample's last valid token are dropped (the model takes a
+  sample's first ``mask.sum()`` text tokens as its valid ones, and padded tokens never reach a
+  valid one: masked as keys in the refiner and the blocks, the refiner's pooling a masked mean,
+  the output read from the video tokens only); when every text token left is valid, the fused
+  attention processors are told so and attend unmasked, compiled blocks too. A forward hook
+  clears that after each call. FramePack's forward, which adds image tokens, keeps its inputs;
 - attention (``HunyuanVideoAttnProcessor2_0``): the per-head q/k RMSNorm and the interleaved
   RoPE of the video tokens run as one ``qk_norm_rope`` launch; the text tokens of the
   single-stream blocks, which diffusers normalizes but does not rotate, ride along in the same
   launch with identity rows (cos = 1, sin = 0) appended to the tables; the text q/k of the
   double-stream blocks (their own norms, no RoPE) get ``rms_norm``. Concatenation is
   video-then-text and ``dispatch_attention_fn`` gets the processor's backend and parallel
-  config, as in diffusers; when the model's key mask lets through the same prefix in every
-  sample (video, then the valid text), attention runs unmasked over that prefix;
+  config, as in diffusers; attention runs unmasked over all keys when every text token is valid,
+  or over the prefix the model's key mask lets through when that is the same in every sample
+  (video, then the valid text);
 - double-stream blocks: per stream, gated attention residual + ``norm2`` + modulation in one
   ``gated_residual_norm``, the feed-forward residual in one ``gated_residual``;
 - single-stream blocks: ``proj_mlp`` bias + GELU-tanh in one pass, one ``gated_residual``.
@@ -20,6 +28,8 @@ pass.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from diffusers.models.transformers.transformer_hunyuan_video import (
     HunyuanVideoAttnProcessor2_0,
@@ -30,8 +40,10 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
 
 from ._shared import (
     FusedAttnProcessor,
+    PaddedStream,
     attend,
     built_on,
+    drop_padded_columns,
     fusable,
     grad_needed,
     install_processor,
@@ -43,6 +55,7 @@ from ._shared import (
     patch_two_stream_model,
     single_stream_out,
     stream_tail,
+    trim_text_padding,
     valid_key_prefix,
 )
 
@@ -95,7 +108,9 @@ class HunyuanVideoFusedAttnProcessor(FusedAttnProcessor):
 
         # the model's mask lets through the video tokens and each sample's valid text, a prefix
         valid_keys = None
-        if attention_mask is not None and attention_mask.shape[-1] == key.shape[1]:
+        if self.text_all_valid():
+            valid_keys = key.shape[1]
+        elif attention_mask is not None and attention_mask.shape[-1] == key.shape[1]:
             valid_keys = valid_key_prefix(self, attention_mask)
         hidden_states = attend(self, query, key, value, valid_keys, attention_mask)
         hidden_states = hidden_states.flatten(2, 3)
@@ -169,6 +184,22 @@ def _patch_attention(path, module, report) -> None:
             mark_fused(norm, "the attention processor")
 
 
+TEXT_INPUTS = ("encoder_hidden_states", "encoder_attention_mask")
+
+
+def _trim_text(inputs) -> Optional[bool]:
+    """The text inputs without the padding after every sample's last valid token; whether every
+    text token left is valid. The refiner needs a token (it always lets its first one through).
+    None without a mask."""
+    if any(inputs[name] is None for name in TEXT_INPUTS):
+        return None
+    trimmed = drop_padded_columns(
+        [PaddedStream(inputs["encoder_attention_mask"], inputs["encoder_hidden_states"],
+                      never_empty=True)], suffix_only=True)
+    (inputs["encoder_attention_mask"], inputs["encoder_hidden_states"]), = trimmed.streams
+    return trimmed.all_valid
+
+
 def patch(model: torch.nn.Module, report, **options) -> None:
     family = {"HunyuanVideoFramepackTransformer3DModel": "hunyuan-video-framepack"}.get(
         type(model).__name__, FAMILY)
@@ -176,3 +207,7 @@ def patch(model: torch.nn.Module, report, **options) -> None:
                            (HunyuanVideoTransformerBlock, double_block_forward),
                            (HunyuanVideoSingleTransformerBlock, _single_block_forward),
                            _patch_attention)
+    # the trim is exact for the forward read above, not for FramePack's or a subclass's
+    if type(model).forward is HunyuanVideoTransformer3DModel.forward:
+        trim_text_padding(model, TEXT_INPUTS, _trim_text)
+        report.note(f"{family}: the text padding is trimmed at the model's input (eager calls)")
