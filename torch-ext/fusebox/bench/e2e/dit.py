@@ -90,9 +90,14 @@ def _filled(n, fill):
     return lambda device, dtype, g: torch.full((n,), fill, device=device, dtype=dtype)
 
 
-def _mask(batch, text):
-    """An all-ones (no padding) fp32 text attention mask."""
-    return lambda device, dtype, g: torch.ones(batch, text, device=device)
+def _mask(batch, text, valid=None):
+    """An fp32 text attention mask: 1 for the first ``valid`` tokens (all by default), 0 for the
+    padding after them."""
+    def make(device, dtype, g):
+        mask = torch.zeros(batch, text, device=device)
+        mask[:, :text if valid is None else valid] = 1
+        return mask
+    return make
 
 
 def _ltx_inputs(frames, height, width, batch=2, text=128, channels=128, caption=4096):
@@ -182,16 +187,18 @@ def _hunyuan_inputs(frames, height, width, text=256):
                           pooled_projections=_drawn(1, 768), guidance=_filled(1, 6000.0))
 
 
-def _hunyuan15_inputs(frames, height, width, text=256, glyph_text=64):
-    """HunyuanVideo 1.5 text-to-video: 32-channel latents of a 4x temporal / 16x spatial VAE
-    with the condition channels and mask (65), Qwen2.5-VL text states, ByT5 glyph states and
-    the all-zero SigLIP image states of text-to-video (729 tokens)."""
+def _hunyuan15_inputs(frames, height, width, text=1000, valid_text=128, glyph_text=256):
+    """HunyuanVideo 1.5 text-to-video as the diffusers pipeline feeds it: 32-channel latents of
+    a 4x temporal / 16x spatial VAE with the condition channels and mask (65), Qwen2.5-VL text
+    states padded to the tokenizer's 1000 (``valid_text`` of them valid), ByT5 glyph states
+    padded to 256 with none valid (a prompt without glyph text) and the all-zero SigLIP image
+    states of text-to-video (729 tokens)."""
     latents = (1, 65, (frames - 1) // 4 + 1, height // 16, width // 16)
     # the timestep in the model's dtype: its embedding runs in the timestep's
     return _latent_inputs(latents, text, _filled(1, 500.0), 3584,
-                          encoder_attention_mask=_mask(1, text),
+                          encoder_attention_mask=_mask(1, text, valid_text),
                           encoder_hidden_states_2=_drawn(1, glyph_text, 1472),
-                          encoder_attention_mask_2=_mask(1, glyph_text),
+                          encoder_attention_mask_2=_mask(1, glyph_text, 0),
                           image_embeds=lambda device, dtype, g: torch.zeros(
                               1, 729, 1152, device=device, dtype=dtype))
 
@@ -307,7 +314,8 @@ SPECS: Dict[str, Spec] = {
         "tokens, is the pipeline default; fewer frames keep a step near a second)",
         steps=50),
     "hunyuan-video-1.5": Spec(
-        "HunyuanVideo 1.5 8.3B, 33x480x848 (14310 tokens), 50 steps",
+        "HunyuanVideo 1.5 8.3B, text-to-video 33x480x848 (14310 tokens), pipeline-padded text, "
+        "50 steps",
         "HunyuanVideo15Transformer3DModel",
         dict(in_channels=65, out_channels=32, num_attention_heads=16, attention_head_dim=128,
              num_layers=54, num_refiner_layers=2, mlp_ratio=4.0, patch_size=1, patch_size_t=1,
@@ -315,8 +323,9 @@ SPECS: Dict[str, Spec] = {
              rope_theta=256.0, rope_axes_dim=[16, 56, 56], target_size=640, task_type="t2v",
              use_meanflow=False),
         _hunyuan15_inputs(33, 480, 848),
-        "33 frames 480x848 -> latent 9x30x53 -> 14310 tokens + 256 text + 64 glyph (121 "
-        "frames, 49290 tokens, is the pipeline default)", steps=50),
+        "33 frames 480x848 -> latent 9x30x53 -> 14310 tokens + 1000 text (128 valid) + 256 glyph "
+        "(none valid) + 729 image (all zero: text-to-video), padded as the pipeline pads them "
+        "(121 frames, 49290 tokens, is the pipeline default)", steps=50),
     "sd3.5-large": Spec(
         "Stable Diffusion 3.5 Large 8B, 1024x1024 (4096 tokens), CFG batch 2, 28 steps",
         "SD3Transformer2DModel",
