@@ -306,7 +306,7 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
             if (scale_slot >= 0) {
               unpack(param(3, scale_slot, scale, it), p);
 #pragma unroll
-              for (int i = 0; i < VEC; ++i) v[i] *= 1.f + p[i];
+              for (int i = 0; i < VEC; ++i) v[i] = fmaf(v[i], p[i], v[i]);  // y * (1 + scale) in one instruction
             }
             if (shift_slot >= 0) {
               unpack(param(4, shift_slot, shift, it), p);

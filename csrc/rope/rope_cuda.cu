@@ -42,6 +42,8 @@ template <bool INTERLEAVED, int VEC>
 struct UnitLayout {
   static constexpr bool kTwoVectors = !(INTERLEAVED && VEC >= 2);
   __device__ __forceinline__ static int rotary_units(int R) { return kTwoVectors ? R / (2 * VEC) : R / VEC; }
+  // The rotary pair of channel d0, the unit's first (pairs numbered as the 3-D grid's table).
+  __device__ __forceinline__ static int first_pair(int d0) { return INTERLEAVED ? d0 / 2 : d0; }
   __device__ __forceinline__ static void channels(int j, int R, int& d0, int& d1) {
     if (INTERLEAVED && VEC == 1) {
       d0 = 2 * j;
@@ -53,29 +55,76 @@ struct UnitLayout {
   }
 };
 
-// Per-block table of the 3-D grid: each rotary channel's frequency and grid axis.
+// The 3-D grid's table, one entry per rotary pair: the pair's frequency in turns per position
+// step (frequency / 2 pi, in double) and its grid axis. Computed on the host once per launch
+// and passed as a kernel parameter (only to the grid variants); each block copies it to
+// shared memory, where a thread reads the entries of its own pairs.
+constexpr int kMaxGridPairs = 256;
+struct GridPairs {
+  double turns[kMaxGridPairs];
+  unsigned char axis[kMaxGridPairs];
+};
+template <bool GRID>
+struct GridParam {};  // table mode: no parameter bytes
+template <>
+struct GridParam<true> {
+  GridPairs pairs;
+};
+
+// The block's shared-memory copy of the grid table.
 struct GridTable {
-  const double* turns;  // frequency / (2 pi): turns per position step
+  const double* turns;
   const unsigned char* axis;
 };
 
-// cos/sin of channels [d, d + VEC) of token (b, s): from the table, or from the grid, whose
-// positions `pos` (frame, row, column) were computed once for the token.
-template <typename T, int VEC, bool GRID>
-__device__ __forceinline__ void load_rotation(const RopeKernelArgs& a, const GridTable& g, const int64_t (&pos)[3],
-                                              int64_t b, int64_t s, int d, float (&c)[VEC], float (&sn)[VEC]) {
+// cos/sin of channels [d, d + VEC) of token (b, s), read from the table.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_rotation(const RopeKernelArgs& a, int64_t b, int64_t s, int d, float (&c)[VEC],
+                                              float (&sn)[VEC]) {
+  load_param<T, VEC>(a.cos, b * a.cos_sb + s * a.cos_ss + d, c);
+  load_param<T, VEC>(a.sin, b * a.sin_sb + s * a.sin_ss + d, sn);
+}
+
+// cos/sin of the unit whose first channel is d0, from the grid: one angle per rotary pair (the
+// two channels of a pair turn together), for the token at positions `pos` (frame, row,
+// column). A two-vector unit's second vector holds the partners, so the same factors apply.
+template <typename L, int VEC>
+__device__ __forceinline__ void grid_rotation(const GridTable& g, const double (&pos)[3], int d0, float (&c)[VEC],
+                                              float (&sn)[VEC]) {
+  constexpr int kPairs = L::kTwoVectors ? VEC : VEC / 2;  // pairs whose first channel the unit holds
+  constexpr int kStep = L::kTwoVectors ? 1 : 2;            // channels per pair in the vector
+  const int first = L::first_pair(d0);
+#pragma unroll
+  for (int i = 0; i < kPairs; ++i) {
+    const int ax = g.axis[first + i];
+    const double p = ax == 0 ? pos[0] : ax == 1 ? pos[1] : pos[2];  // no local-memory array
+    // turns of the angle in double; the fraction of a turn is exact enough for fp32
+    const double turns = p * g.turns[first + i];
+    float si, ci;
+    __sincosf(float(turns - rint(turns)) * 6.283185307179586f, &si, &ci);
+#pragma unroll
+    for (int e = 0; e < kStep; ++e) {
+      c[i * kStep + e] = ci;
+      sn[i * kStep + e] = si;
+    }
+  }
+}
+
+// The unit's rotation factors: from the table (both vectors of a two-vector unit) or the grid.
+template <typename L, typename T, int VEC, bool GRID>
+__device__ __forceinline__ void unit_rotation(const RopeKernelArgs& a, const GridTable& g, const double (&pos)[3],
+                                              int64_t b, int64_t s, bool two, int d0, int d1, float (&c0)[VEC],
+                                              float (&s0)[VEC], float (&c1)[VEC], float (&s1)[VEC]) {
   if constexpr (GRID) {
+    grid_rotation<L, VEC>(g, pos, d0, c0, s0);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      const int ax = g.axis[d + i];
-      const int64_t p = ax == 0 ? pos[0] : ax == 1 ? pos[1] : pos[2];  // no local-memory array
-      // turns of the angle in double; the fraction of a turn is exact enough for fp32
-      const double turns = double(p) * g.turns[d + i];
-      __sincosf(float(turns - rint(turns)) * 6.283185307179586f, &sn[i], &c[i]);
+      c1[i] = c0[i];
+      s1[i] = s0[i];
     }
   } else {
-    load_param<T, VEC>(a.cos, b * a.cos_sb + s * a.cos_ss + d, c);
-    load_param<T, VEC>(a.sin, b * a.sin_sb + s * a.sin_ss + d, sn);
+    load_rotation<T, VEC>(a, b, s, d0, c0, s0);
+    if (two) load_rotation<T, VEC>(a, b, s, d1, c1, s1);
   }
 }
 
@@ -119,43 +168,40 @@ __device__ __forceinline__ void store_unit(T* o, int d0, int d1, bool rotary, co
 }
 
 // The unit's norm weights and, where `rotation`, its rotation factors.
-template <typename T, int VEC, bool NORM, bool GRID>
-__device__ __forceinline__ void load_unit_params(const RopeKernelArgs& a, const GridTable& g, const int64_t (&pos)[3],
+template <typename L, typename T, int VEC, bool NORM, bool GRID>
+__device__ __forceinline__ void load_unit_params(const RopeKernelArgs& a, const GridTable& g, const double (&pos)[3],
                                                  int64_t b, int64_t s, const ParamPtr& w, int woff, bool rotation,
                                                  bool two, int d0, int d1, UnitParams<VEC>& p) {
   if (NORM && w.ptr) {
     load_param<T, VEC>(w, woff + d0, p.w0);
     if (two) load_param<T, VEC>(w, woff + d1, p.w1);
   }
-  if (rotation) {
-    load_rotation<T, VEC, GRID>(a, g, pos, b, s, d0, p.c0, p.s0);
-    if (two) load_rotation<T, VEC, GRID>(a, g, pos, b, s, d1, p.c1, p.s1);
-  }
+  if (rotation) unit_rotation<L, T, VEC, GRID>(a, g, pos, b, s, two, d0, d1, p.c0, p.s0, p.c1, p.s1);
 }
 
-// Grid mode: the (frame, row, column) of token s, offsets included.
-__device__ __forceinline__ void grid_position(const Rope3DGrid& g, int64_t s, int64_t (&pos)[3]) {
+// Grid mode: the (frame, row, column) of token s, offsets included, as doubles (the angle's
+// factor).
+__device__ __forceinline__ void grid_position(const Rope3DGrid& g, int64_t s, double (&pos)[3]) {
   int64_t frame, in_frame, row, col;
   divmod_index(s, g.height * g.width, frame, in_frame);
   divmod_index(in_frame, g.width, row, col);
-  pos[0] = frame + g.offsets[0];
-  pos[1] = row + g.offsets[1];
-  pos[2] = col + g.offsets[2];
+  pos[0] = double(frame + g.offsets[0]);
+  pos[1] = double(row + g.offsets[1]);
+  pos[2] = double(col + g.offsets[2]);
 }
 
-// Grid mode: the block's shared-memory tables of the video axes, [R] turns per position step
-// (double) then [R] axis indices, filled by the whole block. Every thread must call it.
-template <bool INTERLEAVED, bool GRID>
-__device__ __forceinline__ GridTable stage_grid_table(const RopeKernelArgs& a, unsigned char* smem) {
+// Grid mode: copies the launch's grid table into the block's shared memory ([R/2] turns, then
+// [R/2] axes). Every thread must call it; the copy is visible after the next barrier.
+template <bool GRID>
+__device__ __forceinline__ GridTable stage_grid_table(const RopeKernelArgs& a, const GridParam<GRID>& gp,
+                                                      unsigned char* smem) {
   double* turns = reinterpret_cast<double*>(smem);
-  unsigned char* axis = smem + sizeof(double) * a.R;
+  unsigned char* axis = smem + sizeof(double) * (a.R / 2);
   if constexpr (GRID) {
-    for (int r = threadIdx.x; r < a.R; r += blockDim.x) {
-      int64_t j;
-      turns[r] = rope_grid_inv_freq(a.grid, r, a.R, INTERLEAVED) * 0.15915494309189535;  // 1 / (2 pi)
-      axis[r] = static_cast<unsigned char>(rope_grid_axis(a.grid, r, a.R, INTERLEAVED, j));
+    for (int r = threadIdx.x; r < a.R / 2; r += blockDim.x) {
+      turns[r] = gp.pairs.turns[r];
+      axis[r] = gp.pairs.axis[r];
     }
-    __syncthreads();
   }
   return GridTable{turns, axis};
 }
@@ -167,13 +213,14 @@ __device__ __forceinline__ GridTable stage_grid_table(const RopeKernelArgs& a, u
 // data; it is a template parameter because holding them through the reduction costs the
 // other rows registers even when not taken.
 template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID, bool EARLY_ROTATION>
-__global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernelArgs a) {
+__global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernelArgs a, const GridParam<GRID> gp) {
   constexpr bool kEarlyParams = ITEMS == 1;
   constexpr bool kEarlyRotation = EARLY_ROTATION && !kEarlyParams;
   using L = UnitLayout<INTERLEAVED, VEC>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ float scratch[kMaxThreads / 32];
-  const GridTable gtab = stage_grid_table<INTERLEAVED, GRID>(a, smem_raw);
+  const GridTable gtab = stage_grid_table<GRID>(a, gp, smem_raw);
+  if constexpr (GRID) __syncthreads();  // (rows that load their factors with the data need it first)
 
   const int tpr = a.tpr;
   const int rb = a.rows_per_block == 1 ? 0 : threadIdx.x / tpr;
@@ -195,7 +242,7 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
   const T* in = static_cast<const T*>(src.ptr) + b * src.sb + s * src.ss;
   T* out = static_cast<T*>(const_cast<void*>(dst.ptr)) + b * dst.sb + s * dst.ss;
   const int rot_units = L::rotary_units(a.R);
-  int64_t pos[3] = {0, 0, 0};
+  double pos[3] = {0, 0, 0};
   if constexpr (GRID) grid_position(a.grid, s, pos);
 
   const ParamPtr& w = is_k ? a.kw : a.qw;
@@ -248,12 +295,11 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
       x0[it] = load_pack<T, VEC>(p + d0);
       if (rotary && L::kTwoVectors) x1[it] = load_pack<T, VEC>(p + d1);
       if constexpr (kEarlyParams)
-        load_unit_params<T, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0, rotary,
-                                             rotary && L::kTwoVectors, d0, d1, early);
-      else if (kEarlyRotation && it == 0 && rotary) {
-        load_rotation<T, VEC, GRID>(a, gtab, pos, b, s, d0, late.c0, late.s0);
-        if (L::kTwoVectors) load_rotation<T, VEC, GRID>(a, gtab, pos, b, s, d1, late.c1, late.s1);
-      }
+        load_unit_params<L, T, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0, rotary,
+                                                rotary && L::kTwoVectors, d0, d1, early);
+      else if (kEarlyRotation && it == 0 && rotary)
+        unit_rotation<L, T, VEC, GRID>(a, gtab, pos, b, s, L::kTwoVectors, d0, d1, late.c0, late.s0, late.c1,
+                                       late.s1);
     }
   }
   pdl_release();
@@ -284,7 +330,7 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
     T* o = out + (head0 + hi) * dst.sh;
     const bool two = rotary && L::kTwoVectors;
     if constexpr (!kEarlyParams)  // weights span every head when the norm does
-      load_unit_params<T, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0,
+      load_unit_params<L, T, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0,
                                            rotary && !kEarlyRotation && (it == 0 || !same_unit), two, d0, d1,
                                            late);
     const UnitParams<VEC>& p = kEarlyParams ? early : late;
@@ -309,13 +355,13 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
 // weight vectors) are loaded or computed once per token and reused ITEMS times; the heads'
 // data are all loaded before the first use. The per-head RMS is a shuffle over the lanes.
 template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
-__device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const int head_groups) {
+__device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const int head_groups, const GridParam<GRID>& gp) {
   using L = UnitLayout<INTERLEAVED, VEC>;
   // With one-vector units the q and k norm weights of the lane's unit are read once, with the
   // data (two-vector units read theirs per head, from L1: holding both would cost registers).
   constexpr bool kEarlyWeights = NORM && !L::kTwoVectors;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  const GridTable gtab = stage_grid_table<INTERLEAVED, GRID>(a, smem_raw);
+  const GridTable gtab = stage_grid_table<GRID>(a, gp, smem_raw);  // read after the data loads
 
   const int tpr = a.tpr;
   int slot, hg, lane;  // token slot of the block, lane group, lane
@@ -357,7 +403,7 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const int he
     L::channels(lane, a.R, d0, d1);
   else
     d0 = a.R + (lane - rot_units) * VEC;
-  int64_t pos[3] = {0, 0, 0};
+  double pos[3] = {0, 0, 0};
   if constexpr (GRID) grid_position(a.grid, s, pos);
   pdl_wait();
   float wq[VEC], wk[VEC];
@@ -388,10 +434,8 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const int he
   }
   // This lane's rotation factors, shared by its heads.
   UnitParams<VEC> rot;
-  if (active && rotary) {
-    load_rotation<T, VEC, GRID>(a, gtab, pos, b, s, d0, rot.c0, rot.s0);
-    if (two) load_rotation<T, VEC, GRID>(a, gtab, pos, b, s, d1, rot.c1, rot.s1);
-  }
+  if constexpr (GRID) __syncthreads();  // the grid table's copy, made while the loads are in flight
+  if (active && rotary) unit_rotation<L, T, VEC, GRID>(a, gtab, pos, b, s, two, d0, d1, rot.c0, rot.s0, rot.c1, rot.s1);
   pdl_release();
 
   // The per-head sums of all ITEMS heads shuffle together (FLUX 46.4 -> 42.2 us, [a4c6657] tune/3).
@@ -443,8 +487,9 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const int he
 }
 
 template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
-__global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKernelArgs a, const int head_groups) {
-  rope_heads<T, VEC, ITEMS, INTERLEAVED, NORM, GRID>(a, head_groups);
+__global__ void __launch_bounds__(kMaxThreads)
+    rope_heads_kernel(const RopeKernelArgs a, const int head_groups, const GridParam<GRID> gp) {
+  rope_heads<T, VEC, ITEMS, INTERLEAVED, NORM, GRID>(a, head_groups, gp);
 }
 
 // The per-head kernel under a register cap, for the variants where the compiler's allocation
@@ -459,8 +504,8 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
 //   47.4 us; bf16 unchanged).
 template <int MAX_REGISTERS, typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
 __global__ void __maxnreg__(MAX_REGISTERS)
-    rope_heads_kernel_capped(const RopeKernelArgs a, const int head_groups) {
-  rope_heads<T, VEC, ITEMS, INTERLEAVED, NORM, GRID>(a, head_groups);
+    rope_heads_kernel_capped(const RopeKernelArgs a, const int head_groups, const GridParam<GRID> gp) {
+  rope_heads<T, VEC, ITEMS, INTERLEAVED, NORM, GRID>(a, head_groups, gp);
 }
 
 RopeTensorArg tensor_arg(const TensorView& t) {
@@ -475,24 +520,26 @@ ParamPtr param(const TensorView& t) {
 // Launches the per-head kernel (HEADS) or the rows kernel (early rotation factors compiled
 // for the 4-unit rows of whole vectors only: the wide across-heads rows that use them).
 template <bool HEADS, typename T, int VEC, int ITEMS>
-void launch_rope(const RopeKernelArgs& a, int head_groups, bool interleaved, bool norm, bool grid_mode, dim3 grid,
-                 dim3 block, size_t smem, cudaStream_t stream, bool early_rotation = false) {
+void launch_rope(const RopeKernelArgs& a, int head_groups, bool interleaved, bool norm, const GridPairs* grid_pairs,
+                 dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool early_rotation = false) {
   auto go = [&](auto il, auto nm, auto gr) {
     constexpr bool I = decltype(il)::value, N = decltype(nm)::value, G = decltype(gr)::value;
+    GridParam<G> gp;
+    if constexpr (G) gp.pairs = *grid_pairs;
     if constexpr (HEADS && ITEMS == 2 && N && UnitLayout<I, VEC>::kTwoVectors)
-      launch(rope_heads_kernel_capped<96, T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups);
+      launch(rope_heads_kernel_capped<96, T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups, gp);
     else if constexpr (HEADS && ITEMS == 4 && N && !UnitLayout<I, VEC>::kTwoVectors)
-      launch(rope_heads_kernel_capped<80, T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups);
+      launch(rope_heads_kernel_capped<80, T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups, gp);
     else if constexpr (HEADS)
-      launch(rope_heads_kernel<T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups);
+      launch(rope_heads_kernel<T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups, gp);
     else if constexpr (ITEMS == 4 && VEC > 1)
-      early_rotation ? launch(rope_rows_kernel<T, VEC, ITEMS, I, N, G, true>, grid, block, smem, stream, a)
-                     : launch(rope_rows_kernel<T, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a);
+      early_rotation ? launch(rope_rows_kernel<T, VEC, ITEMS, I, N, G, true>, grid, block, smem, stream, a, gp)
+                     : launch(rope_rows_kernel<T, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a, gp);
     else
-      launch(rope_rows_kernel<T, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a);
+      launch(rope_rows_kernel<T, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a, gp);
   };
   auto with_src = [&](auto il, auto nm) {
-    grid_mode ? go(il, nm, std::true_type{}) : go(il, nm, std::false_type{});
+    grid_pairs ? go(il, nm, std::true_type{}) : go(il, nm, std::false_type{});
   };
   auto with_norm = [&](auto il) { norm ? with_src(il, std::true_type{}) : with_src(il, std::false_type{}); };
   if constexpr (ITEMS == 8)  // only interleaved rows are that wide (rope_cuda)
@@ -540,9 +587,21 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   const int rot_units = interleaved && vec >= 2 ? a.R / vec : a.R / (2 * vec);
   a.units_per_head = rot_units + (a.D - a.R) / vec;
   const bool has_k = args.k.defined();
-  const size_t smem = args.use_grid ? (sizeof(double) + 1) * size_t(a.R) : 0;
-  FUSEBOX_CHECK(smem <= 40 * 1024, "the rotary dimension ", a.R, " is too large for the 3-D grid (at most ",
-                40 * 1024 / (sizeof(double) + 1), ")");
+  // The 3-D grid's per-pair frequencies and axes, the same for every token and block.
+  GridPairs pairs_table;
+  const GridPairs* grid_pairs = nullptr;
+  if (args.use_grid) {
+    FUSEBOX_CHECK(a.R / 2 <= kMaxGridPairs, "the rotary dimension ", a.R, " is too large for the 3-D grid (at most ",
+                  2 * kMaxGridPairs, ")");
+    for (int p = 0; p < a.R / 2; ++p) {
+      const int r = interleaved ? 2 * p : p;  // the pair's first channel
+      int64_t j;
+      pairs_table.axis[p] = static_cast<unsigned char>(rope_grid_axis(args.grid, r, a.R, interleaved, j));
+      pairs_table.turns[p] = rope_grid_inv_freq(args.grid, r, a.R, interleaved) * 0.15915494309189535;  // 1 / (2 pi)
+    }
+    grid_pairs = &pairs_table;
+  }
+  const size_t smem = args.use_grid ? (sizeof(double) + 1) * size_t(a.R / 2) : 0;
   const int heads = a.Hq + a.Hk;
 
   // Per-head kernel (tokens are rows; up to 4 heads per lane group) when a head fits one lane
@@ -582,9 +641,9 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
       auto with_items = [&](auto v) {
         constexpr int V = decltype(v)::value;
         switch (items) {
-          case 1: launch_rope<true, T, V, 1>(a, head_groups, interleaved, norm, args.use_grid, grid, block, smem, stream); break;
-          case 2: launch_rope<true, T, V, 2>(a, head_groups, interleaved, norm, args.use_grid, grid, block, smem, stream); break;
-          default: launch_rope<true, T, V, 4>(a, head_groups, interleaved, norm, args.use_grid, grid, block, smem, stream); break;
+          case 1: launch_rope<true, T, V, 1>(a, head_groups, interleaved, norm, grid_pairs, grid, block, smem, stream); break;
+          case 2: launch_rope<true, T, V, 2>(a, head_groups, interleaved, norm, grid_pairs, grid, block, smem, stream); break;
+          default: launch_rope<true, T, V, 4>(a, head_groups, interleaved, norm, grid_pairs, grid, block, smem, stream); break;
         }
       };
       if (vec == kFull)
@@ -623,12 +682,12 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
     auto with_items = [&](auto v) {
       constexpr int V = decltype(v)::value;
       switch (items) {
-        case 1: launch_rope<false, T, V, 1>(a, 0, interleaved, norm, args.use_grid, grid, block, smem, stream); break;
+        case 1: launch_rope<false, T, V, 1>(a, 0, interleaved, norm, grid_pairs, grid, block, smem, stream); break;
         case 4:
-          launch_rope<false, T, V, 4>(a, 0, interleaved, norm, args.use_grid, grid, block, smem, stream, early_rotation);
+          launch_rope<false, T, V, 4>(a, 0, interleaved, norm, grid_pairs, grid, block, smem, stream, early_rotation);
           break;
         default:  // interleaved pairs in whole vectors (see above)
-          if constexpr (V > 1) launch_rope<false, T, V, 8>(a, 0, interleaved, norm, args.use_grid, grid, block, smem, stream);
+          if constexpr (V > 1) launch_rope<false, T, V, 8>(a, 0, interleaved, norm, grid_pairs, grid, block, smem, stream);
           break;
       }
     };
