@@ -564,7 +564,7 @@ def _sdpa_masked(gm):
 
 
 # name -> case -> (text tokens the blocks get, attention unmasked). The tiny models' inputs:
-# HunyuanVideo 1.5 7 text + 3 glyph + 4 image tokens, HunyuanVideo 7 text tokens.
+# HunyuanVideo 1.5 7 text + 3 glyph + 4 image tokens, HunyuanVideo 7 text tokens, Qwen-Image 5.
 _TRIMMED = {
     "hunyuan_video15": {
         "shared suffix": (4 + 2, True),          # the image tokens (all zero) dropped too
@@ -574,7 +574,9 @@ _TRIMMED = {
         "image, per sample": (5 + 3 + 4, False),
     },
     "hunyuan_video": {"shared suffix": (4, True), "per sample": (5, False)},
+    "qwen_image": {"shared suffix": (4, True), "per sample": (5, False)},
 }
+_MASK_INPUT = {"qwen_image": "encoder_hidden_states_mask"}   # the others': encoder_attention_mask
 
 
 def _padded_inputs(name, case, device, gen):
@@ -585,13 +587,15 @@ def _padded_inputs(name, case, device, gen):
     def randn(like):
         return torch.randn(like.shape, generator=gen).to(like)
 
-    mask = torch.ones(B, 7, device=device, dtype=inputs["encoder_attention_mask"].dtype)
+    mask_input = _MASK_INPUT.get(name, "encoder_attention_mask")
+    text = inputs["encoder_hidden_states"].shape[1]
+    mask = torch.ones(B, text, device=device, dtype=inputs[mask_input].dtype)
     if "per sample" in case:
         mask[0, 5:], mask[1, 3:] = 0, 0
     else:
         mask[:, 4:] = 0
-    inputs.update(encoder_attention_mask=mask,
-                  encoder_hidden_states=randn(inputs["encoder_hidden_states"]))
+    inputs.update({mask_input: mask,
+                   "encoder_hidden_states": randn(inputs["encoder_hidden_states"])})
     if name == "hunyuan_video15":
         mask_2 = torch.ones(B, 3, device=device)
         if case == "no glyphs":
@@ -607,6 +611,14 @@ def _padded_inputs(name, case, device, gen):
         else:
             assert not inputs["image_embeds"].any()     # text-to-video
     return model, inputs
+
+
+def _record_text_length(block, seen):
+    """Appends to ``seen`` the text length of each call of ``block``, whose text comes second
+    or as ``encoder_hidden_states``."""
+    def hook(module, args, kwargs):
+        seen.append((args[1] if len(args) > 1 else kwargs["encoder_hidden_states"]).shape[1])
+    return block.register_forward_pre_hook(hook, with_kwargs=True)
 
 
 def _call(model, inputs, style):
@@ -633,8 +645,7 @@ def test_text_padding_trimmed_at_the_input(name, case, style, device, gen, monke
     ref = forward(model, inputs)
     fusebox.patch(model)
     text_seen, unmasked = [], []
-    model.transformer_blocks[0].register_forward_pre_hook(
-        lambda block, args: text_seen.append(args[1].shape[1]))
+    _record_text_length(model.transformer_blocks[0], text_seen)
     original = _shared.dispatch_attention_fn
 
     def recording(query, key, value, attn_mask=None, **kwargs):
@@ -780,10 +791,9 @@ def test_unpatch_removes_text_trim(name, gen):
     assert not model._forward_pre_hooks_with_kwargs and not model._forward_hooks_always_called
     assert _shared.TEXT_PADDING_ATTR not in model.__dict__
     text_seen = []
-    model.transformer_blocks[0].register_forward_pre_hook(
-        lambda block, args: text_seen.append(args[1].shape[1]))
+    _record_text_length(model.transformer_blocks[0], text_seen)
     assert torch.equal(forward(model, inputs), ref)
-    assert text_seen == [7 + 3 + 4 if name == "hunyuan_video15" else 7]
+    assert text_seen == [{"hunyuan_video15": 7 + 3 + 4, "qwen_image": 5}.get(name, 7)]
 
 
 def test_report_sd3_pixart_hunyuan_dit():

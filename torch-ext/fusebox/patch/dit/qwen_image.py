@@ -7,6 +7,9 @@
   is text-then-image, the joint mask is built (dropped when the text mask lets every token
   through, so SDPA runs unmasked) and ``dispatch_attention_fn`` called with the processor's
   backend and parallel config, as in diffusers;
+- model input (eager calls): the text columns after every sample's last valid token are
+  dropped, and when every text token left is valid the processors know it without reading the
+  mask, so compiled blocks attend unmasked as well (:func:`._shared.trim_text_padding`);
 - blocks: per stream, ``norm1`` + modulation in one ``adaln``, the gated attention residual +
   ``norm2`` + modulation in one ``gated_residual_norm``, the feed-forward residual in one
   ``gated_residual``. The edit models' per-token modulation (``zero_cond_t``) keeps the
@@ -30,9 +33,11 @@ from diffusers.models.transformers.transformer_qwenimage import (
 from .._common import original_forward, replace_forward
 from ._shared import (
     FusedAttnProcessor,
+    PaddedStream,
     attend,
     built_on,
     complex_rotary_tables,
+    drop_padded_columns,
     grad_needed,
     linear_rows,
     mark_fused,
@@ -41,6 +46,7 @@ from ._shared import (
     stream_qkv,
     stream_tail,
     swap_processor,
+    trim_text_padding,
     valid_key_prefix,
 )
 
@@ -75,7 +81,7 @@ class QwenImageFusedAttnProcessor(FusedAttnProcessor):
                                  encoder_hidden_states_mask, attention_mask, image_rotary_emb)
         seq_txt = encoder_hidden_states.shape[1]
         # a text mask that lets every token through is dropped: SDPA then runs unmasked
-        if (encoder_hidden_states_mask is not None
+        if (encoder_hidden_states_mask is not None and not self.text_all_valid()
                 and valid_key_prefix(self, encoder_hidden_states_mask) != seq_txt):
             image_mask = torch.ones(hidden_states.shape[:2], dtype=torch.bool,
                                     device=hidden_states.device)
@@ -140,6 +146,22 @@ def _block_forward(self, hidden_states, encoder_hidden_states, encoder_hidden_st
     return encoder_hidden_states, hidden_states
 
 
+TEXT_INPUTS = ("encoder_hidden_states", "encoder_hidden_states_mask")
+
+
+def _trim_text(inputs) -> Optional[bool]:
+    """The text inputs without the columns after every sample's last valid token (the text
+    RoPE numbers columns, so only a suffix may go); whether every text token left is valid.
+    None without a mask."""
+    if any(inputs[name] is None for name in TEXT_INPUTS):
+        return None
+    trimmed = drop_padded_columns(
+        [PaddedStream(inputs["encoder_hidden_states_mask"], inputs["encoder_hidden_states"],
+                      never_empty=True)], suffix_only=True)
+    (inputs["encoder_hidden_states_mask"], inputs["encoder_hidden_states"]), = trimmed.streams
+    return trimmed.all_valid
+
+
 def patch(model: torch.nn.Module, report, **options) -> None:
     report.family = FAMILY
     for path, module in model.named_modules():
@@ -153,3 +175,7 @@ def patch(model: torch.nn.Module, report, **options) -> None:
         else:
             swap_processor(path, module, report, {QwenDoubleStreamAttnProcessor2_0: (
                 QwenImageFusedAttnProcessor, "qk_norm_rope per head (interleaved), per stream")})
+    # the trim is exact for the forward read above, not for the ControlNet's or a subclass's
+    if type(model).forward is QwenImageTransformer2DModel.forward:
+        trim_text_padding(model, TEXT_INPUTS, _trim_text)
+        report.note(f"{FAMILY}: the text padding is trimmed at the model's input (eager calls)")
