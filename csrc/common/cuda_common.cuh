@@ -11,6 +11,7 @@
 #include <type_traits>
 #include <utility>
 
+#include "common/fast_divmod.h"
 #include "common/layout.h"
 #include "fusebox/error.h"
 #include "fusebox/tensor.h"
@@ -241,6 +242,8 @@ __device__ __forceinline__ float load_param_scalar(const ParamPtr& p, int64_t of
 
 // Maps a row number to an element offset for each operand of a merged RowLayout.
 // Row numbers are below 2^31 (every launcher checks), so the divisions are 32-bit ones.
+// (Plain divisions, not FastDivmod: the row kernels' register allocation, which their launch
+// plans are tuned to, moved by 2-3 registers with it, and merged row groups are rare.)
 struct RowIndexer {
   uint32_t size1, size2;  // sizes of the two inner row groups
   bool flat;              // one row group (the common case): no divisions
@@ -256,19 +259,6 @@ struct RowIndexer {
     i0 = t / size1;
   }
 };
-
-// q = n / d, r = n - q * d for non-negative n, d > 0: 32-bit when both fit (a 64-bit division
-// is a long subroutine; kernels that move a few vectors per thread feel it).
-__device__ __forceinline__ void divmod_index(int64_t n, int64_t d, int64_t& q, int64_t& r) {
-  if (((n | d) >> 32) == 0) {
-    const uint32_t q32 = uint32_t(n) / uint32_t(d);
-    q = q32;
-    r = int64_t(uint32_t(n) - q32 * uint32_t(d));
-  } else {
-    q = n / d;
-    r = n - q * d;
-  }
-}
 
 struct RowOffsets {
   int64_t s0, s1, s2;

@@ -27,6 +27,10 @@ struct RopeKernelArgs {
   int q_rows;          // rows of a token that belong to q: Hq, or 1
   int units_per_head;  // rotary units + pass-through units of one head
   int tpr, rows_per_block;
+  int tpr_log2;                   // per-head kernel: tpr is a power of two
+  FastDivmod seq;                 // token -> (batch, position): S
+  FastDivmod row_split;           // rows kernel: row -> (token, row of the token); per-head: thread -> token slot
+  FastDivmod grid_hw, grid_w;     // 3-D grid: position -> (frame, in frame) -> (row, column)
   int step_heads, step_units;  // rows kernel: tpr as (heads, units) of a head, item to item
   RopeTensorArg q, k, qo, ko;
   ParamPtr cos, sin;
@@ -181,13 +185,13 @@ __device__ __forceinline__ void load_unit_params(const RopeKernelArgs& a, const 
 
 // Grid mode: the (frame, row, column) of token s, offsets included, as doubles (the angle's
 // factor).
-__device__ __forceinline__ void grid_position(const Rope3DGrid& g, int64_t s, double (&pos)[3]) {
-  int64_t frame, in_frame, row, col;
-  divmod_index(s, g.height * g.width, frame, in_frame);
-  divmod_index(in_frame, g.width, row, col);
-  pos[0] = double(frame + g.offsets[0]);
-  pos[1] = double(row + g.offsets[1]);
-  pos[2] = double(col + g.offsets[2]);
+__device__ __forceinline__ void grid_position(const RopeKernelArgs& a, int64_t s, double (&pos)[3]) {
+  uint32_t in_frame, col;
+  const uint32_t frame = a.grid_hw.divmod(uint32_t(s), in_frame);
+  const uint32_t row = a.grid_w.divmod(in_frame, col);
+  pos[0] = double(int64_t(frame) + a.grid.offsets[0]);
+  pos[1] = double(int64_t(row) + a.grid.offsets[1]);
+  pos[2] = double(int64_t(col) + a.grid.offsets[2]);
 }
 
 // Grid mode: copies the launch's grid table into the block's shared memory ([R/2] turns, then
@@ -227,12 +231,10 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
   const int lane = threadIdx.x - rb * tpr;
   const int64_t row = int64_t(blockIdx.x) * a.rows_per_block + rb;
   const bool active = row < a.rows;
-  int64_t token = 0, sub64 = 0, b = 0, s = 0;
-  if (active) {
-    divmod_index(row, a.rows_per_token, token, sub64);
-    divmod_index(token, a.S, b, s);
-  }
-  const int sub = int(sub64);
+  uint32_t sub32 = 0, s32 = 0, b32 = 0;
+  if (active) b32 = a.seq.divmod(a.row_split.divmod(uint32_t(row), sub32), s32);  // (rows < 2^31)
+  const int64_t b = b32, s = s32;
+  const int sub = int(sub32);
   const bool is_k = sub >= a.q_rows;
   const int head0 = a.across ? 0 : (is_k ? sub - a.q_rows : sub);  // first head of the row
   const int heads = a.across ? (is_k ? a.Hk : a.Hq) : 1;
@@ -243,7 +245,7 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
   T* out = static_cast<T*>(const_cast<void*>(dst.ptr)) + b * dst.sb + s * dst.ss;
   const int rot_units = L::rotary_units(a.R);
   double pos[3] = {0, 0, 0};
-  if constexpr (GRID) grid_position(a.grid, s, pos);
+  if constexpr (GRID) grid_position(a, s, pos);
 
   const ParamPtr& w = is_k ? a.kw : a.qw;
   // Item `it` is unit u = lane + it * tpr of the row: head hi, unit j of the head. Walked
@@ -364,19 +366,13 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const int he
   const GridTable gtab = stage_grid_table<GRID>(a, gp, smem_raw);  // read after the data loads
 
   const int tpr = a.tpr;
-  int slot, hg, lane;  // token slot of the block, lane group, lane
-  if constexpr (ITEMS == 1) {
-    // Decode-sized calls: no divisions ahead of the loads (tpr is a power of two, and a block
-    // holds several tokens only where one token's lanes fill less than 128 threads).
-    lane = int(threadIdx.x) & (tpr - 1);
-    const int group_index = int(threadIdx.x) >> (__ffs(tpr) - 1);
-    slot = a.rows_per_block == 1 ? 0 : group_index / head_groups;
-    hg = group_index - slot * head_groups;
-  } else {
-    const int per_token = tpr * head_groups;
-    slot = threadIdx.x / per_token;
-    hg = (threadIdx.x - slot * per_token) / tpr;
-    lane = threadIdx.x % tpr;
+  // token slot of the block, lane group, lane (tpr is a power of two; a block holds several
+  // tokens only where one token's lanes fill less than 128 threads)
+  int slot = 0, hg, lane = int(threadIdx.x) & (tpr - 1);
+  {
+    uint32_t in_token = threadIdx.x;
+    if (a.rows_per_block > 1) slot = int(a.row_split.divmod(threadIdx.x, in_token));
+    hg = int(in_token >> a.tpr_log2);
   }
   const int64_t token = int64_t(blockIdx.x) * a.rows_per_block + slot;
   const int heads = a.Hq + a.Hk;
@@ -384,16 +380,10 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const int he
   // the block's tokens)
   const bool active = slot < a.rows_per_block && hg < head_groups && token < a.rows && lane < a.units_per_head;
   int64_t b = 0, s = 0;
-  if (active) {
-    if constexpr (ITEMS == 1) {
-      // (token < 2^31, the launcher checks) a 32-bit division: the 64-bit one is a subroutine
-      // call, whose calling convention put a register through local memory ahead of the loads
-      const uint32_t t = uint32_t(token), seq = uint32_t(a.S), bt = t / seq;
-      b = bt;
-      s = t - bt * seq;
-    } else {
-      divmod_index(token, a.S, b, s);
-    }
+  if (active) {  // (token < 2^31, the launcher checks)
+    uint32_t s32;
+    b = a.seq.divmod(uint32_t(token), s32);
+    s = s32;
   }
   const int rot_units = L::rotary_units(a.R);
   const bool rotary = lane < rot_units;
@@ -404,7 +394,7 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const int he
   else
     d0 = a.R + (lane - rot_units) * VEC;
   double pos[3] = {0, 0, 0};
-  if constexpr (GRID) grid_position(a.grid, s, pos);
+  if constexpr (GRID) grid_position(a, s, pos);
   pdl_wait();
   float wq[VEC], wk[VEC];
   if constexpr (kEarlyWeights) {
@@ -553,6 +543,7 @@ void launch_rope(const RopeKernelArgs& a, int head_groups, bool interleaved, boo
 void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t stream) {
   RopeKernelArgs a{};
   a.S = sh.S;
+  a.seq = FastDivmod(uint32_t(sh.S));  // (S <= the token count, below 2^31: checked per kernel below)
   a.Hq = int(sh.Hq);
   a.Hk = int(sh.Hk);
   a.D = int(sh.D);
@@ -563,6 +554,8 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   a.ko = tensor_arg(args.k_out);
   if (args.use_grid) {
     a.grid = args.grid;
+    a.grid_hw = FastDivmod(uint32_t(args.grid.height * args.grid.width));
+    a.grid_w = FastDivmod(uint32_t(args.grid.width));
   } else {
     a.cos = param(args.cos);
     a.sin = param(args.sin);
@@ -630,6 +623,8 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
     const int items = head_items;
     a.rows = sh.B * sh.S;
     a.rows_per_block = std::max(1, 128 / (a.tpr * head_groups));
+    a.row_split = FastDivmod(uint32_t(a.tpr * head_groups));
+    while ((1 << a.tpr_log2) < a.tpr) ++a.tpr_log2;
     const int64_t blocks = (a.rows + a.rows_per_block - 1) / a.rows_per_block;
     FUSEBOX_CHECK(a.rows < (int64_t(1) << 31), "too many tokens: ", a.rows);
     // whole warps: the per-head sums shuffle with every lane of a warp present
@@ -655,6 +650,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   }
 
   a.rows_per_token = a.across ? 1 + int(has_k) : a.Hq + a.Hk;
+  a.row_split = FastDivmod(uint32_t(a.rows_per_token));
   a.q_rows = a.across ? 1 : a.Hq;
   a.rows = sh.B * sh.S * a.rows_per_token;
   const int64_t units = int64_t(a.across ? std::max(a.Hq, a.Hk) : 1) * a.units_per_head;
@@ -673,7 +669,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   // their latency overlaps it (Wan 14B qk-norm + rope 536 -> 453 us; [a4c6657] tune/1).
   const bool early_rotation = a.step_units == 0 && tuning_knobs().rope_early.value_or(1) != 0;
   const int64_t blocks = (a.rows + a.rows_per_block - 1) / a.rows_per_block;
-  FUSEBOX_CHECK(blocks < (int64_t(1) << 31), "too many rows: ", a.rows);
+  FUSEBOX_CHECK(a.rows < (int64_t(1) << 31), "too many rows: ", a.rows);
   const dim3 grid(static_cast<unsigned>(blocks)), block(static_cast<unsigned>(a.tpr * a.rows_per_block));
 
   dispatch_dtype(args.q.dtype, [&](auto t) {
