@@ -60,6 +60,8 @@ void rope(const RopeArgs& a, cudaStream_t stream) {
     sh.R = g.axes_dim[0] + g.axes_dim[1] + g.axes_dim[2];
     FUSEBOX_CHECK(sh.R > 0 && sh.R <= sh.D, "axes_dim must sum to a positive rotary dimension of at most head_dim (",
                   sh.D, "); got ", g.axes_dim[0], " + ", g.axes_dim[1], " + ", g.axes_dim[2], " = ", sh.R);
+    FUSEBOX_CHECK(sh.R <= kMaxGridRotaryDims, "axes_dim must sum to at most ", kMaxGridRotaryDims,
+                  " rotary dimensions for the 3-D grid; got ", sh.R);
   } else {
     FUSEBOX_CHECK(a.cos.defined() && a.sin.defined(), "cos and sin are required");
     FUSEBOX_CHECK(a.cos.ndim == 3 && a.cos.shape[0] == sh.B && a.cos.shape[1] == sh.S,

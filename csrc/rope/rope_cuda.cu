@@ -63,7 +63,7 @@ struct UnitLayout {
 // step (frequency / 2 pi, in double) and its grid axis. Computed on the host once per launch
 // and passed as a kernel parameter (only to the grid variants); each block copies it to
 // shared memory, where a thread reads the entries of its own pairs.
-constexpr int kMaxGridPairs = 256;
+constexpr int kMaxGridPairs = kMaxGridRotaryDims / 2;
 struct GridPairs {
   double turns[kMaxGridPairs];
   unsigned char axis[kMaxGridPairs];
@@ -584,8 +584,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   GridPairs pairs_table;
   const GridPairs* grid_pairs = nullptr;
   if (args.use_grid) {
-    FUSEBOX_CHECK(a.R / 2 <= kMaxGridPairs, "the rotary dimension ", a.R, " is too large for the 3-D grid (at most ",
-                  2 * kMaxGridPairs, ")");
+    // (R <= kMaxGridRotaryDims: checked by the entry point)
     for (int p = 0; p < a.R / 2; ++p) {
       const int r = interleaved ? 2 * p : p;  // the pair's first channel
       int64_t j;

@@ -25,6 +25,9 @@ FUSEBOX_HD int64_t rope_partner(int64_t d, int64_t R, bool interleaved, bool& fi
   return first ? d + R / 2 : d - R / 2;
 }
 
+// The widest rotary part the 3-D grid takes (its per-pair table is a kernel parameter).
+constexpr int64_t kMaxGridRotaryDims = 512;
+
 // The in-kernel 3-D table (see Rope3DGrid). Channel r (< R) belongs to pair
 // `pair`, which falls in one section (axis) of the grid; its angle is
 // position_on_that_axis * theta^(-2j / axes_dim[axis]), j the pair's index in its section.

@@ -226,6 +226,16 @@ def test_rope_3d_axes_dim_too_wide(gen, device):
         fusebox.rope_3d(q, k, 2, 3, 4, axes_dim=(32, 32, 32))
 
 
+def test_rope_3d_axes_dim_past_the_grid_limit(gen, device):
+    """The grid's per-pair table is a kernel parameter: at most 512 rotary dims, on every
+    device alike."""
+    q, k = qk_pair(gen, "bshd", 1, 24, 1, 1, 640, BF16, device)
+    with raises(arg("axes_dim")):
+        fusebox.rope_3d(q, k, 2, 3, 4, axes_dim=(256, 192, 192))
+    out, _ = fusebox.rope_3d(q, k, 2, 3, 4, axes_dim=(256, 128, 128))   # 512 passes
+    assert torch.isfinite(out).all()
+
+
 def test_rope_3d_axes_dim_odd(gen, device):
     q, k = qk_pair(gen, "bshd", 1, 24, 2, 2, 64, BF16, device)
     with raises(arg("axes_dim")):
