@@ -4,6 +4,7 @@ diagnostic aid; `fusebox bench e2e` is the benchmark.
 
     python scripts/profile_e2e.py --model ltx-video [--top 30] [--compiled]
     python scripts/profile_e2e.py --model qwen3-8b --decode 1   # one decode step, also compiled
+    python scripts/profile_e2e.py --model qwen3-8b --generate 16   # greedy generate, dynamic cache
     python scripts/profile_e2e.py --model ltx-video --timeline  # where the GPU waits, patched
 """
 
@@ -151,6 +152,51 @@ def decode_tables(fusebox, model, args, device):
     return tables
 
 
+def generate_profile(fusebox, model, batch: int, device, steps: int = 16, prompt_tokens: int = 32) -> None:
+    """Greedy ``generate`` on a dynamic cache (the path of the benchmark's eager decode), unpatched
+    then patched: the time of one decode step (a run of ``steps`` + 1 tokens less a run of one,
+    median of 3), the top kernels and operators of one run under the profiler, and the host
+    synchronizations it made."""
+    import statistics
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+
+    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_tokens), device=device)
+
+    def gen(n):
+        return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
+                              min_new_tokens=n, do_sample=False, pad_token_id=0, disable_compile=True)
+
+    def run(label):
+        gen(4)
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(3):
+            torch.cuda.synchronize()
+            a = time.perf_counter()
+            gen(steps + 1)
+            torch.cuda.synchronize()
+            b = time.perf_counter()
+            gen(1)
+            torch.cuda.synchronize()
+            c = time.perf_counter()
+            times.append(((b - a) - (c - b)) / steps * 1e3)
+        print(f"== {label}: {statistics.median(times):.2f} ms per decode step (batch {batch})")
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            gen(steps + 1)
+            torch.cuda.synchronize()
+        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=18, max_name_column_width=70))
+        for e in prof.key_averages():
+            if "Synchronize" in e.key or "Memcpy" in e.key or "item" in e.key:
+                print("host:", e.key, e.count)
+
+    with torch.inference_mode():
+        run("eager")
+        fusebox.patch(model)
+        run("patched")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="ltx-video")
@@ -160,6 +206,9 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=0, metavar="BATCH",
                     help="LLMs: profile one decode step at this batch on a static cache, eager and "
                          "torch.compile'd, unpatched and patched")
+    ap.add_argument("--generate", type=int, default=0, metavar="BATCH",
+                    help="LLMs: time and profile greedy generate at this batch on a dynamic cache, "
+                         "unpatched and patched")
     ap.add_argument("--timeline", action="store_true",
                     help="the GPU's idle time in one patched forward, split into waiting for the host "
                          "and launch latency, by the launching op")
@@ -179,6 +228,9 @@ def main() -> None:
         model = family.build_model(args.model, device, torch.bfloat16).to(torch.bfloat16)
         ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device=device)
         call = lambda: model(ids, use_cache=False, logits_to_keep=1)  # noqa: E731
+    if args.generate:
+        generate_profile(fusebox, model, args.generate, device)
+        return
     if args.decode:
         tables = decode_tables(fusebox, model, args, device)
     else:
