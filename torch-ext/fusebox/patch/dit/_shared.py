@@ -703,6 +703,21 @@ def _columns(stream: PaddedStream, keep: List[int]) -> Tuple[Tensor, Tensor]:
     return mask.index_select(1, index), states.index_select(1, index.to(states.device))
 
 
+def text_suffix_trim(states: str, mask: str) -> Callable[[Dict[str, Any]], Optional[bool]]:
+    """The ``trim`` of :func:`trim_text_padding` for a model with one text stream, the inputs
+    ``states`` and ``mask``, from which only the columns after every sample's last valid token may
+    go (its text RoPE numbers columns, or its blocks count valid tokens rather than read where
+    they are); one column always stays. None without a mask."""
+    def trim(inputs: Dict[str, Any]) -> Optional[bool]:
+        if inputs[states] is None or inputs[mask] is None:
+            return None
+        trimmed = drop_padded_columns([PaddedStream(inputs[mask], inputs[states], never_empty=True)],
+                                      suffix_only=True)
+        (inputs[mask], inputs[states]), = trimmed.streams
+        return trimmed.all_valid
+    return trim
+
+
 TEXT_PADDING_ATTR = "_fusebox_text_padding"   # the model's TextPadding, while patched
 
 

@@ -28,8 +28,6 @@ pass.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from diffusers.models.transformers.transformer_hunyuan_video import (
     HunyuanVideoAttnProcessor2_0,
@@ -40,10 +38,8 @@ from diffusers.models.transformers.transformer_hunyuan_video import (
 
 from ._shared import (
     FusedAttnProcessor,
-    PaddedStream,
     attend,
     built_on,
-    drop_padded_columns,
     fusable,
     grad_needed,
     install_processor,
@@ -55,6 +51,7 @@ from ._shared import (
     patch_two_stream_model,
     single_stream_out,
     stream_tail,
+    text_suffix_trim,
     trim_text_padding,
     valid_key_prefix,
 )
@@ -185,19 +182,9 @@ def _patch_attention(path, module, report) -> None:
 
 
 TEXT_INPUTS = ("encoder_hidden_states", "encoder_attention_mask")
-
-
-def _trim_text(inputs) -> Optional[bool]:
-    """The text inputs without the padding after every sample's last valid token; whether every
-    text token left is valid. The refiner needs a token (it always lets its first one through).
-    None without a mask."""
-    if any(inputs[name] is None for name in TEXT_INPUTS):
-        return None
-    trimmed = drop_padded_columns(
-        [PaddedStream(inputs["encoder_attention_mask"], inputs["encoder_hidden_states"],
-                      never_empty=True)], suffix_only=True)
-    (inputs["encoder_attention_mask"], inputs["encoder_hidden_states"]), = trimmed.streams
-    return trimmed.all_valid
+# the padding after every sample's last valid token (the blocks count valid tokens); the refiner
+# needs a token (it always lets its first one through)
+_trim_text = text_suffix_trim(*TEXT_INPUTS)
 
 
 def patch(model: torch.nn.Module, report, **options) -> None:

@@ -33,11 +33,9 @@ from diffusers.models.transformers.transformer_qwenimage import (
 from .._common import original_forward, replace_forward
 from ._shared import (
     FusedAttnProcessor,
-    PaddedStream,
     attend,
     built_on,
     complex_rotary_tables,
-    drop_padded_columns,
     grad_needed,
     linear_rows,
     mark_fused,
@@ -46,6 +44,7 @@ from ._shared import (
     stream_qkv,
     stream_tail,
     swap_processor,
+    text_suffix_trim,
     trim_text_padding,
     valid_key_prefix,
 )
@@ -147,19 +146,8 @@ def _block_forward(self, hidden_states, encoder_hidden_states, encoder_hidden_st
 
 
 TEXT_INPUTS = ("encoder_hidden_states", "encoder_hidden_states_mask")
-
-
-def _trim_text(inputs) -> Optional[bool]:
-    """The text inputs without the columns after every sample's last valid token (the text
-    RoPE numbers columns, so only a suffix may go); whether every text token left is valid.
-    None without a mask."""
-    if any(inputs[name] is None for name in TEXT_INPUTS):
-        return None
-    trimmed = drop_padded_columns(
-        [PaddedStream(inputs["encoder_hidden_states_mask"], inputs["encoder_hidden_states"],
-                      never_empty=True)], suffix_only=True)
-    (inputs["encoder_hidden_states_mask"], inputs["encoder_hidden_states"]), = trimmed.streams
-    return trimmed.all_valid
+# the text RoPE numbers columns, so only the padding after every sample's last valid token goes
+_trim_text = text_suffix_trim(*TEXT_INPUTS)
 
 
 def patch(model: torch.nn.Module, report, **options) -> None:
