@@ -21,9 +21,8 @@ struct RopeTensorArg {
 };
 
 struct RopeKernelArgs {
-  int64_t S, rows;
+  int64_t rows;
   int Hq, Hk, D, R;
-  int rows_per_token;  // Hq + Hk (one head per row) or 1 + has_k (all heads of a tensor)
   int q_rows;          // rows of a token that belong to q: Hq, or 1
   int units_per_head;  // rotary units + pass-through units of one head
   int tpr, rows_per_block;
@@ -35,7 +34,7 @@ struct RopeKernelArgs {
   RopeTensorArg q, k, qo, ko;
   ParamPtr cos, sin;
   int64_t cos_sb, cos_ss, sin_sb, sin_ss;
-  Rope3DGrid grid;
+  int64_t grid_offsets[3];  // 3-D grid: (frame, row, column) of the first token
   ParamPtr qw, kw;
   bool across;  // one norm over every head of a tensor (weights [H * D])
   float eps, weight_offset;
@@ -189,9 +188,9 @@ __device__ __forceinline__ void grid_position(const RopeKernelArgs& a, int64_t s
   uint32_t in_frame, col;
   const uint32_t frame = a.grid_hw.divmod(uint32_t(s), in_frame);
   const uint32_t row = a.grid_w.divmod(in_frame, col);
-  pos[0] = double(int64_t(frame) + a.grid.offsets[0]);
-  pos[1] = double(int64_t(row) + a.grid.offsets[1]);
-  pos[2] = double(int64_t(col) + a.grid.offsets[2]);
+  pos[0] = double(int64_t(frame) + a.grid_offsets[0]);
+  pos[1] = double(int64_t(row) + a.grid_offsets[1]);
+  pos[2] = double(int64_t(col) + a.grid_offsets[2]);
 }
 
 // Grid mode: copies the launch's grid table into the block's shared memory ([R/2] turns, then
@@ -542,7 +541,6 @@ void launch_rope(const RopeKernelArgs& a, int head_groups, bool interleaved, boo
 
 void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t stream) {
   RopeKernelArgs a{};
-  a.S = sh.S;
   a.seq = FastDivmod(uint32_t(sh.S));  // (S <= the token count, below 2^31: checked per kernel below)
   a.Hq = int(sh.Hq);
   a.Hk = int(sh.Hk);
@@ -553,7 +551,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   a.qo = tensor_arg(args.q_out);
   a.ko = tensor_arg(args.k_out);
   if (args.use_grid) {
-    a.grid = args.grid;
+    for (int i = 0; i < 3; ++i) a.grid_offsets[i] = args.grid.offsets[i];
     a.grid_hw = FastDivmod(uint32_t(args.grid.height * args.grid.width));
     a.grid_w = FastDivmod(uint32_t(args.grid.width));
   } else {
@@ -648,10 +646,11 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
     return;
   }
 
-  a.rows_per_token = a.across ? 1 + int(has_k) : a.Hq + a.Hk;
-  a.row_split = FastDivmod(uint32_t(a.rows_per_token));
+  // rows of a token: Hq + Hk (one head per row) or 1 + has_k (all heads of a tensor)
+  const int rows_per_token = a.across ? 1 + int(has_k) : a.Hq + a.Hk;
+  a.row_split = FastDivmod(uint32_t(rows_per_token));
   a.q_rows = a.across ? 1 : a.Hq;
-  a.rows = sh.B * sh.S * a.rows_per_token;
+  a.rows = sh.B * sh.S * rows_per_token;
   const int64_t units = int64_t(a.across ? std::max(a.Hq, a.Hk) : 1) * a.units_per_head;
 
   // Two-vector units: at most 4 of them per thread.
