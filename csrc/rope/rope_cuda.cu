@@ -579,7 +579,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   a.units_per_head = rot_units + (a.D - a.R) / vec;
   const bool has_k = args.k.defined();
   // The 3-D grid's per-pair frequencies and axes, the same for every token and block.
-  GridPairs pairs_table;
+  GridPairs pairs_table{};
   const GridPairs* grid_pairs = nullptr;
   if (args.use_grid) {
     // (R <= kMaxGridRotaryDims: checked by the entry point)
