@@ -1,5 +1,5 @@
-// Internal interface of the rotary family, plus the angle formula of the in-kernel 3-D table,
-// written once for host and device.
+// Internal interface of the rotary family, plus the angle formula of the 3-D grid, written once
+// for the CPU reference and the CUDA launcher (which hands the kernels each pair's frequency).
 #pragma once
 
 #include <cmath>
@@ -28,7 +28,7 @@ FUSEBOX_HD int64_t rope_partner(int64_t d, int64_t R, bool interleaved, bool& fi
 // The widest rotary part the 3-D grid takes (its per-pair table is a kernel parameter).
 constexpr int64_t kMaxGridRotaryDims = 512;
 
-// The in-kernel 3-D table (see Rope3DGrid). Channel r (< R) belongs to pair
+// The 3-D grid's angles (see Rope3DGrid). Channel r (< R) belongs to pair
 // `pair`, which falls in one section (axis) of the grid; its angle is
 // position_on_that_axis * theta^(-2j / axes_dim[axis]), j the pair's index in its section.
 FUSEBOX_HD int rope_grid_axis(const Rope3DGrid& g, int64_t r, int64_t R, bool interleaved, int64_t& j) {
