@@ -35,7 +35,6 @@ struct NormKernelArgs {
   int tpr_log2;     // log2(tpr) where rows_per_block > 1 (tpr is then a power of two)
   int rows_per_block;
   int row_iters;    // register path, ITEMS > 2: row groups per block (1 otherwise)
-  bool stage_params;  // register path, ITEMS > 2: small operands go through shared-memory slots
   RowOperandArg x, branch, residual_out, out;
   RowOperandArg gate, scale, shift;  // T or the params' dtype
   ParamPtr weight, bias;
@@ -51,6 +50,15 @@ __device__ __forceinline__ T* at(const RowOperandArg& o, int64_t i0, int64_t i1,
 }
 
 // ---------------------------------------------------------------- register path
+
+// Where a row's small operands (weight, bias, gate, scale, shift) wait between their load and
+// their use after the reduction. A compile-time choice: a run-time one kept both paths' address
+// arithmetic and predicates in every use (about 13 instructions per operand and vector).
+enum class ParamPath {
+  kHeld,    // loaded into registers right after the row (plans of 1-2 vectors per thread)
+  kStaged,  // copied to shared-memory slots while the row loads (cp.async)
+  kGlobal,  // read from global memory at their use (L1 hits for operands shared by every row)
+};
 
 // Where the small operands (weight, bias, gate, scale, shift) wait for their use: each thread
 // copies the vectors it will need into its own shared-memory slots when it issues the row's
@@ -71,13 +79,13 @@ struct ParamSlots {
 // pointer does not change from one row to the next (weight, bias, per-sample modulation) is
 // copied to its slots once per block, not once per row.
 // With ITEMS <= 2 (rows of few vectors per thread's share, or few rows: the short critical path
-// matters more than bytes in flight) the small operands are loaded into registers right after
-// the row, with no staging.
+// matters more than bytes in flight) the small operands are held in registers (PARAMS kHeld).
 // NORM: what normalizes the row; RES: a branch (and optional gate) is added first and the sum
 // written out; MOD: scale and/or shift modulate the normalized row. P: dtype of every small
 // operand present.
-template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD>
+template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS>
 __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
+  static_assert((ITEMS <= 2) == (PARAMS == ParamPath::kHeld), "registers hold the operands of the 1-2 vector plans only");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // [iteration parity][reduction]: one float per warp for each of a row's (at most two) sums;
   // by parity since a fast thread may start the next row's reduction while a slow one still
@@ -151,7 +159,7 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
     const int shift_slot =
         shift ? int(gate != nullptr) + int(weight != nullptr) + int(bias != nullptr) + int(scale != nullptr) : -1;
     auto stage = [&](int slot, const P* src, const P*& in_slot) {  // unless already there
-      if (!a.stage_params || src == nullptr || !active || in_slot == src) return;
+      if (PARAMS != ParamPath::kStaged || src == nullptr || !active || in_slot == src) return;
       in_slot = src;
 #pragma unroll
       for (int it = 0; it < ITEMS; ++it) {
@@ -160,7 +168,7 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
       }
     };
     // ITEMS <= 2: the operands' vectors, in the order gate, weight, bias, scale, shift.
-    constexpr bool kHeldParams = ITEMS <= 2;
+    constexpr bool kHeldParams = PARAMS == ParamPath::kHeld;
     Pack<P, VEC> held[kHeldParams ? 5 : 1][kHeldParams ? ITEMS : 1];
     if constexpr (kHeldParams) {
       const P* srcs[5] = {gate, weight, bias, scale, shift};
@@ -181,12 +189,13 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
       stage(shift_slot, shift, shift_in);
     }
     if (k == 0) pdl_release();
-    if constexpr (!kHeldParams) async_copy_wait();  // only this thread's copies: its own slots
+    if constexpr (PARAMS == ParamPath::kStaged) async_copy_wait();  // only this thread's copies: its own slots
     // Item `it` of small operand `which` (0-4 as in `held`): from a register, its slot, or
     // straight from global memory (cached).
     auto param = [&](int which, int slot, const P* src, int it) {
       if constexpr (kHeldParams) return held[which][it];
-      return a.stage_params ? *slots.at(slot, it) : load_pack<P, VEC>(src + (lane + it * tpr) * VEC);
+      if constexpr (PARAMS == ParamPath::kStaged) return *slots.at(slot, it);
+      return load_pack<P, VEC>(src + (lane + it * tpr) * VEC);
     };
 
     if constexpr (RES) {
@@ -324,9 +333,9 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
   }
 }
 
-template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD>
+template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS>
 __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernelArgs a) {
-  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD>(a);
+  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS>(a);
 }
 
 // The same rows with room for two blocks of kMaxThreads per SM: 64 registers a thread. The
@@ -335,9 +344,9 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
 // 64 and loses its 8-20 bytes of spills), where a bare register cap (__maxnreg__(64)) spills
 // 60-84 bytes. Measured (H100, fp16): per-sample adaln LTX 23.6 -> 20.2 us, Wan 14B 267.6 -> 234.0;
 // bf16 unchanged to 2.6% faster (bench/results/2026-11-25_h100_bafa32a/tune).
-template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD>
+template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS>
 __global__ void __launch_bounds__(kMaxThreads, 2) norm_rows_kernel_64_registers(const NormKernelArgs a) {
-  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD>(a);
+  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS>(a);
 }
 
 // ---------------------------------------------------------------- streaming path
@@ -517,10 +526,12 @@ int shared_param_dtype(const NormArgs& args) {
   return dt == -1 ? int(args.x.dtype) : dt;
 }
 
+// stage: ITEMS > 2, the small operands go through shared-memory slots (else read at their use).
 template <typename T, typename P, int VEC, int ITEMS>
-void launch_rows(const NormKernelArgs& a, bool res, bool mod, int n_params, int64_t groups, dim3 block,
-                 cudaStream_t stream) {
-  const size_t smem = a.stage_params ? size_t(n_params) * ITEMS * block.x * sizeof(Pack<P, VEC>) : 0;
+void launch_rows(const NormKernelArgs& a, bool res, bool mod, int n_params, bool stage, int64_t groups,
+                 dim3 block, cudaStream_t stream) {
+  stage = stage && ITEMS > 2 && n_params > 0;
+  const size_t smem = stage ? size_t(n_params) * ITEMS * block.x * sizeof(Pack<P, VEC>) : 0;
   auto go = [&](auto norm, auto r, auto m) {
     constexpr NormType kNorm = decltype(norm)::value;
     constexpr bool kRes = decltype(r)::value, kMod = decltype(m)::value;
@@ -535,10 +546,19 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, int n_params, int6
         if (smem > 32 * 1024) allow_dynamic_smem(kernel, smem);
         launch(kernel, dim3(unsigned((groups + a.row_iters - 1) / a.row_iters)), block, smem, stream, a);
       };
-      if constexpr (ITEMS == 4 && kMod && !kRes)
-        launch_kernel(norm_rows_kernel_64_registers<T, P, VEC, ITEMS, kNorm, kRes, kMod>);
+      auto with_path = [&](auto path) {
+        constexpr ParamPath kPath = decltype(path)::value;
+        if constexpr (ITEMS == 4 && kMod && !kRes)
+          launch_kernel(norm_rows_kernel_64_registers<T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath>);
+        else
+          launch_kernel(norm_rows_kernel<T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath>);
+      };
+      if constexpr (ITEMS <= 2)
+        with_path(std::integral_constant<ParamPath, ParamPath::kHeld>{});
+      else if (stage)
+        with_path(std::integral_constant<ParamPath, ParamPath::kStaged>{});
       else
-        launch_kernel(norm_rows_kernel<T, P, VEC, ITEMS, kNorm, kRes, kMod>);
+        with_path(std::integral_constant<ParamPath, ParamPath::kGlobal>{});
     }
   };
   auto with_flags = [&](auto norm) {
@@ -630,7 +650,7 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   // or is 16-bit; fp32 operands that stay the same for every row are read straight from
   // global memory (L1 hits), which keeps more rows resident (Wan 14B adaln: 355 -> 291 us).
   const bool stage_by_default = per_row_operand || !params_f32;
-  a.stage_params = items > 2 && n_params > 0 && tuning_knobs().norm_stage.value_or(int(stage_by_default)) != 0;
+  const bool stage = tuning_knobs().norm_stage.value_or(int(stage_by_default)) != 0;
 
   dispatch_dtype(args.x.dtype, [&](auto t) {
     using T = decltype(t);
@@ -639,15 +659,15 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
       if (full_vectors) {
         constexpr int V = 16 / int(sizeof(T));
         if (items == 1)
-          launch_rows<T, P, V, 1>(a, res, mod, n_params, groups, block, stream);
+          launch_rows<T, P, V, 1>(a, res, mod, n_params, stage, groups, block, stream);
         else if (items == 2)
-          launch_rows<T, P, V, 2>(a, res, mod, n_params, groups, block, stream);
+          launch_rows<T, P, V, 2>(a, res, mod, n_params, stage, groups, block, stream);
         else if (items == 4)
-          launch_rows<T, P, V, 4>(a, res, mod, n_params, groups, block, stream);
+          launch_rows<T, P, V, 4>(a, res, mod, n_params, stage, groups, block, stream);
         else
-          launch_rows<T, P, V, 8>(a, res, mod, n_params, groups, block, stream);
+          launch_rows<T, P, V, 8>(a, res, mod, n_params, stage, groups, block, stream);
       } else {
-        launch_rows<T, P, 1, 8>(a, res, mod, n_params, groups, block, stream);
+        launch_rows<T, P, 1, 8>(a, res, mod, n_params, stage, groups, block, stream);
       }
     };
     if (params_f32 || std::is_same_v<T, float>)
