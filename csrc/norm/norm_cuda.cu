@@ -107,12 +107,13 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
   // registers, and the occupancy that costs outweighs the overlap it buys (measured); the
   // other resident blocks keep loads in flight.
   Pack<T, VEC> h[ITEMS], b[RES ? ITEMS : 1];
-  // LayerNorm moments in one row sum (see there; 4-6% faster on the DiT rows than two) for
-  // 16-bit rows without a residual or modulation and with at most 4 vectors per thread. The
-  // others keep two row sums: fp32 outputs would show the one-sum cancellation (up to 1e-4 of
-  // rstd), and ptxas allocates the one-sum code of the other variants 28-49 more registers
-  // (adaln 64 -> 92).
-  constexpr bool kOnePassMoments = NORM == NormType::kLayer && sizeof(T) == 2 && !RES && !MOD && ITEMS <= 4;
+  // LayerNorm moments in one row sum (see there; one barrier instead of two) for 16-bit rows
+  // without a residual and with at most 4 vectors per thread: the per-sample adaln rows gain 5%
+  // (Wan 14B 194.1 -> 183.9 us, FLUX 23.7 -> 22.5). fp32 outputs keep two row sums: they would
+  // show the one-sum cancellation (up to 1e-4 of rstd). So do residual rows: ptxas gives the
+  // staged ones 10 more registers with one sum (FLUX's gated_residual_norm 84 -> 94, 38.6 ->
+  // 42.3 us), and the others gained 0-2%.
+  constexpr bool kOnePassMoments = NORM == NormType::kLayer && sizeof(T) == 2 && !RES && ITEMS <= 4;
   float pivot = 0.f;  // kOnePassMoments: the row's first element
   pdl_wait();
 
