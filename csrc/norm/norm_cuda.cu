@@ -456,6 +456,7 @@ struct RowOpTraits {
   bool modulated;        // scale and/or shift
   bool per_row_operand;  // a gate or modulation that changes from row to row (per token)
   bool small_operands;   // any of weight, bias, gate, scale, shift present
+  bool f32_operands;     // ... in fp32
 };
 
 // Vectors per thread on the register path (0: streaming path). H200 figures; "2026-11-25"
@@ -475,12 +476,16 @@ struct RowOpTraits {
 // - 1 for a norm without a residual or modulation up to a full wave: 2026-11-25, [1x512x4096]
 //   7.17 -> 6.82 us (before the short plans of 00ba0d1 it lost there, 7.39 -> 8.51); with a
 //   residual it still loses ([1x512x4096] 8.38 -> 9.28).
+// - 2 for such a norm with 16-bit small operands (weight, bias) and rows up to 256 vectors
+//   (bench/results/2026-11-26_h200_128d6e5/tune/norm_items_and_stage_172e9aa.txt: LayerNorm LTX
+//   18.54 -> 17.49 us, ltx-long 42.88 -> 41.79, rms_norm 8192x2048 20.90 -> 20.30, 32768x2048
+//   68.91 -> 67.01; 384 vectors gain nothing, FLUX 22.30 -> 22.19, 8192x3072 28.72 -> 28.91).
+//   fp32 operands held in registers cost occupancy (Wan 1.3B's LayerNorm 61.2 -> 63.7).
 // - 2 for a plain residual add + norm (fused_add_rms_norm: no gate, no modulation) of rows up to
 //   512 vectors: x and the residual in flight with the small operands in registers. Measured
 //   together with the shuffle row sum against the previous kernels (2026-11-24 tune/4):
-//   2048x2048 13.79 -> 13.17 us, [1x512x4096] 9.50 -> 8.90. The norm with a weight and the
-//   per-sample modulated ops are slower with 2 (2026-11-24_h200_b6c53a1 tune/norm_items:
-//   LayerNorm LTX 19.0 -> 20.4 us, adaln FLUX 24.3 -> 30.0).
+//   2048x2048 13.79 -> 13.17 us, [1x512x4096] 9.50 -> 8.90. The per-sample modulated ops are
+//   slower with 2 (adaln FLUX 23.68 -> 25.33 us, Wan 1.3B 72.0 -> 100.1 at 128d6e5).
 // - 2 as well for rows of up to 256 vectors whose modulation or gate changes from row to row
 //   (per-token modulation): their operands load with the row into registers instead of being
 //   staged (same run: adaln Wan 1.3B per token 162.8 -> 148.5 us, LTX per token 25.6 -> 25.0,
@@ -501,6 +506,7 @@ int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOp
   if (vec_per_row <= kMaxThreads && rows * vec_per_row <= wave / 2) return 1;
   if (plain_norm && !op.small_operands && vec_per_row <= kMaxThreads) return 2;
   if (plain_norm && vec_per_row <= kMaxThreads && rows * vec_per_row <= wave) return 1;
+  if (plain_norm && !op.f32_operands && vec_per_row <= 256) return 2;
   if (op.plain_residual && vec_per_row <= kMaxThreads) return 2;
   if (op.per_row_operand && vec_per_row <= 256) return 2;
   if (vec_per_row <= 4 * kMaxThreads) return 4;
@@ -616,10 +622,11 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   const int n_params = int(args.gate.defined()) + int(normalizes && args.weight.defined()) +
                        int(normalizes && args.bias.defined()) + int(args.scale.defined()) +
                        int(args.shift.defined());
-  const RowOpTraits traits{normalizes, res, res && !args.gate.defined() && !mod && normalizes, mod,
-                           per_row_operand, n_params > 0};
-  const int items = pick_items(a.rows, a.vec_per_row, full_vectors, traits);
   const int param_dtype = shared_param_dtype(args);
+  const bool params_f32 = DType(param_dtype) == DType::kFloat32;
+  const RowOpTraits traits{normalizes, res, res && !args.gate.defined() && !mod && normalizes, mod,
+                           per_row_operand, n_params > 0, n_params > 0 && params_f32};
+  const int items = pick_items(a.rows, a.vec_per_row, full_vectors, traits);
   FUSEBOX_CHECK(a.rows < (int64_t(1) << 31), "too many rows: ", a.rows);
 
   if (items == 0 || param_dtype < 0 || !(full_vectors || vec == 1)) {
@@ -646,11 +653,11 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   // serving every group. One group per block is the measured default (H200: the resident blocks
   // already keep enough loads in flight); FUSEBOX_NORM_ROW_ITERS (1-8) sets more for tuning runs.
   a.row_iters = items <= 2 ? 1 : std::max(1, std::min(8, tuning_knobs().norm_row_iters.value_or(1)));
-  const bool params_f32 = DType(param_dtype) == DType::kFloat32;
-  // Staging pays when an operand changes from row to row (its copy overlaps the row's loads)
-  // or is 16-bit; fp32 operands that stay the same for every row are read straight from
-  // global memory (L1 hits), which keeps more rows resident (Wan 14B adaln: 355 -> 291 us).
-  const bool stage_by_default = per_row_operand || !params_f32;
+  // 16-bit operands are staged; fp32 ones are read at their use: those that stay the same for
+  // every row hit L1, and staging keeps fewer rows resident (Wan 14B adaln: 355 -> 291 us), and
+  // those that change from row to row go faster too since the use is compile-time (Wan 14B
+  // per-token adaln 497.6 -> 458.8 us, norm_items_and_stage_172e9aa.txt).
+  const bool stage_by_default = !params_f32;
   const bool stage = tuning_knobs().norm_stage.value_or(int(stage_by_default)) != 0;
 
   dispatch_dtype(args.x.dtype, [&](auto t) {
