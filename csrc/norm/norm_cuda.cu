@@ -60,10 +60,10 @@ enum class ParamPath {
   kGlobal,  // read from global memory at their use (L1 hits for operands shared by every row)
 };
 
-// Where the small operands (weight, bias, gate, scale, shift) wait for their use: each thread
-// copies the vectors it will need into its own shared-memory slots when it issues the row's
-// loads (cp.async: no registers held while they are in flight) and reads them back after
-// the reduction, so their latency overlaps the row's instead of following the reduction.
+// kStaged's slots: each thread copies the vectors it will need into its own shared-memory slots
+// when it issues the row's loads (cp.async: no registers held while they are in flight) and
+// reads them back after the reduction, so their latency overlaps the row's instead of following
+// the reduction.
 // Slot of operand p, item it, thread t: [p][it][t], consecutive threads 16 bytes apart.
 template <typename P, int VEC, int ITEMS>
 struct ParamSlots {
@@ -623,7 +623,7 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
                        int(normalizes && args.bias.defined()) + int(args.scale.defined()) +
                        int(args.shift.defined());
   const int param_dtype = shared_param_dtype(args);
-  const bool params_f32 = DType(param_dtype) == DType::kFloat32;
+  const bool params_f32 = param_dtype >= 0 && DType(param_dtype) == DType::kFloat32;
   const RowOpTraits traits{normalizes, res, res && !args.gate.defined() && !mod && normalizes, mod,
                            per_row_operand, n_params > 0, n_params > 0 && params_f32};
   const int items = pick_items(a.rows, a.vec_per_row, full_vectors, traits);

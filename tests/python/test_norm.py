@@ -117,6 +117,38 @@ def test_plans_between_half_and_full_wave(device, gen, dtypes):
                  name="gated_residual")
 
 
+# Calls of more than one wave of resident threads on an H100/H200 (the CPU rows check the same
+# semantics): 16-bit rows take the 2- and 4-vector plans, whose small operands are held in
+# registers, staged in shared memory or read at their use depending on op, width and dtype.
+BEYOND_ONE_WAVE = ["rms_weight_2048", "layer_affine_1536", "layer_affine_2048", "adaln_sample_3072",
+                   "adaln_sample_1536", "adaln_token_5120", "gated_residual_norm_sample_3072"]
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("case", BEYOND_ONE_WAVE)
+def test_plans_beyond_one_wave(device, gen, dtypes, case):
+    xd, pd = dtypes
+    kind, width = case.rsplit("_", 1)
+    width = int(width)
+    shape = (2, 1152 if torch.device(device).type == "cuda" else 3, width)
+    x = randn(gen, shape, xd, device)
+    if kind in ("rms_weight", "layer_affine"):
+        w, b = affine_params(gen, "weight" if kind == "rms_weight" else "weight_bias", width, pd, device)
+        if kind == "rms_weight":
+            assert_close(call(fusebox.rms_norm, x, w), ref.rms_norm(x, w), xd)
+        else:
+            assert_close(call(fusebox.layer_norm, x, w, b), ref.layer_norm(x, w, b), xd)
+    elif kind.startswith("adaln"):
+        scale, shift = modulation(gen, "token_chunk" if kind == "adaln_token" else "sample", shape, 2,
+                                  pd, device)
+        out = call(fusebox.adaln, x, scale, shift, norm_type="layer")
+        assert_close(out, ref.modulate(ref.norm("layer", x), scale, shift), xd)
+    else:
+        branch = randn(gen, shape, xd, device)
+        gate, scale, shift = modulation(gen, "sample", shape, 3, pd, device)
+        check_gated_residual_norm(x, branch, gate, scale, shift, norm_type="layer")
+
+
 # --------------------------------------------------------------------------- fused_add_rms_norm
 
 
