@@ -129,7 +129,10 @@ std::tuple<Tensor, Tensor> norm_impl(const Tensor& x, const OptTensor& branch, c
                                      const OptTensor& scale, const OptTensor& shift,
                                      const OptTensor& weight, const OptTensor& bias,
                                      const std::string& norm_type, double eps, double weight_offset,
-                                     std::optional<at::ScalarType> out_dtype, const char* branch_name) {
+                                     std::optional<at::ScalarType> out_dtype, const char* branch_name,
+                                     const OptTensor& gate_table = std::nullopt,
+                                     const OptTensor& scale_table = std::nullopt,
+                                     const OptTensor& shift_table = std::nullopt) {
   check_out_dtype(out_dtype, x);
   TORCH_CHECK_VALUE(branch.has_value() || !gate.has_value(),
                     "fusebox: gate needs branch (h = x + gate * branch)");
@@ -147,6 +150,9 @@ std::tuple<Tensor, Tensor> norm_impl(const Tensor& x, const OptTensor& branch, c
   a.shift = view(shift_b, "shift");
   a.weight = view(weight, "weight");
   a.bias = view(bias, "bias");
+  a.gate_table = view(gate_table, "gate_table");
+  a.scale_table = view(scale_table, "scale_table");
+  a.shift_table = view(shift_table, "shift_table");
   a.out = view(out, "out");
   if (branch.has_value()) a.residual_out = view(h, "residual_out");
   a.norm = parse_norm(norm_type, false);
@@ -160,9 +166,10 @@ std::tuple<Tensor, Tensor> fused_norm(const Tensor& x, const OptTensor& branch, 
                                       const OptTensor& scale, const OptTensor& shift,
                                       const OptTensor& weight, const OptTensor& bias,
                                       const std::string& norm_type, double eps, double weight_offset,
-                                      std::optional<at::ScalarType> out_dtype) {
+                                      std::optional<at::ScalarType> out_dtype, const OptTensor& gate_table,
+                                      const OptTensor& scale_table, const OptTensor& shift_table) {
   return norm_impl(x, branch, gate, scale, shift, weight, bias, norm_type, eps, weight_offset, out_dtype,
-                   "branch");
+                   "branch", gate_table, scale_table, shift_table);
 }
 
 Tensor rms_norm(const Tensor& x, const OptTensor& weight, double eps, double weight_offset,
@@ -183,13 +190,15 @@ std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& x, const Tensor& res
                    eps, weight_offset, std::nullopt, "residual");
 }
 
-Tensor gated_residual(const Tensor& x, const Tensor& branch, const OptTensor& gate) {
+Tensor gated_residual(const Tensor& x, const Tensor& branch, const OptTensor& gate,
+                      const OptTensor& gate_table) {
   const OptTensor gate_b = broadcast_to(gate, x, "gate");
   Tensor h = empty_like_shape(x);
   fusebox::NormArgs a;
   a.x = view(x, "x");
   a.branch = view(branch, "branch");
   a.gate = view(gate_b, "gate");
+  a.gate_table = view(gate_table, "gate_table");
   a.residual_out = view(h, "out");
   a.norm = fusebox::NormType::kNone;
   run(x, [&](cudaStream_t s) { fusebox::norm(a, s); });
@@ -353,8 +362,9 @@ TORCH_LIBRARY(fusebox, m) {
   m.def("layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps, ScalarType? out_dtype) -> Tensor", tags);
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor? weight, float eps, float weight_offset) -> (Tensor, Tensor)", tags);
   m.def("fused_norm(Tensor x, Tensor? branch, Tensor? gate, Tensor? scale, Tensor? shift, Tensor? weight, "
-        "Tensor? bias, str norm_type, float eps, float weight_offset, ScalarType? out_dtype) -> (Tensor, Tensor)", tags);
-  m.def("gated_residual(Tensor x, Tensor branch, Tensor? gate) -> Tensor", tags);
+        "Tensor? bias, str norm_type, float eps, float weight_offset, ScalarType? out_dtype, "
+        "Tensor? gate_table=None, Tensor? scale_table=None, Tensor? shift_table=None) -> (Tensor, Tensor)", tags);
+  m.def("gated_residual(Tensor x, Tensor branch, Tensor? gate, Tensor? gate_table=None) -> Tensor", tags);
   m.def("rotary(Tensor q, Tensor? k, Tensor? cos, Tensor? sin, int[]? grid, int[]? axes_dim, float theta, "
         "int[]? offsets, str norm, bool across_heads, Tensor? q_weight, Tensor? k_weight, float eps, "
         "float weight_offset, bool interleaved, bool heads_first) -> (Tensor, Tensor)", tags);

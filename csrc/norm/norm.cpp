@@ -1,6 +1,8 @@
 // Entry point of the norm family: checks every operand, merges row layouts, picks the
 // vector width and hands off to the CPU reference or the CUDA kernel.
 #include <cmath>
+#include <string>
+#include <utility>
 
 #include "common/layout.h"
 #include "norm/norm_impl.h"
@@ -21,6 +23,29 @@ void check_row_operand(const TensorView& t, const char* name, const TensorView& 
     check_param_dtype(t, name, x.dtype);
   else
     detail::check_dtype_is(t, name, x.dtype, "the dtype of x");
+}
+
+// Split modulation (see NormArgs): a table for every present term or for none; the tables are
+// [D] vectors, the terms then x's dtype.
+void check_split_modulation(const NormArgs& a, int64_t width) {
+  const std::pair<const TensorView*, const TensorView*> parts[] = {
+      {&a.gate, &a.gate_table}, {&a.scale, &a.scale_table}, {&a.shift, &a.shift_table}};
+  const char* names[] = {"gate", "scale", "shift"};
+  bool any_table = false;
+  for (const auto& [term, table] : parts) any_table |= table->defined();
+  if (!any_table) return;
+  for (int i = 0; i < 3; ++i) {
+    const TensorView& term = *parts[i].first;
+    const TensorView& table = *parts[i].second;
+    const std::string table_name = std::string(names[i]) + "_table";
+    FUSEBOX_CHECK(term.defined() || !table.defined(), table_name, " needs ", names[i], " (",
+                  names[i], " = ", table_name, " + ", names[i], ")");
+    if (!term.defined()) continue;
+    FUSEBOX_CHECK(table.defined(), names[i], " needs ", table_name,
+                  ": with split modulation every present term has its table");
+    detail::check_vector(table, table_name.c_str(), width, "x's last dimension", a.x.dtype);
+    detail::check_dtype_is(term, names[i], a.x.dtype, "x's dtype (with its table it is the per-row part)");
+  }
 }
 
 }  // namespace
@@ -59,9 +84,12 @@ void norm(const NormArgs& a, cudaStream_t stream) {
   check_row_operand(a.shift, "shift", a.x, true);
   if (a.weight.defined()) detail::check_vector(a.weight, "weight", width, "x's last dimension", a.x.dtype);
   if (a.bias.defined()) detail::check_vector(a.bias, "bias", width, "x's last dimension", a.x.dtype);
+  check_split_modulation(a, width);
   detail::check_same_device({{&a.x, "x"}, {&a.branch, a.branch_name}, {&a.gate, "gate"},
                              {&a.weight, "weight"}, {&a.bias, "bias"}, {&a.scale, "scale"},
-                             {&a.shift, "shift"}, {&a.out, "out"}, {&a.residual_out, "residual_out"}});
+                             {&a.shift, "shift"}, {&a.gate_table, "gate_table"},
+                             {&a.scale_table, "scale_table"}, {&a.shift_table, "shift_table"},
+                             {&a.out, "out"}, {&a.residual_out, "residual_out"}});
 
   const TensorView* rows[] = {&a.x, &a.branch, &a.gate, &a.scale, &a.shift, &a.out, &a.residual_out};
   detail::RowStrides rs[7];
@@ -73,9 +101,9 @@ void norm(const NormArgs& a, cudaStream_t stream) {
     return;
   }
   const TensorView* all[] = {&a.x, &a.branch, &a.gate, &a.scale, &a.shift, &a.out, &a.residual_out,
-                             &a.weight, &a.bias};
-  detail::RowStrides all_strides[9] = {rs[0], rs[1], rs[2], rs[3], rs[4], rs[5], rs[6], {}, {}};
-  const int vec = detail::pick_vector_width(a.x.dtype, width, all, 9, all_strides);
+                             &a.weight, &a.bias, &a.gate_table, &a.scale_table, &a.shift_table};
+  detail::RowStrides all_strides[12] = {rs[0], rs[1], rs[2], rs[3], rs[4], rs[5], rs[6]};
+  const int vec = detail::pick_vector_width(a.x.dtype, width, all, 12, all_strides);
   cuda::norm_cuda(a, layout, strides, vec, stream);
 }
 

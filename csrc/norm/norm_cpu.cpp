@@ -7,6 +7,15 @@
 #include "norm/norm_impl.h"
 
 namespace fusebox::cpu {
+namespace {
+
+// A modulation term at column d of a row: its per-row value plus, split, its table's (fp32 sum).
+float term_at(const TensorView& term, const TensorView& table, int64_t row_off, int64_t d) {
+  const float v = load(term.data, term.dtype, row_off + d);
+  return table.defined() ? load(table.data, table.dtype, d) + v : v;
+}
+
+}  // namespace
 
 void norm_cpu(const NormArgs& a, const detail::RowLayout& layout, const NormStrides& s) {
   const int64_t width = a.x.shape[a.x.ndim - 1];
@@ -17,7 +26,7 @@ void norm_cpu(const NormArgs& a, const detail::RowLayout& layout, const NormStri
       float v = load(a.x.data, a.x.dtype, ox + d);
       if (a.branch.defined()) {
         float b = load(a.branch.data, a.branch.dtype, row_offset(layout, s.branch, row) + d);
-        if (a.gate.defined()) b *= load(a.gate.data, a.gate.dtype, row_offset(layout, s.gate, row) + d);
+        if (a.gate.defined()) b *= term_at(a.gate, a.gate_table, row_offset(layout, s.gate, row), d);
         v = round_to(a.x.dtype, v + b);
         store(a.residual_out.data, a.residual_out.dtype, row_offset(layout, s.residual_out, row) + d, v);
       }
@@ -41,8 +50,8 @@ void norm_cpu(const NormArgs& a, const detail::RowLayout& layout, const NormStri
       float y = (h[size_t(d)] - fmean) * rstd;
       if (a.weight.defined()) y *= a.weight_offset + load(a.weight.data, a.weight.dtype, d);
       if (a.bias.defined()) y += load(a.bias.data, a.bias.dtype, d);
-      if (a.scale.defined()) y *= 1.f + load(a.scale.data, a.scale.dtype, row_offset(layout, s.scale, row) + d);
-      if (a.shift.defined()) y += load(a.shift.data, a.shift.dtype, row_offset(layout, s.shift, row) + d);
+      if (a.scale.defined()) y *= 1.f + term_at(a.scale, a.scale_table, row_offset(layout, s.scale, row), d);
+      if (a.shift.defined()) y += term_at(a.shift, a.shift_table, row_offset(layout, s.shift, row), d);
       store(a.out.data, a.out.dtype, oo + d, y);
     }
   }

@@ -36,8 +36,9 @@ struct NormKernelArgs {
   int rows_per_block;
   int row_iters;    // register path, ITEMS > 2: row groups per block (1 otherwise)
   RowOperandArg x, branch, residual_out, out;
-  RowOperandArg gate, scale, shift;  // T or the params' dtype
+  RowOperandArg gate, scale, shift;  // T or the params' dtype; T with split modulation
   ParamPtr weight, bias;
+  ParamPtr gate_table, scale_table, shift_table;  // split modulation: [D], the params' dtype
   bool gate_f32, scale_f32, shift_f32, out_f32;
   NormType norm;
   float eps, weight_offset;
@@ -82,8 +83,10 @@ struct ParamSlots {
 // matters more than bytes in flight) the small operands are held in registers (PARAMS kHeld).
 // NORM: what normalizes the row; RES: a branch (and optional gate) is added first and the sum
 // written out; MOD: scale and/or shift modulate the normalized row. P: dtype of every small
-// operand present.
-template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS>
+// operand present. SPLIT: gate, scale and shift come as a [D] table (a small operand, P) plus a
+// per-row part (T), added where the term is used.
+template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS,
+          bool SPLIT>
 __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
   static_assert((ITEMS <= 2) == (PARAMS == ParamPath::kHeld), "registers hold the operands of the 1-2 vector plans only");
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -144,12 +147,22 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
         }
       }
     }
-    // The small operands present, numbered in slot order (-1: absent).
-    const P* gate = RES && a.gate.ptr ? at<const P>(a.gate, i0, i1, i2, sizeof(P)) : nullptr;
+    // The small operands present, numbered in slot order (-1: absent). With split modulation,
+    // gate, scale and shift are their tables (the same for every row) and their per-row parts
+    // follow.
+    auto small = [&](const RowOperandArg& term, const ParamPtr& table) -> const P* {
+      if (!term.ptr) return nullptr;
+      return SPLIT ? static_cast<const P*>(table.ptr) : at<const P>(term, i0, i1, i2, sizeof(P));
+    };
+    const P* gate = RES ? small(a.gate, a.gate_table) : nullptr;
     const P* weight = NORM != NormType::kNone ? static_cast<const P*>(a.weight.ptr) : nullptr;
     const P* bias = NORM != NormType::kNone ? static_cast<const P*>(a.bias.ptr) : nullptr;
-    const P* scale = MOD && a.scale.ptr ? at<const P>(a.scale, i0, i1, i2, sizeof(P)) : nullptr;
-    const P* shift = MOD && a.shift.ptr ? at<const P>(a.shift, i0, i1, i2, sizeof(P)) : nullptr;
+    const P* scale = MOD ? small(a.scale, a.scale_table) : nullptr;
+    const P* shift = MOD ? small(a.shift, a.shift_table) : nullptr;
+    auto row_part = [&](bool present, const RowOperandArg& term) -> const T* {
+      return SPLIT && present && term.ptr ? at<const T>(term, i0, i1, i2, sizeof(T)) : nullptr;
+    };
+    const T* const parts[3] = {row_part(RES, a.gate), row_part(MOD, a.scale), row_part(MOD, a.shift)};
     if constexpr (kOnePassMoments) {  // the row's first element, which every thread reads itself
       if (active) pivot = load_scalar(at<const T>(a.x, i0, i1, i2, sizeof(T)));
     }
@@ -171,6 +184,8 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
     // ITEMS <= 2: the operands' vectors, in the order gate, weight, bias, scale, shift.
     constexpr bool kHeldParams = PARAMS == ParamPath::kHeld;
     Pack<P, VEC> held[kHeldParams ? 5 : 1][kHeldParams ? ITEMS : 1];
+    // SPLIT with ITEMS <= 2: the per-row parts of gate, scale and shift, loaded with the row
+    Pack<T, VEC> held_parts[kHeldParams && SPLIT ? 3 : 1][kHeldParams && SPLIT ? ITEMS : 1];
     if constexpr (kHeldParams) {
       const P* srcs[5] = {gate, weight, bias, scale, shift};
 #pragma unroll
@@ -180,6 +195,11 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
 #pragma unroll
           for (int i = 0; i < 5; ++i)
             if (srcs[i]) held[i][it] = load_pack<P, VEC>(srcs[i] + vi * VEC);
+          if constexpr (SPLIT) {
+#pragma unroll
+            for (int i = 0; i < 3; ++i)
+              if (parts[i]) held_parts[i][it] = load_pack<T, VEC>(parts[i] + vi * VEC);
+          }
         }
       }
     } else {
@@ -198,6 +218,19 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
       if constexpr (PARAMS == ParamPath::kStaged) return *slots.at(slot, it);
       return load_pack<P, VEC>(src + (lane + it * tpr) * VEC);
     };
+    // SPLIT: adds item `it` of the per-row part of term `which` (0 gate, 1 scale, 2 shift) to its
+    // table's values; registers hold it on the short plans, the others read it at its use.
+    auto add_row_part = [&](int which, int it, float (&v)[VEC]) {
+      if constexpr (SPLIT) {
+        float q[VEC];
+        if constexpr (kHeldParams)
+          unpack(held_parts[which][it], q);
+        else
+          unpack(load_pack<T, VEC>(parts[which] + (lane + it * tpr) * VEC), q);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) v[i] += q[i];
+      }
+    };
 
     if constexpr (RES) {
       // h = x + gate * branch, rounded to T as the unfused model materializes it.
@@ -212,6 +245,7 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
           if (gate_slot >= 0) {
             float gv[VEC];
             unpack(param(0, gate_slot, gate, it), gv);
+            add_row_part(0, it, gv);
 #pragma unroll
             for (int i = 0; i < VEC; ++i) bv[i] *= gv[i];
           }
@@ -315,11 +349,13 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
             }
             if (scale_slot >= 0) {
               unpack(param(3, scale_slot, scale, it), p);
+              add_row_part(1, it, p);
 #pragma unroll
               for (int i = 0; i < VEC; ++i) v[i] = fmaf(v[i], p[i], v[i]);  // y * (1 + scale) in one instruction
             }
             if (shift_slot >= 0) {
               unpack(param(4, shift_slot, shift, it), p);
+              add_row_part(2, it, p);
 #pragma unroll
               for (int i = 0; i < VEC; ++i) v[i] += p[i];
             }
@@ -334,9 +370,10 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
   }
 }
 
-template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS>
+template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS,
+          bool SPLIT>
 __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernelArgs a) {
-  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS>(a);
+  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS, SPLIT>(a);
 }
 
 // The same rows with room for two blocks of kMaxThreads per SM: 64 registers a thread. The
@@ -345,12 +382,24 @@ __global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernel
 // 64 and loses its 8-20 bytes of spills), where a bare register cap (__maxnreg__(64)) spills
 // 60-84 bytes. Measured (H100, fp16): per-sample adaln LTX 23.6 -> 20.2 us, Wan 14B 267.6 -> 234.0;
 // bf16 unchanged to 2.6% faster (bench/results/2026-11-25_h100_bafa32a/tune).
-template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS>
+template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS,
+          bool SPLIT>
 __global__ void __launch_bounds__(kMaxThreads, 2) norm_rows_kernel_64_registers(const NormKernelArgs a) {
-  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS>(a);
+  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS, SPLIT>(a);
 }
 
 // ---------------------------------------------------------------- streaming path
+
+// A modulation term's values at `col`: its row's, plus its table's under split modulation.
+template <typename T, int VEC>
+__device__ __forceinline__ void load_term(const ParamPtr& term, const ParamPtr& table, int col, float (&v)[VEC]) {
+  load_param<T, VEC>(term, col, v);
+  if (table.ptr == nullptr) return;
+  float t[VEC];
+  load_param<T, VEC>(table, col, t);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) v[i] += t[i];
+}
 
 template <typename T, int VEC>
 __device__ __forceinline__ void load_input(const NormKernelArgs& a, const T* x, const T* branch,
@@ -361,7 +410,7 @@ __device__ __forceinline__ void load_input(const NormKernelArgs& a, const T* x, 
   VecIO<T, VEC>::load(branch + col, b);
   if (gate.ptr != nullptr) {
     float g[VEC];
-    load_param<T, VEC>(gate, col, g);
+    load_term<T, VEC>(gate, a.gate_table, col, g);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) b[i] *= g[i];
   }
@@ -430,12 +479,12 @@ __global__ void __launch_bounds__(kStreamThreads) norm_stream_kernel(const NormK
       for (int i = 0; i < VEC; ++i) v[i] += p[i];
     }
     if (scale.ptr) {
-      load_param<T, VEC>(scale, col, p);
+      load_term<T, VEC>(scale, a.scale_table, col, p);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) v[i] *= 1.f + p[i];
     }
     if (shift.ptr) {
-      load_param<T, VEC>(shift, col, p);
+      load_term<T, VEC>(shift, a.shift_table, col, p);
 #pragma unroll
       for (int i = 0; i < VEC; ++i) v[i] += p[i];
     }
@@ -520,10 +569,18 @@ int threads_per_row(int64_t vec_per_row, int items) {
   return int((need + 31) / 32 * 32);
 }
 
-// The dtype every present small operand shares, or nullopt-like -1 when they differ.
+// Split modulation: every present gate, scale and shift has a table (norm() checks).
+bool split_modulation(const NormArgs& args) {
+  return args.gate_table.defined() || args.scale_table.defined() || args.shift_table.defined();
+}
+
+// The dtype every present small operand shares (-2 when they differ). With split modulation the
+// tables are the small operands; the per-row parts have x's dtype.
 int shared_param_dtype(const NormArgs& args) {
   int dt = -1;
-  for (const TensorView* t : {&args.weight, &args.bias, &args.gate, &args.scale, &args.shift}) {
+  const bool split = split_modulation(args);
+  for (const TensorView* t : {&args.weight, &args.bias, split ? &args.gate_table : &args.gate,
+                              split ? &args.scale_table : &args.scale, split ? &args.shift_table : &args.shift}) {
     if (!t->defined()) continue;
     if (dt == -1)
       dt = int(t->dtype);
@@ -533,19 +590,26 @@ int shared_param_dtype(const NormArgs& args) {
   return dt == -1 ? int(args.x.dtype) : dt;
 }
 
+// Split modulation on the register path: fp32 tables, full vectors, up to 4 vectors a thread.
+template <typename P, int VEC, int ITEMS>
+constexpr bool kSplitOnRegisterPath = std::is_same_v<P, float> && VEC > 1 && ITEMS <= 4;
+
 // stage: ITEMS > 2, the small operands go through shared-memory slots (else read at their use).
+// split: split modulation (see norm_rows).
 template <typename T, typename P, int VEC, int ITEMS>
-void launch_rows(const NormKernelArgs& a, bool res, bool mod, int n_params, bool stage, int64_t groups,
-                 dim3 block, cudaStream_t stream) {
+void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, int n_params, bool stage,
+                 int64_t groups, dim3 block, cudaStream_t stream) {
   stage = stage && ITEMS > 2 && n_params > 0;
   const size_t smem = stage ? size_t(n_params) * ITEMS * block.x * sizeof(Pack<P, VEC>) : 0;
-  auto go = [&](auto norm, auto r, auto m) {
+  auto go = [&](auto norm, auto r, auto m, auto sp) {
     constexpr NormType kNorm = decltype(norm)::value;
-    constexpr bool kRes = decltype(r)::value, kMod = decltype(m)::value;
+    constexpr bool kRes = decltype(r)::value, kMod = decltype(m)::value, kSplit = decltype(sp)::value;
     // Plans that pick_items and the op never make are not compiled: a residual with 8 full
     // vectors per thread (too many registers), and a residual add alone with modulation or
-    // without its residual.
-    if constexpr ((kRes && VEC > 1 && ITEMS == 8) || (kNorm == NormType::kNone && (!kRes || kMod))) {
+    // without its residual. Split modulation is compiled for fp32 tables (those of the models
+    // that pass it) on full-vector plans of up to 4 vectors; the streaming path takes the rest.
+    if constexpr ((kRes && VEC > 1 && ITEMS == 8) || (kNorm == NormType::kNone && (!kRes || kMod)) ||
+                  (kSplit && !(kSplitOnRegisterPath<P, VEC, ITEMS> && (kRes || kMod)))) {
       FUSEBOX_CHECK(false, "no norm kernel for this launch plan");
     } else {
       const auto launch_kernel = [&](auto kernel) {
@@ -556,9 +620,9 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, int n_params, bool
       auto with_path = [&](auto path) {
         constexpr ParamPath kPath = decltype(path)::value;
         if constexpr (ITEMS == 4 && kMod && !kRes)
-          launch_kernel(norm_rows_kernel_64_registers<T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath>);
+          launch_kernel(norm_rows_kernel_64_registers<T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit>);
         else
-          launch_kernel(norm_rows_kernel<T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath>);
+          launch_kernel(norm_rows_kernel<T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit>);
       };
       if constexpr (ITEMS <= 2)
         with_path(std::integral_constant<ParamPath, ParamPath::kHeld>{});
@@ -569,7 +633,10 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, int n_params, bool
     }
   };
   auto with_flags = [&](auto norm) {
-    auto with_mod = [&](auto r) { mod ? go(norm, r, std::true_type{}) : go(norm, r, std::false_type{}); };
+    auto with_split = [&](auto r, auto m) {
+      split ? go(norm, r, m, std::true_type{}) : go(norm, r, m, std::false_type{});
+    };
+    auto with_mod = [&](auto r) { mod ? with_split(r, std::true_type{}) : with_split(r, std::false_type{}); };
     res ? with_mod(std::true_type{}) : with_mod(std::false_type{});
   };
   switch (a.norm) {
@@ -608,6 +675,12 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
                       args.weight.defined() && args.weight.dtype == DType::kFloat32};
   a.bias = ParamPtr{args.bias.defined() ? args.bias.data : nullptr,
                     args.bias.defined() && args.bias.dtype == DType::kFloat32};
+  auto table = [](const TensorView& t) {
+    return ParamPtr{t.defined() ? t.data : nullptr, t.defined() && t.dtype == DType::kFloat32};
+  };
+  a.gate_table = table(args.gate_table);
+  a.scale_table = table(args.scale_table);
+  a.shift_table = table(args.shift_table);
   a.norm = args.norm;
   a.eps = args.eps;
   a.weight_offset = args.weight_offset;
@@ -628,8 +701,12 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
                            per_row_operand, n_params > 0, n_params > 0 && params_f32};
   const int items = pick_items(a.rows, a.vec_per_row, full_vectors, traits);
   FUSEBOX_CHECK(a.rows < (int64_t(1) << 31), "too many rows: ", a.rows);
+  const bool split = split_modulation(args);
+  // (the register path's split plans: see kSplitOnRegisterPath)
+  const bool split_on_registers =
+      full_vectors && items <= 4 && (params_f32 || args.x.dtype == DType::kFloat32);
 
-  if (items == 0 || param_dtype < 0 || !(full_vectors || vec == 1)) {
+  if (items == 0 || param_dtype < 0 || !(full_vectors || vec == 1) || (split && !split_on_registers)) {
     a.tpr = kStreamThreads;
     a.rows_per_block = 1;
     dispatch_dtype(args.x.dtype, [&](auto t) {
@@ -667,15 +744,15 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
       if (full_vectors) {
         constexpr int V = 16 / int(sizeof(T));
         if (items == 1)
-          launch_rows<T, P, V, 1>(a, res, mod, n_params, stage, groups, block, stream);
+          launch_rows<T, P, V, 1>(a, res, mod, split, n_params, stage, groups, block, stream);
         else if (items == 2)
-          launch_rows<T, P, V, 2>(a, res, mod, n_params, stage, groups, block, stream);
+          launch_rows<T, P, V, 2>(a, res, mod, split, n_params, stage, groups, block, stream);
         else if (items == 4)
-          launch_rows<T, P, V, 4>(a, res, mod, n_params, stage, groups, block, stream);
+          launch_rows<T, P, V, 4>(a, res, mod, split, n_params, stage, groups, block, stream);
         else
-          launch_rows<T, P, V, 8>(a, res, mod, n_params, stage, groups, block, stream);
+          launch_rows<T, P, V, 8>(a, res, mod, split, n_params, stage, groups, block, stream);
       } else {
-        launch_rows<T, P, 1, 8>(a, res, mod, n_params, stage, groups, block, stream);
+        launch_rows<T, P, 1, 8>(a, res, mod, split, n_params, stage, groups, block, stream);
       }
     };
     if (params_f32 || std::is_same_v<T, float>)

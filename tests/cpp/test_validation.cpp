@@ -45,6 +45,35 @@ TEST(Validation, GateWithoutBranch) {
   expect_error([&] { fusebox::norm(a); }, {"gate", "branch"});
 }
 
+TEST(Validation, SplitModulationNeedsEveryTable) {
+  HostTensor x(DType::kBFloat16, {2, 8}), sc(DType::kBFloat16, {2, 8}), sh(DType::kBFloat16, {2, 8}),
+      t(DType::kFloat32, {8}), out(DType::kBFloat16, {2, 8});
+  fusebox::NormArgs a;
+  a.x = x.view;
+  a.scale = sc.view;
+  a.shift = sh.view;
+  a.scale_table = t.view;
+  a.out = out.view;
+  a.norm = fusebox::NormType::kLayer;
+  expect_error([&] { fusebox::norm(a); }, {"shift", "shift_table"});
+  a.shift_table = t.view;
+  a.scale = TensorView{};
+  expect_error([&] { fusebox::norm(a); }, {"scale_table", "needs scale"});
+}
+
+TEST(Validation, SplitModulationTermInXDtype) {
+  HostTensor x(DType::kBFloat16, {2, 8}), g(DType::kFloat32, {2, 8}), b(DType::kBFloat16, {2, 8}),
+      t(DType::kFloat32, {8}), h(DType::kBFloat16, {2, 8});
+  fusebox::NormArgs a;
+  a.x = x.view;
+  a.branch = b.view;
+  a.gate = g.view;
+  a.gate_table = t.view;
+  a.residual_out = h.view;
+  a.norm = fusebox::NormType::kNone;
+  expect_error([&] { fusebox::norm(a); }, {"gate", "bfloat16", "float32"});
+}
+
 TEST(Validation, RopeOddRotaryDim) {
   HostTensor q(DType::kFloat32, {1, 2, 1, 8}), qo(DType::kFloat32, {1, 2, 1, 8}), c(DType::kFloat32, {1, 2, 5});
   fusebox::RopeArgs a;

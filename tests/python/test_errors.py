@@ -136,6 +136,41 @@ def test_gated_residual_norm_scale_not_broadcastable(x, gen, device):
                                     randn(gen, (4, 6, 65), F32, device))
 
 
+# Split modulation: a [D] table per term, every present term with its table, the terms x's dtype
+@pytest.mark.parametrize("case,name", [
+    ("table_without_term", "shift_table"), ("term_without_table", "shift"),
+    ("table_shape", "scale_table"), ("table_strided", "scale_table"), ("term_dtype", "scale"),
+    ("table_dtype", "scale_table"),
+])
+def test_split_modulation_invalid(x, gen, device, case, name):
+    d = x.shape[-1]
+    scale, shift = randn(gen, (4, 6, d), BF16, device), randn(gen, (4, 6, d), BF16, device)
+    scale_table, shift_table = randn(gen, (d,), F32, device), randn(gen, (d,), F32, device)
+    kwargs = dict(scale_table=scale_table, shift_table=shift_table)
+    if case == "table_without_term":
+        shift = None
+    elif case == "term_without_table":
+        kwargs["shift_table"] = None
+    elif case == "table_shape":
+        kwargs["scale_table"] = randn(gen, (d + 1,), F32, device)
+    elif case == "table_strided":
+        kwargs["scale_table"] = randn(gen, (2 * d,), F32, device)[::2]
+    elif case == "term_dtype":
+        scale = scale.float()
+    elif case == "table_dtype":
+        kwargs["scale_table"] = scale_table.double()
+    with raises(arg(name)):
+        fusebox.adaln(x, scale, shift, **kwargs)
+
+
+def test_gate_table_without_gate(x, gen, device):
+    with raises(arg("gate_table")):
+        fusebox.gated_residual_norm(x, randn(gen, x.shape, BF16, device), None,
+                                    randn(gen, x.shape, BF16, device),
+                                    gate_table=randn(gen, (x.shape[-1],), F32, device),
+                                    scale_table=randn(gen, (x.shape[-1],), F32, device))
+
+
 def test_up_shape_mismatch(gen, device):
     with raises(arg("up")):
         fusebox.gated_activation(randn(gen, (3, 8), F32, device), randn(gen, (3, 9), F32, device))

@@ -418,6 +418,97 @@ def test_gated_residual_empty(device, gen):
     assert out.shape == x.shape and out.dtype == BF16
 
 
+# --------------------------------------------------------------------------- split modulation
+
+# Where the per-row parts come from: Wan 2.2's [B, S, 6, D] per-token projection, SkyReels-V2's
+# [B, 6, S, D] (terms first) and a per-sample [B, 6, D] one.
+SPLIT_LAYOUTS = ["token", "terms_first", "sample"]
+
+
+def split_terms(gen, layout, shape, count, xd, td, device):
+    """`count` split modulation terms for x of `shape` [B, S, D]: the [D] table rows (dtype td,
+    one [6, D] table as a model holds it), the per-row parts (x's dtype) as views of one
+    projection, and the fp32 sums the model would write (``table.float() + temb``)."""
+    b, s, d = shape
+    table = small(gen, (6, d), td, device)
+    if layout == "token":
+        temb = small(gen, (b, s, 6, d), xd, device)
+        parts = [temb[:, :, i] for i in range(count)]
+    elif layout == "terms_first":
+        temb = small(gen, (b, 6, s, d), xd, device)
+        parts = [temb[:, i] for i in range(count)]
+    else:
+        temb = small(gen, (b, 6, d), xd, device)
+        parts = [temb[:, i:i + 1] for i in range(count)]
+    tables = [table[i] for i in range(count)]
+    sums = [t.float() + p for t, p in zip(tables, parts)]
+    return tables, parts, sums
+
+
+def split_rows(device, width):
+    """Rows enough for the 2- and 4-vector plans on an H100/H200 at 1536 and 5120."""
+    return 1152 if torch.device(device).type == "cuda" and width >= 1536 else 5
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("layout", SPLIT_LAYOUTS)
+@pytest.mark.parametrize("width", [7, 768, 1536, 5120])
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
+def test_adaln_split_modulation(device, gen, dtypes, layout, width, norm_type):
+    """``adaln`` with each term as a [D] table plus a per-row part agrees with the reference of
+    the summed fp32 terms and, bit for bit, with the same kernel given those sums."""
+    xd, td = dtypes
+    shape = (2, split_rows(device, width), width)
+    x = randn(gen, shape, xd, device)
+    (scale_t, shift_t), (scale, shift), (scale_sum, shift_sum) = split_terms(
+        gen, layout, shape, 2, xd, td, device)
+    out = call(fusebox.adaln, x, scale, shift, norm_type=norm_type, scale_table=scale_t,
+               shift_table=shift_t)
+    assert_close(out, ref.modulate(ref.norm(norm_type, x), scale_sum, shift_sum), xd)
+    # the same fp32 terms written first run the same plan, bit for bit, where the row takes full
+    # vectors (odd widths: split terms take the streaming path, which forms 1 + scale first)
+    if td == F32 and width % (16 // x.element_size()) == 0:
+        summed = call(fusebox.adaln, x, scale_sum, shift_sum, norm_type=norm_type)
+        assert torch.equal(out, summed), "split and summed modulation differ"
+    no_shift = call(fusebox.adaln, x, scale, None, norm_type=norm_type, scale_table=scale_t)
+    assert_close(no_shift, ref.modulate(ref.norm(norm_type, x), scale_sum), xd, name="no shift")
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("layout", SPLIT_LAYOUTS)
+@pytest.mark.parametrize("width", [7, 1536, 5120])
+@pytest.mark.parametrize("terms", ["gate_affine", "scale_shift", "all"])
+def test_gated_residual_norm_split_modulation(device, gen, dtypes, layout, width, terms):
+    """Wan's two block boundaries (gate with an affine LayerNorm; scale and shift after a plain
+    residual) and all three terms split."""
+    xd, td = dtypes
+    shape = (2, split_rows(device, width), width)
+    x, branch = randn(gen, shape, xd, device), randn(gen, shape, xd, device)
+    tables, parts, sums = split_terms(gen, layout, shape, 3, xd, td, device)
+    use = {"gate_affine": (True, False), "scale_shift": (False, True), "all": (True, True)}[terms]
+    pick = lambda seq, i: seq[i] if use[0 if i == 0 else 1] else None  # noqa: E731
+    w, b = affine_params(gen, "weight_bias" if terms == "gate_affine" else "none", width, td, device)
+    out, h = call(fusebox.gated_residual_norm, x, branch, pick(parts, 0), pick(parts, 1),
+                  pick(parts, 2), w, b, norm_type="layer", gate_table=pick(tables, 0),
+                  scale_table=pick(tables, 1), shift_table=pick(tables, 2))
+    ref_out, ref_h = ref.gated_residual_norm(x, branch, pick(sums, 0), pick(sums, 1), pick(sums, 2),
+                                             w, b, "layer", 1e-6, 0.0)
+    assert_close(h, ref_h, xd, name="h")
+    assert_close(out, ref_out, xd, name="out")
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("layout", SPLIT_LAYOUTS)
+@pytest.mark.parametrize("width", [7, 1536, 5120])
+def test_gated_residual_split_gate(device, gen, dtypes, layout, width):
+    xd, td = dtypes
+    shape = (2, split_rows(device, width), width)
+    x, branch = randn(gen, shape, xd, device), randn(gen, shape, xd, device)
+    (table,), (gate,), (gate_sum,) = split_terms(gen, layout, shape, 1, xd, td, device)
+    out = call(fusebox.gated_residual, x, branch, gate, gate_table=table)
+    assert_close(out, ref.gated_residual(x, branch, gate_sum), xd)
+
+
 # --------------------------------------------------------------------------- gated_residual_norm
 
 

@@ -31,12 +31,20 @@ def op_cases(name, gen, device, layout):
                 ("no_w", (x_(shape), x_(shape), None, 1e-6, 0.0))]
     if name == "fused_norm":
         gate, scale, shift = modulation(gen, "token_chunk", shape, 3, F32, device)
+        # split modulation: [D] fp32 table rows plus per-token parts in x's dtype
+        tables = list(small(gen, (3, shape[-1]), F32, device).unbind(0))
+        parts = modulation(gen, "token_chunk", shape, 3, BF16, device)
         return [("adaln", (x_(shape), None, None, scale, shift, w, b, "layer", 1e-6, 0.0, None)),
                 ("gated", (x_(shape), x_(shape), gate, scale, shift, w, None, "rms", 1e-6, 1.0,
-                           torch.float32))]
+                           torch.float32)),
+                ("split", (x_(shape), x_(shape), *parts, w, b, "layer", 1e-6, 0.0, None,
+                           *tables))]
     if name == "gated_residual":
         (gate,) = modulation(gen, "sample_chunk", shape, 1, F32, device)
-        return [("gate", (x_(shape), x_(shape), gate)), ("nogate", (x_(shape), x_(shape), None))]
+        (part,) = modulation(gen, "token_chunk", shape, 1, BF16, device)
+        table = small(gen, (shape[-1],), F32, device)
+        return [("gate", (x_(shape), x_(shape), gate)), ("nogate", (x_(shape), x_(shape), None)),
+                ("split", (x_(shape), x_(shape), part, table))]
     if name == "rotary":
         strided = layout != "contiguous"
         q, k = qk_pair(gen, "bshd", 2, 12, 4, 2, 64, BF16, device, strided)

@@ -141,6 +141,9 @@ EXPECTED_OPS = {
     "wan": {"fused_norm": 6, "gated_residual": 4, "rotary": 2, "rms_norm": 4, "act": 2},
 }
 EXPECTED_OPS["skyreels"] = EXPECTED_OPS["wan"]
+# Per-token Wan and SkyReels-V2 blocks pass the table and the projection to the fused ops (split
+# modulation): no modulation sum, so one gated_residual per block
+SPLIT_MODULATION = {"wan-ti2v", "skyreels-forcing"}
 
 
 # --------------------------------------------------------------------------- numerics
@@ -158,6 +161,9 @@ def test_fp32_patched_matches_unpatched(case, device):
     expected = dict(EXPECTED_OPS[case.split("-")[0]])
     if case == "wan-i2v":   # the image cross-attention keeps diffusers' processor
         expected.pop("rms_norm")
+    if case in SPLIT_MODULATION:
+        expected["gated_residual"] = 2
+        assert ops.calls.get("gated_residual", 0) == 2, "the per-token modulation sum was formed"
     for op, n in expected.items():
         assert ops.calls.get(op, 0) >= n, f"{op}: ran {ops.calls.get(op, 0)} times, expected {n}"
     assert out.shape == ref.shape and out.dtype == ref.dtype
@@ -213,9 +219,11 @@ def test_modulation_sum_exact_in_one_launch(device, dtype, per_token):
                                     (torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
                          ids=["f32", "bf16", "f32-table", "f32-temb"])
 def test_wan_modulation_terms_exact(layout, dtypes):
-    """The Wan block's six fp32 modulation terms equal the model's ``table + temb.float()``
+    """The Wan block's six modulation terms equal the model's fp32 ``table + temb.float()``
     bit for bit, whatever the table's and temb's dtypes (a 16-bit temb is widened inside the
-    add instead of copied first)."""
+    add instead of copied first). Per token with an fp32 table and temb in x's dtype they come
+    split, as the table's rows and views of temb, whose fp32 sum (what the fused ops add) is the
+    model's term."""
     from fusebox.patch.dit.wan import _modulation
 
     table_dtype, temb_dtype = dtypes
@@ -223,15 +231,20 @@ def test_wan_modulation_terms_exact(layout, dtypes):
     table = torch.randn(1, 6, 37, generator=g).to(table_dtype)
     shape = {"sample": (2, 6, 37), "token": (2, 5, 6, 37), "token terms first": (2, 6, 5, 37)}[layout]
     temb = torch.randn(*shape, generator=g).to(temb_dtype)
-    terms = _modulation(table, temb, terms_first=layout == "token terms first")
+    terms, tables = _modulation(table, temb, layout == "token terms first", x_dtype=temb_dtype)
     if layout == "sample":
         expected = (table + temb.float()).chunk(6, dim=1)
     elif layout == "token":
         expected = [t.squeeze(2) for t in (table.unsqueeze(0) + temb.float()).chunk(6, dim=2)]
     else:
         expected = [t.squeeze(1) for t in (table.unsqueeze(2) + temb.float()).chunk(6, dim=1)]
-    assert len(terms) == 6
-    for got, want in zip(terms, expected):
+    split = layout != "sample" and table_dtype == torch.float32
+    assert len(terms) == len(tables) == 6
+    assert all((t is not None) == split for t in tables)
+    for got, row, want in zip(terms, tables, expected):
+        if split:
+            assert got.dtype == temb_dtype and row.shape == (37,) and row.is_contiguous()
+            got = row + got.float()
         assert got.dtype == torch.float32 and got.shape == want.shape
         assert torch.equal(got, want)
 

@@ -48,13 +48,13 @@ def _fused_add_rms_norm(x, residual, weight, eps, weight_offset):
 
 @register_fake("fusebox::fused_norm")
 def _fused_norm(x, branch, gate, scale, shift, weight, bias, norm_type, eps, weight_offset,
-                out_dtype):
+                out_dtype, gate_table=None, scale_table=None, shift_table=None):
     h = _like(x) if branch is not None else x.new_empty((0,))
     return _like(x, out_dtype), h
 
 
 @register_fake("fusebox::gated_residual")
-def _gated_residual(x, branch, gate):
+def _gated_residual(x, branch, gate, gate_table=None):
     return _like(x)
 
 

@@ -84,24 +84,34 @@ def adaln(
     eps: float = 1e-6,
     weight_offset: float = 0.0,
     out_dtype: Optional[torch.dtype] = None,
+    scale_table: Optional[Tensor] = None,
+    shift_table: Optional[Tensor] = None,
 ) -> Tensor:
     """AdaLN modulation: ``norm(x) * (1 + scale) + shift``.
 
     ``norm_type`` is ``"layer"`` or ``"rms"``. ``scale``/``shift`` broadcast against x:
     ``[B, 1, D]`` per sample, ``[B, S, D]`` per token, or any strided view (a chunk of a
-    ``[B, 6, D]`` modulation table) without copies."""
+    ``[B, 6, D]`` modulation table) without copies.
+
+    Split modulation: with ``scale_table`` (and ``shift_table`` where ``shift`` is given),
+    ``[D]`` rows of a block's modulation table, fp32 or x's dtype, the terms are
+    ``scale_table + scale`` and ``shift_table + shift``, added in fp32 as
+    ``table.float() + temb`` would be, without writing the sum; ``scale``/``shift`` are then
+    x's dtype (a per-token timestep projection, Wan 2.2 / SkyReels-V2)."""
     _check_choice("norm_type", norm_type, _NORMS)
     out, _ = ops.fused_norm(
         x, None, None, scale, shift, weight, bias, norm_type, float(eps), float(weight_offset),
-        out_dtype,
+        out_dtype, None, scale_table, shift_table,
     )
     return out
 
 
-def gated_residual(x: Tensor, branch: Tensor, gate: Optional[Tensor] = None) -> Tensor:
+def gated_residual(x: Tensor, branch: Tensor, gate: Optional[Tensor] = None,
+                   gate_table: Optional[Tensor] = None) -> Tensor:
     """``x + gate * branch`` (AdaLN-Zero's gated residual); ``gate`` broadcasts like
-    ``scale`` in :func:`adaln` and may be fp32 (Wan) or x's dtype."""
-    return ops.gated_residual(x, branch, gate)
+    ``scale`` in :func:`adaln` and may be fp32 (Wan) or x's dtype. With ``gate_table`` the
+    gate is ``gate_table + gate``, split as in :func:`adaln`."""
+    return ops.gated_residual(x, branch, gate, gate_table)
 
 
 def gated_residual_norm(
@@ -116,14 +126,18 @@ def gated_residual_norm(
     eps: float = 1e-6,
     weight_offset: float = 0.0,
     out_dtype: Optional[torch.dtype] = None,
+    gate_table: Optional[Tensor] = None,
+    scale_table: Optional[Tensor] = None,
+    shift_table: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor]:
     """The DiT block boundary in one pass: ``h = x + gate * branch`` then
     ``out = norm(h) * (1 + scale) + shift``. Returns ``(out, h)``; ``h`` is the new
-    residual stream (x's dtype)."""
+    residual stream (x's dtype). ``*_table``: split modulation, as in :func:`adaln`; every
+    term given (gate, scale, shift) then has its table."""
     _check_choice("norm_type", norm_type, _NORMS)
     return ops.fused_norm(
         x, branch, gate, scale, shift, weight, bias, norm_type, float(eps),
-        float(weight_offset), out_dtype,
+        float(weight_offset), out_dtype, gate_table, scale_table, shift_table,
     )
 
 

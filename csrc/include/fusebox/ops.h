@@ -32,6 +32,12 @@ enum class NormType : int8_t {
 // `residual_out` receives h (rounded to x's dtype) and is required when branch is given.
 // gate, scale and shift have x's shape, broadcast through stride-0 dimensions.
 // out may be x's dtype or fp32.
+// Split modulation: each present term of gate, scale and shift may come as two parts,
+// term = term_table + term, with term_table a [D] vector (a row of a DiT block's modulation
+// table, fp32 or x's dtype) and the term itself in x's dtype (the per-token timestep
+// projection). The parts are added in fp32 where the term is used, as `table.float() + temb`
+// computes it, so the fp32 sum is never written. Either every present term has its table or
+// none does.
 struct NormArgs {
   TensorView x;
   TensorView branch;
@@ -40,6 +46,7 @@ struct NormArgs {
   TensorView bias;
   TensorView scale;
   TensorView shift;
+  TensorView gate_table, scale_table, shift_table;
   TensorView out;
   TensorView residual_out;
   NormType norm = NormType::kRMS;

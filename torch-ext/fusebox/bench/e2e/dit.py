@@ -181,6 +181,20 @@ def _skyreels_df_inputs(frames, height, width, text=512):
                           enable_diffusion_forcing=True)
 
 
+def _wan22_ti2v_inputs(frames, height, width, text=512):
+    """Wan 2.2 TI2V: 48-channel latents of a 4x temporal / 16x spatial VAE and a timestep per
+    token ([1, S], the pipeline's ``expand_timesteps``), the first latent frame's tokens at 0
+    as image-to-video conditions them, so the blocks modulate per token."""
+    latents = (1, 48, (frames - 1) // 4 + 1, height // 16, width // 16)
+    per_frame = latents[3] // 2 * (latents[4] // 2)
+
+    def timestep(device, dtype, g):
+        t = torch.full((latents[2], per_frame), 700.0)
+        t[0] = 0.0
+        return t.reshape(1, -1).to(device)
+    return _latent_inputs(latents, text, timestep)
+
+
 def _hunyuan_inputs(frames, height, width, text=256):
     return _latent_inputs(_video_latents(frames, height, width), text, 500.0,
                           encoder_attention_mask=_mask(1, text),
@@ -295,6 +309,15 @@ SPECS: Dict[str, Spec] = {
         _skyreels_df_inputs(97, 544, 960),
         "97 frames 544x960 -> latent 25x68x120 -> 51000 tokens, text 512, diffusion forcing "
         "(per-frame timesteps)", steps=30, forwards_per_step=2),
+    "wan2.2-ti2v-5b": Spec(
+        "Wan2.2-TI2V-5B, 121x704x1280 (27280 tokens), a timestep per token, CFG as 2 forwards, "
+        "50 steps",
+        "WanTransformer3DModel",
+        dict(WAN_BASE, in_channels=48, out_channels=48, num_attention_heads=24, ffn_dim=14336,
+             num_layers=30),
+        _wan22_ti2v_inputs(121, 704, 1280),
+        "121 frames 704x1280 -> latent 31x44x80 -> 27280 tokens, text 512, per-token timesteps "
+        "(first frame at 0)", steps=50, forwards_per_step=2),
     "wan-14b": Spec(
         "Wan2.1-T2V-14B, 81x480x832 (32760 tokens), CFG as 2 forwards, 50 steps",
         "WanTransformer3DModel",

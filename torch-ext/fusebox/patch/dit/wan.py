@@ -17,7 +17,10 @@ round once at the same places. Per ``WanTransformerBlock``:
 
 Per-sample (``temb`` [B, 6, D]) and per-token (Wan 2.2 TI2V, [B, S, 6, D]; SkyReels-V2's
 diffusion forcing, [B, 6, S, D]) modulation both; SkyReels-V2's self-attention mask passes
-through.
+through. Per token, the fused ops take each term as its fp32 table row plus its slice of the
+16-bit projection (split modulation) and add them where they use it: the model's fp32
+``table + temb`` ([B, S, 6, D], 1.9 GB a block for SkyReels-V2 at 51000 tokens) is never
+written.
 Image-conditioned cross-attention (Wan 2.1 I2V: ``add_k_proj``) keeps diffusers' processor.
 The feed-forward GELU-tanh and the model's final ``norm_out`` (an ``FP32LayerNorm`` ->
 :func:`layer_norm`) are fused by the generic module pass; the output modulation runs eagerly.
@@ -91,11 +94,16 @@ class SkyReelsV2FusedAttnProcessor(WanFusedAttnProcessor):
 # --------------------------------------------------------------------------- block
 
 
-def _modulation(table: torch.Tensor, temb: torch.Tensor, terms_first: bool):
-    """The six fp32 modulation terms exactly as the model forms them: [B, 1, D] views of
-    ``table + temb`` per sample, [B, S, D] per token (temb [B, S, 6, D]; SkyReels-V2's
-    ``terms_first``: [B, 6, S, D])."""
+def _modulation(table: torch.Tensor, temb: torch.Tensor, terms_first: bool, x_dtype: torch.dtype):
+    """The six modulation terms (shift, scale, gate, then the feed-forward's) and their tables:
+    per token (temb [B, S, 6, D]; SkyReels-V2's ``terms_first``: [B, 6, S, D]) with an fp32
+    table and temb in x's dtype, [B, S, D] views of temb and the table's [D] rows, which the
+    fused ops add in fp32 as the model does (split modulation); otherwise the fp32 terms as the
+    model forms them, [B, 1, D] views of ``table + temb`` per sample or [B, S, D] per token, and
+    no tables."""
     at = 1 if temb.ndim == 3 or terms_first else 2
+    if temb.ndim == 4 and temb.dtype == x_dtype and table.dtype == torch.float32:
+        return temb.unbind(at), table.reshape(6, -1).unbind(0)
     if temb.ndim == 4:
         table = table.unsqueeze(3 - at)
     if temb.dtype == torch.float32 and table.dtype == torch.float32:
@@ -106,7 +114,7 @@ def _modulation(table: torch.Tensor, temb: torch.Tensor, terms_first: bool):
         # block) costs a pass of its own. The sum is the same.
         terms = table.float() + temb
     terms = terms.chunk(6, dim=at)
-    return tuple(t.squeeze(at) for t in terms) if temb.ndim == 4 else terms
+    return (tuple(t.squeeze(at) for t in terms) if temb.ndim == 4 else terms), (None,) * 6
 
 
 def _block_forward(
@@ -126,30 +134,32 @@ def _block_forward(
                                        *mask)
     # (WanVACE hands the first block the patch embedding's transposed output)
     hidden_states = rows(hidden_states)
-    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = _modulation(
-        block.scale_shift_table, temb, terms_first=skyreels)
+    terms, tables = _modulation(block.scale_shift_table, temb, skyreels, hidden_states.dtype)
+    shift_msa, scale_msa, gate_msa, c_shift_msa, c_scale_msa, c_gate_msa = terms
+    t_shift_msa, t_scale_msa, t_gate_msa, t_c_shift_msa, t_c_scale_msa, t_c_gate_msa = tables
 
     norm_hidden_states = fb.adaln(hidden_states, scale_msa, shift_msa, norm_type="layer",
-                                  eps=block.norm1.eps)
+                                  eps=block.norm1.eps, scale_table=t_scale_msa,
+                                  shift_table=t_shift_msa)
     attn_output = block.attn1(norm_hidden_states, None, attention_mask, rotary_emb)
     norm2 = block.norm2
     if isinstance(norm2, torch.nn.LayerNorm) and fusable(hidden_states, norm2.weight, norm2.bias):
         norm_hidden_states, hidden_states = fb.gated_residual_norm(
             hidden_states, attn_output, gate_msa, weight=norm2.weight, bias=norm2.bias,
-            norm_type="layer", eps=norm2.eps)
+            norm_type="layer", eps=norm2.eps, gate_table=t_gate_msa)
     else:
         # Identity (cross_attn_norm=False), or an affine norm whose weight an offload hook
         # loads only when the module runs
-        hidden_states = fb.gated_residual(hidden_states, attn_output, gate_msa)
+        hidden_states = fb.gated_residual(hidden_states, attn_output, gate_msa, t_gate_msa)
         norm_hidden_states = norm2(hidden_states.float()).type_as(hidden_states)
 
     attn_output = block.attn2(norm_hidden_states, encoder_hidden_states, None, None)
     norm_hidden_states, hidden_states = fb.gated_residual_norm(
         hidden_states, attn_output, None, c_scale_msa, c_shift_msa, norm_type="layer",
-        eps=block.norm3.eps)
+        eps=block.norm3.eps, scale_table=t_c_scale_msa, shift_table=t_c_shift_msa)
 
     ff_output = block.ffn(norm_hidden_states)
-    return fb.gated_residual(hidden_states, ff_output, c_gate_msa)
+    return fb.gated_residual(hidden_states, ff_output, c_gate_msa, t_c_gate_msa)
 
 
 def _block_unfusable(block: torch.nn.Module) -> str:
