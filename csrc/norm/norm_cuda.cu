@@ -184,6 +184,10 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
     // ITEMS <= 2: the operands' vectors, in the order gate, weight, bias, scale, shift.
     constexpr bool kHeldParams = PARAMS == ParamPath::kHeld;
     Pack<P, VEC> held[kHeldParams ? 5 : 1][kHeldParams ? ITEMS : 1];
+    // Split tables on the short plans are read at their use (L1 hits: the same rows for every
+    // row) and their registers go to the per-row parts (Wan 1.3B's per-token rows: 128 registers
+    // and 72 bytes of spills when held).
+    auto split_table = [](int which) { return SPLIT && which != 1 && which != 2; };
     // SPLIT with ITEMS <= 2: the per-row parts of gate, scale and shift, loaded with the row
     Pack<T, VEC> held_parts[kHeldParams && SPLIT ? 3 : 1][kHeldParams && SPLIT ? ITEMS : 1];
     if constexpr (kHeldParams) {
@@ -194,7 +198,7 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
         if (active && vi < a.vec_per_row) {
 #pragma unroll
           for (int i = 0; i < 5; ++i)
-            if (srcs[i]) held[i][it] = load_pack<P, VEC>(srcs[i] + vi * VEC);
+            if (srcs[i] && !split_table(i)) held[i][it] = load_pack<P, VEC>(srcs[i] + vi * VEC);
           if constexpr (SPLIT) {
 #pragma unroll
             for (int i = 0; i < 3; ++i)
@@ -214,7 +218,7 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
     // Item `it` of small operand `which` (0-4 as in `held`): from a register, its slot, or
     // straight from global memory (cached).
     auto param = [&](int which, int slot, const P* src, int it) {
-      if constexpr (kHeldParams) return held[which][it];
+      if (kHeldParams && !split_table(which)) return held[which][it];
       if constexpr (PARAMS == ParamPath::kStaged) return *slots.at(slot, it);
       return load_pack<P, VEC>(src + (lane + it * tpr) * VEC);
     };
