@@ -606,10 +606,13 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   // - with a per-head norm, 2 for two-vector units (Qwen3 2048 tokens: 22.6 us, 23.6 with 1,
   //   24.7 with 4) and 4 for one-vector units (FLUX 4608 tokens: 42.0 us, 42.2 with 2 since
   //   the heads' sums shuffle together; 44.5 against 57.3 before; [a4c6657] tune/3);
-  // - without a norm, four heads share the rotation factors (Wan rope_3d 40 heads: 420 us with
-  //   4, 1112 with 2).
+  // - without a norm, 2 as well for two-vector units read from a table (LLM rotary, 32 + 8
+  //   heads of 8 lanes: 2048 tokens 15.79 -> 15.20-15.25 us, 8192 47.0 -> 46.4-46.5; 20 lane
+  //   groups fill 5 warps where 10 left 16 of 96 lanes idle; [h200_ac07c7e] tune/rope_items);
+  //   one-vector units and the grid, whose angles four heads share, keep 4 (FLUX's table
+  //   32.7 us, 34.4 with 2; Wan rope_3d 40 heads 321 against 632).
   const int64_t lanes_one_head_each = sh.B * sh.S * heads * int64_t(head_tpr);
-  int head_items = heads >= 4 ? (norm && two_vectors ? 2 : 4) : heads >= 2 ? 2 : 1;
+  int head_items = heads >= 4 ? (two_vectors && (norm || !args.use_grid) ? 2 : 4) : heads >= 2 ? 2 : 1;
   if (lanes_one_head_each <= device_limits().resident_threads() / 2) head_items = 1;
   while (head_items < 4 && head_tpr * ((heads + head_items - 1) / head_items) > kMaxThreads) head_items *= 2;
   const int forced_items = tuning_knobs().rope_items.value_or(0);
