@@ -249,6 +249,20 @@ def test_wan_modulation_terms_exact(layout, dtypes):
         assert torch.equal(got, want)
 
 
+def test_wan_modulation_split_needs_unit_stride():
+    """A per-token temb whose channels are strided (not a layout the model makes) takes the
+    summed fp32 terms: the fused ops read unit-stride rows only."""
+    from fusebox.patch.dit.wan import _modulation
+
+    g = torch.Generator().manual_seed(6)
+    table = torch.randn(1, 6, 37, generator=g)
+    temb = torch.randn(2, 5, 37, 6, generator=g).to(torch.bfloat16).transpose(2, 3)
+    terms, tables = _modulation(table, temb, False, x_dtype=torch.bfloat16)
+    assert all(t is None for t in tables)
+    expected = (table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
+    assert all(torch.equal(got, want.squeeze(2)) for got, want in zip(terms, expected))
+
+
 def _state(model):
     return {name: (type(getattr(m, "processor", None)).__name__, "forward" in m.__dict__)
             for name, m in model.named_modules()}

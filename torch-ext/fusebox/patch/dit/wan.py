@@ -102,7 +102,8 @@ def _modulation(table: torch.Tensor, temb: torch.Tensor, terms_first: bool, x_dt
     model forms them, [B, 1, D] views of ``table + temb`` per sample or [B, S, D] per token, and
     no tables."""
     at = 1 if temb.ndim == 3 or terms_first else 2
-    if temb.ndim == 4 and temb.dtype == x_dtype and table.dtype == torch.float32:
+    if (temb.ndim == 4 and temb.dtype == x_dtype and table.dtype == torch.float32
+            and temb.stride(-1) == 1):
         return temb.unbind(at), table.reshape(6, -1).unbind(0)
     if temb.ndim == 4:
         table = table.unsqueeze(3 - at)
