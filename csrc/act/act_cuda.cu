@@ -1,10 +1,10 @@
 // Elementwise activation kernel over rows: out = act(a + bias) [* b]. Each thread moves
-// kItems vectors of a row; column chunks spread wide rows over several blocks so that even one
+// ITEMS vectors of a row; column chunks spread wide rows over several blocks so that even one
 // row (decode) fills more than one SM. Operands whose rows are packed end to end (no bias)
 // may instead run as one long row (FLAT): every block full, consecutive blocks on
-// consecutive memory. The activation, the presence of `b` / bias and FLAT are template
+// consecutive memory. The activation, the presence of `b` / bias, ITEMS and FLAT are template
 // parameters, so the per-element loop is straight-line code and a flat kernel carries no row
-// arithmetic at all; kItems stays small to keep the kernel short (instruction fetch is part
+// arithmetic at all; ITEMS stays small to keep the kernel short (instruction fetch is part
 // of the latency of short launches).
 #include "act/act_impl.h"
 #include "common/cuda_common.cuh"
@@ -12,7 +12,6 @@
 namespace fusebox::cuda {
 namespace {
 
-constexpr int kItems = 2;
 constexpr int kBlockThreads = 256;
 
 struct ActKernelArgs {
@@ -28,7 +27,7 @@ struct ActKernelArgs {
 };
 
 // FLAT: one row of rows * width elements at offset 0 (the chunk is blockIdx.x).
-template <typename T, int VEC, Activation ACT, bool GATED, bool BIAS, bool FLAT>
+template <typename T, int VEC, Activation ACT, bool GATED, bool BIAS, int ITEMS, bool FLAT>
 __global__ void __launch_bounds__(kBlockThreads) activation_kernel(const ActKernelArgs p) {
   const T* a = static_cast<const T*>(p.a);
   const T* b = GATED ? static_cast<const T*>(p.b) : nullptr;
@@ -42,12 +41,12 @@ __global__ void __launch_bounds__(kBlockThreads) activation_kernel(const ActKern
     if constexpr (GATED) b += p.sb.at(i0, i1, i2);
     out += p.sout.at(i0, i1, i2);
   }
-  const int first = (FLAT ? blockIdx.x : blockIdx.y) * kItems * blockDim.x + threadIdx.x;
+  const int first = (FLAT ? blockIdx.x : blockIdx.y) * ITEMS * blockDim.x + threadIdx.x;
 
   pdl_wait();
-  Pack<T, VEC> va[kItems], vb[kItems];
+  Pack<T, VEC> va[ITEMS], vb[ITEMS];
 #pragma unroll
-  for (int it = 0; it < kItems; ++it) {  // issue every load before the first use
+  for (int it = 0; it < ITEMS; ++it) {  // issue every load before the first use
     const int vi = first + it * blockDim.x;
     if (vi < p.vec_per_row) {
       va[it] = load_pack<T, VEC>(a + vi * VEC);
@@ -56,7 +55,7 @@ __global__ void __launch_bounds__(kBlockThreads) activation_kernel(const ActKern
   }
   pdl_release();
 #pragma unroll
-  for (int it = 0; it < kItems; ++it) {
+  for (int it = 0; it < ITEMS; ++it) {
     const int vi = first + it * blockDim.x;
     if (vi < p.vec_per_row) {
       float x[VEC], bias[VEC] = {};
@@ -74,6 +73,29 @@ __global__ void __launch_bounds__(kBlockThreads) activation_kernel(const ActKern
       store_pack(out + vi * VEC, pack<T, VEC>(x));
     }
   }
+}
+
+constexpr int kMaxItems = 4;
+
+// Vectors per thread (H200, bench/results/2026-11-26_h200_ca4d16f/tune/act_items_and_streaming_stores.txt,
+// 1, 2 and 4 side by side):
+// - gated forms (silu(gate) * up, gelu_tanh(gate) * up): 1, at every size. Decode swiglu
+//   1x11008 4.29 -> 3.97-4.16 us, 256x11008 8.45 -> 7.97, 2048x11008 35.1 -> 34.7, 8192x11008
+//   127.4 -> 126.6, geglu 8192x21504 245.6 -> 243.9; 4 was slower everywhere.
+// - ungated with a bias (the DiT FFN's gelu_tanh(x + bias)): 4, unless its last column chunk
+//   leaves more threads idle than 2 would: LTX 48.6 -> 47.8 us, LTX-long 135.2 -> 131.7, Wan 14B
+//   461.2 -> 449.0; Wan 1.3B's 1120-vector rows (a chunk of 1024 and one of 96 with 4) 303.0 ->
+//   307.9, so 2 there. 1 was slower everywhere (LTX-long 140.2).
+// - ungated without a bias: 2, as before (not re-measured).
+int vectors_per_thread(int64_t vec_per_row, bool gated, bool bias) {
+  if (gated) return 1;
+  if (!bias) return 2;
+  auto idle = [&](int items) {  // thread slots past the row's end in its last chunk
+    const int64_t tpr = std::min<int64_t>(next_pow2((vec_per_row + items - 1) / items), kBlockThreads);
+    const int64_t span = tpr * items;
+    return (vec_per_row + span - 1) / span * span - vec_per_row;
+  };
+  return idle(kMaxItems) <= idle(2) ? kMaxItems : 2;
 }
 
 }  // namespace
@@ -101,15 +123,16 @@ void activation_cuda(const ActPlan& plan, int vec, cudaStream_t stream) {
   const int64_t total_vecs = p.rows * p.vec_per_row;
   const bool packed = plan.sa.s[2] == width && plan.sout.s[2] == width && (!p.b || plan.sb.s[2] == width);
   const bool flat = tuning_knobs().act_flat.value_or(1) != 0 && p.index.flat && (packed || p.rows == 1) &&
-                    !p.bias.ptr && (total_vecs + kBlockThreads * kItems) * vec < (int64_t(1) << 31);
+                    !p.bias.ptr && (total_vecs + kBlockThreads * kMaxItems) * vec < (int64_t(1) << 31);
   if (flat) {
     p.rows = 1;
     p.vec_per_row = int(total_vecs);
   }
-  int tpr = next_pow2((p.vec_per_row + kItems - 1) / kItems);
+  const int items = vectors_per_thread(p.vec_per_row, p.b != nullptr, p.bias.ptr != nullptr);
+  int tpr = next_pow2((p.vec_per_row + items - 1) / items);
   if (tpr > kBlockThreads) tpr = kBlockThreads;
   p.rows_per_block = kBlockThreads / tpr;
-  const int64_t chunks = (p.vec_per_row + int64_t(tpr) * kItems - 1) / (int64_t(tpr) * kItems);
+  const int64_t chunks = (p.vec_per_row + int64_t(tpr) * items - 1) / (int64_t(tpr) * items);
   FUSEBOX_CHECK(flat || chunks <= 65535, "row width ", width, " is too wide for the activation kernel");
   const int64_t blocks = (p.rows + p.rows_per_block - 1) / p.rows_per_block;
   FUSEBOX_CHECK(blocks < (int64_t(1) << 31), "too many rows: ", p.rows);
@@ -123,10 +146,22 @@ void activation_cuda(const ActPlan& plan, int vec, cudaStream_t stream) {
       auto go = [&](auto act, auto gated, auto bias) {
         constexpr Activation kAct = decltype(act)::value;
         constexpr bool kGated = decltype(gated)::value, kBias = decltype(bias)::value;
-        if constexpr (!kBias) {  // (a bias never runs flat)
-          if (flat) return launch(activation_kernel<T, V, kAct, kGated, kBias, true>, grid, block, 0, stream, p);
+        // the plans vectors_per_thread makes: 1 for the gated forms, 2 or 4 for the others
+        auto with_items = [&](auto n) {
+          constexpr int kItems = decltype(n)::value;
+          if constexpr (!kBias) {  // (a bias never runs flat)
+            if (flat) return launch(activation_kernel<T, V, kAct, kGated, kBias, kItems, true>, grid, block, 0, stream, p);
+          }
+          launch(activation_kernel<T, V, kAct, kGated, kBias, kItems, false>, grid, block, 0, stream, p);
+        };
+        if constexpr (kGated) {
+          with_items(std::integral_constant<int, 1>{});
+        } else {
+          if (items == 4)
+            with_items(std::integral_constant<int, 4>{});
+          else
+            with_items(std::integral_constant<int, 2>{});
         }
-        launch(activation_kernel<T, V, kAct, kGated, kBias, false>, grid, block, 0, stream, p);
       };
       using Act = Activation;
       auto with_act = [&](auto gated, auto bias) {

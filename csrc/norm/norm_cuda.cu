@@ -543,6 +543,11 @@ struct RowOpTraits {
 //   (per-token modulation): their operands load with the row into registers instead of being
 //   staged (same run: adaln Wan 1.3B per token 162.8 -> 148.5 us, LTX per token 25.6 -> 25.0,
 //   gated_residual_norm LTX per token 41.5 -> 40.9; at 640 vectors, Wan 14B, 524 -> 689).
+// - 2 as well for a gated residual + modulated norm (gated_residual_norm) with 16-bit operands
+//   and rows up to 256 vectors: bench/results/2026-11-26_h200_ca4d16f/tune/norm_knobs_modulated_rows.txt,
+//   LTX 27.78 / 27.86 -> 26.67 us; FLUX's 384-vector rows gain nothing (38.50 / 38.91 -> 38.45,
+//   then 38.3-38.5 -> 38.5-38.8 in act_items_and_grn_vs_ca4d16f.txt) and keep 4, as do Wan's
+//   fp32-modulated rows.
 // - otherwise 4, which keeps 64 bytes of each operand in flight per thread at the typical widths;
 //   8 for wide rows of the ops without a residual (with one, 8 vectors of x, branch and gate
 //   exceed the register budget).
@@ -562,6 +567,7 @@ int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOp
   if (plain_norm && !op.f32_operands && vec_per_row <= 256) return 2;
   if (op.plain_residual && vec_per_row <= kMaxThreads) return 2;
   if (op.per_row_operand && vec_per_row <= 256) return 2;
+  if (op.residual && op.modulated && !op.f32_operands && vec_per_row <= 256) return 2;
   if (vec_per_row <= 4 * kMaxThreads) return 4;
   if (vec_per_row <= 8 * kMaxThreads && !op.residual) return 8;
   return 0;
