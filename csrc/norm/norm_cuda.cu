@@ -510,6 +510,7 @@ struct RowOpTraits {
   bool per_row_operand;  // a gate or modulation that changes from row to row (per token)
   bool small_operands;   // any of weight, bias, gate, scale, shift present
   bool f32_operands;     // ... in fp32
+  bool bf16_rows;        // x is bf16
 };
 
 // Vectors per thread on the register path (0: streaming path). H200 figures; "2026-11-25"
@@ -543,11 +544,13 @@ struct RowOpTraits {
 //   (per-token modulation): their operands load with the row into registers instead of being
 //   staged (same run: adaln Wan 1.3B per token 162.8 -> 148.5 us, LTX per token 25.6 -> 25.0,
 //   gated_residual_norm LTX per token 41.5 -> 40.9; at 640 vectors, Wan 14B, 524 -> 689).
-// - 2 as well for a gated residual + modulated norm (gated_residual_norm) with 16-bit operands
-//   and rows up to 256 vectors: bench/results/2026-11-26_h200_ca4d16f/tune/norm_knobs_modulated_rows.txt,
-//   LTX 27.78 / 27.86 -> 26.67 us; FLUX's 384-vector rows gain nothing (38.50 / 38.91 -> 38.45,
-//   then 38.3-38.5 -> 38.5-38.8 in act_items_and_grn_vs_ca4d16f.txt) and keep 4, as do Wan's
-//   fp32-modulated rows.
+// - 2 as well for a gated residual + modulated norm (gated_residual_norm) of bf16 rows with
+//   16-bit operands and up to 256 vectors (bench/results/2026-11-26_h200_ca4d16f/tune/
+//   grn_items_by_dtype.txt): LTX 27.4-27.9 -> 26.6-26.7 us, LTX-long 70.0 either way. Not for
+//   fp16 rows, whose 2-vector variant takes 86 registers against bf16's 80, one block of 128
+//   threads fewer per SM than the 4-vector plan (LTX 27.5 -> 28.3, LTX-long 69.9 -> 74.7);
+//   nor for FLUX's 384-vector rows (38.3-38.5 -> 38.5-38.8 in act_items_and_grn_vs_ca4d16f.txt)
+//   or Wan's fp32-modulated ones.
 // - otherwise 4, which keeps 64 bytes of each operand in flight per thread at the typical widths;
 //   8 for wide rows of the ops without a residual (with one, 8 vectors of x, branch and gate
 //   exceed the register budget).
@@ -567,7 +570,7 @@ int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOp
   if (plain_norm && !op.f32_operands && vec_per_row <= 256) return 2;
   if (op.plain_residual && vec_per_row <= kMaxThreads) return 2;
   if (op.per_row_operand && vec_per_row <= 256) return 2;
-  if (op.residual && op.modulated && !op.f32_operands && vec_per_row <= 256) return 2;
+  if (op.residual && op.modulated && op.bf16_rows && !op.f32_operands && vec_per_row <= 256) return 2;
   if (vec_per_row <= 4 * kMaxThreads) return 4;
   if (vec_per_row <= 8 * kMaxThreads && !op.residual) return 8;
   return 0;
@@ -708,7 +711,8 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   const int param_dtype = shared_param_dtype(args);
   const bool params_f32 = param_dtype >= 0 && DType(param_dtype) == DType::kFloat32;
   const RowOpTraits traits{normalizes, res, res && !args.gate.defined() && !mod && normalizes, mod,
-                           per_row_operand, n_params > 0, n_params > 0 && params_f32};
+                           per_row_operand, n_params > 0, n_params > 0 && params_f32,
+                           args.x.dtype == DType::kBFloat16};
   const int items = pick_items(a.rows, a.vec_per_row, full_vectors, traits);
   FUSEBOX_CHECK(a.rows < (int64_t(1) << 31), "too many rows: ", a.rows);
   const bool split = split_modulation(args);
