@@ -82,20 +82,42 @@ constexpr int kMaxItems = 4;
 // - gated forms (silu(gate) * up, gelu_tanh(gate) * up): 1, at every size. Decode swiglu
 //   1x11008 4.29 -> 3.97-4.16 us, 256x11008 8.45 -> 7.97, 2048x11008 35.1 -> 34.7, 8192x11008
 //   127.4 -> 126.6, geglu 8192x21504 245.6 -> 243.9; 4 was slower everywhere.
-// - ungated with a bias (the DiT FFN's gelu_tanh(x + bias)): 4, unless its last column chunk
-//   leaves more threads idle than 2 would: LTX 48.6 -> 47.8 us, LTX-long 135.2 -> 131.7, Wan 14B
-//   461.2 -> 449.0; Wan 1.3B's 1120-vector rows (a chunk of 1024 and one of 96 with 4) 303.0 ->
-//   307.9, so 2 there. 1 was slower everywhere (LTX-long 140.2).
+// - ungated with a bias (the DiT FFN's gelu_tanh(x + bias)): 4, unless its column chunks leave
+//   more threads idle than 2 would: LTX 48.6 -> 47.8 us, LTX-long 135.2 -> 131.7, Wan 14B
+//   461.2 -> 449.0; Wan 1.3B's 1120-vector rows (then a chunk of 1024 and one of 96 with 4)
+//   303.0 -> 307.9. 1 was slower everywhere (LTX-long 140.2).
 // - ungated without a bias: 2, as before (not re-measured).
+// How a row's vectors spread over the threads of its blocks: `tpr` threads (a row's share of
+// a block) each take `items` vectors of each of `chunks` column chunks.
+struct ColumnSplit {
+  int tpr;
+  int64_t chunks;
+  int64_t idle(int64_t vec_per_row, int items) const { return chunks * tpr * items - vec_per_row; }
+};
+
+// Rows of more than 32 threads' work are cut into the fewest chunks of at most kBlockThreads
+// threads, each a whole number of warps, sized alike, so the last chunk leaves few threads idle
+// (Wan 1.3B's 1120-vector rows with 2 vectors a thread: 3 chunks of 192 threads, 32 slots idle,
+// where power-of-two chunks of 256 left 416; gelu_tanh + bias 303.3 -> 291.1 us, Wan 14B 449.4
+// -> 447.2, bench/results/2026-11-26_h200_ca4d16f/tune/act_column_chunks_vs_eccd7ef.txt).
+// Narrower rows take a power of two of threads, stacked several to a block; one long (flat) row
+// takes full blocks.
+ColumnSplit column_split(int64_t vec_per_row, int items, bool flat) {
+  const int64_t need = (vec_per_row + items - 1) / items;  // threads for the whole row
+  if (flat || need <= 32) {
+    const int tpr = int(std::min<int64_t>(next_pow2(need), kBlockThreads));
+    return {tpr, (need + tpr - 1) / tpr};
+  }
+  const int64_t chunks = (need + kBlockThreads - 1) / kBlockThreads;
+  const int tpr = int(((need + chunks - 1) / chunks + 31) / 32 * 32);
+  return {tpr, chunks};
+}
+
 int vectors_per_thread(int64_t vec_per_row, bool gated, bool bias) {
   if (gated) return 1;
-  if (!bias) return 2;
-  auto idle = [&](int items) {  // thread slots past the row's end in its last chunk
-    const int64_t tpr = std::min<int64_t>(next_pow2((vec_per_row + items - 1) / items), kBlockThreads);
-    const int64_t span = tpr * items;
-    return (vec_per_row + span - 1) / span * span - vec_per_row;
-  };
-  return idle(kMaxItems) <= idle(2) ? kMaxItems : 2;
+  if (!bias) return 2;  // (a bias never runs flat)
+  const int64_t idle4 = column_split(vec_per_row, kMaxItems, false).idle(vec_per_row, kMaxItems);
+  return idle4 <= column_split(vec_per_row, 2, false).idle(vec_per_row, 2) ? kMaxItems : 2;
 }
 
 }  // namespace
@@ -129,10 +151,10 @@ void activation_cuda(const ActPlan& plan, int vec, cudaStream_t stream) {
     p.vec_per_row = int(total_vecs);
   }
   const int items = vectors_per_thread(p.vec_per_row, p.b != nullptr, p.bias.ptr != nullptr);
-  int tpr = next_pow2((p.vec_per_row + items - 1) / items);
-  if (tpr > kBlockThreads) tpr = kBlockThreads;
-  p.rows_per_block = kBlockThreads / tpr;
-  const int64_t chunks = (p.vec_per_row + int64_t(tpr) * items - 1) / (int64_t(tpr) * items);
+  const ColumnSplit split = column_split(p.vec_per_row, items, flat);
+  const int tpr = split.tpr;
+  const int64_t chunks = split.chunks;
+  p.rows_per_block = std::max(1, kBlockThreads / tpr);
   FUSEBOX_CHECK(flat || chunks <= 65535, "row width ", width, " is too wide for the activation kernel");
   const int64_t blocks = (p.rows + p.rows_per_block - 1) / p.rows_per_block;
   FUSEBOX_CHECK(blocks < (int64_t(1) << 31), "too many rows: ", p.rows);
