@@ -94,13 +94,21 @@ def summarize(results: List[dict], calib: dict) -> dict:
         "within_1.25x_floor": sum(1 for r in with_fb
                                   if r["impls"]["fusebox"]["x_floor"] <= 1.25),
     }
+    # A share of copy bandwidth is out of reach below a size: even at the floor the launch
+    # takes its part (with 3 us of launch and 4.2 TB/s, 92% needs 147 MB and 85% 72 MB).
+    # The `_attainable` counts say how many cases can reach it at their floor.
+    def _at_floor_pct(r):
+        return 100.0 * r["bytes"] / (r["floor_us"] * 1e6) / calib["copy_tbps"]
+
     big = [r for r in with_fb if r["bytes"] > 64e6]
     s["over_64mb"] = len(big)
     s["over_64mb_at_92pct"] = sum(1 for r in big if r["impls"]["fusebox"]["pct_copy"] >= 92)
+    s["over_64mb_attainable"] = sum(1 for r in big if _at_floor_pct(r) >= 92)
     dit = [r for r in with_fb if r["op"] in DIT_FUSED and r["bytes"] >= 40e6]
     s["dit_fused_40mb"] = len(dit)
     s["dit_fused_40mb_at_85pct"] = sum(1 for r in dit
                                        if r["impls"]["fusebox"]["pct_copy"] >= 85)
+    s["dit_fused_40mb_attainable"] = sum(1 for r in dit if _at_floor_pct(r) >= 85)
     dec = [r for r in with_fb if is_decode(r)]
     lg, le = calib.get("launch_graph_us"), calib["launch_us"]
 
@@ -245,6 +253,11 @@ def env_lines(doc: dict) -> List[str]:
     ]
 
 
+def _attainable(s: dict, key: str) -> str:
+    n = s.get(f"{key}_attainable")
+    return "" if n is None or n == s[key] else f" ({n} can reach it at their floor)"
+
+
 def summary_lines(doc: dict, md: bool = False) -> List[str]:
     s = doc["summary"]
     b = "**" if md else ""
@@ -255,9 +268,10 @@ def summary_lines(doc: dict, md: bool = False) -> List[str]:
         f"geometric mean speedup vs best baseline: {b}{_f(gm, '{:.2f}x')}{b} (target >= 1.5x)",
         f"fusebox at least as fast as the best baseline: {s['at_least_best']}/{s['compared']}",
         f"within 1.25x of the floor: {s['within_1.25x_floor']}/{s['fusebox_measured']}",
-        f"over 64 MB at >= 92% of copy bandwidth: {s['over_64mb_at_92pct']}/{s['over_64mb']}",
+        f"over 64 MB at >= 92% of copy bandwidth: {s['over_64mb_at_92pct']}/{s['over_64mb']}"
+        f"{_attainable(s, 'over_64mb')}",
         f"DiT fused ops >= 40 MB at >= 85% of copy bandwidth: "
-        f"{s['dit_fused_40mb_at_85pct']}/{s['dit_fused_40mb']}",
+        f"{s['dit_fused_40mb_at_85pct']}/{s['dit_fused_40mb']}{_attainable(s, 'dit_fused_40mb')}",
         f"decode (1-16 rows) within 1 us of the empty launch: "
         f"{s['decode_within_1us_of_launch']}/{s['decode']}; rms_norm host latency <= "
         f"F.rms_norm's: {s['decode_rms_host_le_F_rms_norm']}/{s['decode_rms_host_cmp']}",
