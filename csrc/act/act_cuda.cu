@@ -77,16 +77,6 @@ __global__ void __launch_bounds__(kBlockThreads) activation_kernel(const ActKern
 
 constexpr int kMaxItems = 4;
 
-// Vectors per thread (H200, bench/results/2026-11-26_h200_ca4d16f/tune/act_items_and_streaming_stores.txt,
-// 1, 2 and 4 side by side):
-// - gated forms (silu(gate) * up, gelu_tanh(gate) * up): 1, at every size. Decode swiglu
-//   1x11008 4.29 -> 3.97-4.16 us, 256x11008 8.45 -> 7.97, 2048x11008 35.1 -> 34.7, 8192x11008
-//   127.4 -> 126.6, geglu 8192x21504 245.6 -> 243.9; 4 was slower everywhere.
-// - ungated with a bias (the DiT FFN's gelu_tanh(x + bias)): 4, unless its column chunks leave
-//   more threads idle than 2 would: LTX 48.6 -> 47.8 us, LTX-long 135.2 -> 131.7, Wan 14B
-//   461.2 -> 449.0; Wan 1.3B's 1120-vector rows (then a chunk of 1024 and one of 96 with 4)
-//   303.0 -> 307.9. 1 was slower everywhere (LTX-long 140.2).
-// - ungated without a bias: 2, as before (not re-measured).
 // How a row's vectors spread over the threads of its blocks: `tpr` threads (a row's share of
 // a block) each take `items` vectors of each of `chunks` column chunks.
 struct ColumnSplit {
@@ -113,11 +103,23 @@ ColumnSplit column_split(int64_t vec_per_row, int items, bool flat) {
   return {tpr, chunks};
 }
 
+// Vectors per thread (H200, bench/results/2026-11-26_h200_ca4d16f/tune/act_items_and_streaming_stores.txt,
+// 1, 2 and 4 side by side):
+// - gated forms (silu(gate) * up, gelu_tanh(gate) * up): 1, at every size. Decode swiglu
+//   1x11008 4.29 -> 3.97-4.16 us, 256x11008 8.45 -> 7.97, 2048x11008 35.1 -> 34.7, 8192x11008
+//   127.4 -> 126.6, geglu 8192x21504 245.6 -> 243.9; 4 was slower everywhere.
+// - ungated with a bias (the DiT FFN's gelu_tanh(x + bias)): 4, unless its column chunks leave
+//   more threads idle than 2 would: LTX 48.6 -> 47.8 us, LTX-long 135.2 -> 131.7, Wan 14B
+//   461.2 -> 449.0; Wan 1.3B's 1120-vector rows (then a chunk of 1024 and one of 96 with 4)
+//   303.0 -> 307.9. 1 was slower everywhere (LTX-long 140.2).
+// - ungated without a bias: 2, as before (not re-measured).
 int vectors_per_thread(int64_t vec_per_row, bool gated, bool bias) {
   if (gated) return 1;
-  if (!bias) return 2;  // (a bias never runs flat)
-  const int64_t idle4 = column_split(vec_per_row, kMaxItems, false).idle(vec_per_row, kMaxItems);
-  return idle4 <= column_split(vec_per_row, 2, false).idle(vec_per_row, 2) ? kMaxItems : 2;
+  if (!bias) return 2;
+  auto idle = [&](int items) {  // (rows with a bias take the row plan, never flat)
+    return column_split(vec_per_row, items, false).idle(vec_per_row, items);
+  };
+  return idle(kMaxItems) <= idle(2) ? kMaxItems : 2;
 }
 
 }  // namespace
@@ -168,7 +170,7 @@ void activation_cuda(const ActPlan& plan, int vec, cudaStream_t stream) {
       auto go = [&](auto act, auto gated, auto bias) {
         constexpr Activation kAct = decltype(act)::value;
         constexpr bool kGated = decltype(gated)::value, kBias = decltype(bias)::value;
-        // the plans vectors_per_thread makes: 1 for the gated forms, 2 or 4 for the others
+        // the plans vectors_per_thread makes: 1 for the gated forms, 2, or 4 with a bias
         auto with_items = [&](auto n) {
           constexpr int kItems = decltype(n)::value;
           if constexpr (!kBias) {  // (a bias never runs flat)
@@ -176,14 +178,12 @@ void activation_cuda(const ActPlan& plan, int vec, cudaStream_t stream) {
           }
           launch(activation_kernel<T, V, kAct, kGated, kBias, kItems, false>, grid, block, 0, stream, p);
         };
-        if constexpr (kGated) {
+        if constexpr (kGated)
           with_items(std::integral_constant<int, 1>{});
-        } else {
-          if (items == 4)
-            with_items(std::integral_constant<int, 4>{});
-          else
-            with_items(std::integral_constant<int, 2>{});
-        }
+        else if (kBias && items == kMaxItems)
+          with_items(std::integral_constant<int, kBias ? kMaxItems : 2>{});
+        else
+          with_items(std::integral_constant<int, 2>{});
       };
       using Act = Activation;
       auto with_act = [&](auto gated, auto bias) {
