@@ -33,8 +33,9 @@ def main() -> int:
                     use_liger="liger" in impls)
     timer = runner.timer
     cal = timer.calibrate()
+    graph_launch = cal.get("launch_graph_us")
     print(f"copy {cal['copy_tbps']:.2f} TB/s, empty launch {cal['launch_us']:.2f} us (events), "
-          f"{cal['launch_graph_us']:.2f} us (graph)")
+          + (f"{graph_launch:.2f} us (graph)" if graph_launch is not None else "no graph figure"))
     print(f"{'case':44s} {'impl':8s} {'flushed':>8s} {'warm':>8s} {'graph':>8s}")
     for case in suite.matching([p for p in args.cases.split(",") if p], args.dtype):
         sets = [suite.build_inputs(case, "cuda", seed=0)]
