@@ -40,7 +40,7 @@ def main() -> int:
     for case in suite.matching([p for p in args.cases.split(",") if p], args.dtype):
         sets = [suite.build_inputs(case, "cuda", seed=0)]
         for name in impls:
-            fn, absent = runner._impl(name, case)
+            fn, absent = runner.impl(name, case)
             if fn is None:
                 print(f"{case.key[:44]:44s} {name:8s} {absent.get('absent', '')}")
                 continue

@@ -36,7 +36,7 @@ def main() -> None:
     for case in cases:
         inputs = suite.build_inputs(case, "cuda", seed=0)
         for impl in args.impls.split(","):
-            fn, absent = runner._impl(impl, case)
+            fn, absent = runner.impl(impl, case)
             if fn is None:
                 print(f"{impl} {case.key}: {absent['absent']}")
                 continue

@@ -100,7 +100,7 @@ class Runner:
             return "disabled (--no-liger)"
         return "available" if self._lk is not None else (self._lk_error or "absent")
 
-    def _impl(self, name: str, case: Case):
+    def impl(self, name: str, case: Case):
         """(callable, None) or (None, {"absent": reason, "kind": ...})."""
         spec, p = case.spec, case.params
         if name == "eager":
@@ -158,7 +158,7 @@ class Runner:
 
     def _run_impl(self, name, case, sets, flush, small, ref) -> dict:
         try:
-            fn, absent = self._impl(name, case)
+            fn, absent = self.impl(name, case)
         except Exception as e:  # noqa: BLE001
             return {"absent": short_error(e), "kind": "error"}
         if fn is None:
