@@ -178,12 +178,16 @@ void activation_cuda(const ActPlan& plan, int vec, cudaStream_t stream) {
           }
           launch(activation_kernel<T, V, kAct, kGated, kBias, kItems, false>, grid, block, 0, stream, p);
         };
-        if constexpr (kGated)
+        if constexpr (kGated) {
           with_items(std::integral_constant<int, 1>{});
-        else if (kBias && items == kMaxItems)
-          with_items(std::integral_constant<int, kBias ? kMaxItems : 2>{});
-        else
+        } else if constexpr (kBias) {
+          if (items == kMaxItems)
+            with_items(std::integral_constant<int, kMaxItems>{});
+          else
+            with_items(std::integral_constant<int, 2>{});
+        } else {
           with_items(std::integral_constant<int, 2>{});
+        }
       };
       using Act = Activation;
       auto with_act = [&](auto gated, auto bias) {
