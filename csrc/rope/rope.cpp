@@ -72,6 +72,8 @@ void rope(const RopeArgs& a, cudaStream_t stream) {
     check_unit_last_stride(a.sin, "sin");
     detail::check_param_dtype(a.cos, "cos", a.q.dtype);
     detail::check_param_dtype(a.sin, "sin", a.q.dtype);
+    FUSEBOX_CHECK(a.sin.dtype == a.cos.dtype, "sin must have the dtype of cos (", dtype_name(a.cos.dtype), "); got ",
+                  dtype_name(a.sin.dtype));
     sh.R = a.cos.shape[2];
   }
   FUSEBOX_CHECK(sh.R > 0 && sh.R % 2 == 0 && sh.R <= sh.D, "the rotary dimension (", sh.R,

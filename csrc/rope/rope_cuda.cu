@@ -20,6 +20,8 @@ struct RopeTensorArg {
   int64_t sb, ss, sh;
 };
 
+// Fields in the order the kernels first read them: the argument bank is read through the
+// constant cache, and each of its lines the path to the first load touches is a miss of its own.
 struct RopeKernelArgs {
   int64_t rows;
   int Hq, Hk, D, R;
@@ -27,13 +29,15 @@ struct RopeKernelArgs {
   int units_per_head;  // rotary units + pass-through units of one head
   int tpr, rows_per_block;
   int tpr_log2;                   // per-head kernel: tpr is a power of two
+  int head_groups;                // per-head kernel: lane groups of a token
   FastDivmod seq;                 // token -> (batch, position): S
   FastDivmod row_split;           // rows kernel: row -> (token, row of the token); per-head: thread -> token slot
+  RopeTensorArg q, k;
+  const void *cos, *sin;          // the table, of the kernel's TAB dtype
+  int64_t cos_sb, cos_ss, sin_sb, sin_ss;
+  RopeTensorArg qo, ko;
   FastDivmod grid_hw, grid_w;     // 3-D grid: position -> (frame, in frame) -> (row, column)
   int step_heads, step_units;  // rows kernel: tpr as (heads, units) of a head, item to item
-  RopeTensorArg q, k, qo, ko;
-  ParamPtr cos, sin;
-  int64_t cos_sb, cos_ss, sin_sb, sin_ss;
   int64_t grid_offsets[3];  // 3-D grid: (frame, row, column) of the first token
   ParamPtr qw, kw;
   bool across;  // one norm over every head of a tensor (weights [H * D])
@@ -80,12 +84,13 @@ struct GridTable {
   const unsigned char* axis;
 };
 
-// cos/sin of channels [d, d + VEC) of token (b, s), read from the table.
-template <typename T, int VEC>
+// cos/sin of channels [d, d + VEC) of token (b, s), read from the table (dtype TAB: a template
+// parameter, since a run-time choice kept both loads and their addresses in every kernel).
+template <typename TAB, int VEC>
 __device__ __forceinline__ void load_rotation(const RopeKernelArgs& a, int64_t b, int64_t s, int d, float (&c)[VEC],
                                               float (&sn)[VEC]) {
-  load_param<T, VEC>(a.cos, b * a.cos_sb + s * a.cos_ss + d, c);
-  load_param<T, VEC>(a.sin, b * a.sin_sb + s * a.sin_ss + d, sn);
+  VecIO<TAB, VEC>::load(static_cast<const TAB*>(a.cos) + (b * a.cos_sb + s * a.cos_ss + d), c);
+  VecIO<TAB, VEC>::load(static_cast<const TAB*>(a.sin) + (b * a.sin_sb + s * a.sin_ss + d), sn);
 }
 
 // cos/sin of the unit whose first channel is d0, from the grid: one angle per rotary pair (the
@@ -114,7 +119,7 @@ __device__ __forceinline__ void grid_rotation(const GridTable& g, const double (
 }
 
 // The unit's rotation factors: from the table (both vectors of a two-vector unit) or the grid.
-template <typename L, typename T, int VEC, bool GRID>
+template <typename L, typename TAB, int VEC, bool GRID>
 __device__ __forceinline__ void unit_rotation(const RopeKernelArgs& a, const GridTable& g, const double (&pos)[3],
                                               int64_t b, int64_t s, bool two, int d0, int d1, float (&c0)[VEC],
                                               float (&s0)[VEC], float (&c1)[VEC], float (&s1)[VEC]) {
@@ -126,8 +131,8 @@ __device__ __forceinline__ void unit_rotation(const RopeKernelArgs& a, const Gri
       s1[i] = s0[i];
     }
   } else {
-    load_rotation<T, VEC>(a, b, s, d0, c0, s0);
-    if (two) load_rotation<T, VEC>(a, b, s, d1, c1, s1);
+    load_rotation<TAB, VEC>(a, b, s, d0, c0, s0);
+    if (two) load_rotation<TAB, VEC>(a, b, s, d1, c1, s1);
   }
 }
 
@@ -171,7 +176,7 @@ __device__ __forceinline__ void store_unit(T* o, int d0, int d1, bool rotary, co
 }
 
 // The unit's norm weights and, where `rotation`, its rotation factors.
-template <typename L, typename T, int VEC, bool NORM, bool GRID>
+template <typename L, typename T, typename TAB, int VEC, bool NORM, bool GRID>
 __device__ __forceinline__ void load_unit_params(const RopeKernelArgs& a, const GridTable& g, const double (&pos)[3],
                                                  int64_t b, int64_t s, const ParamPtr& w, int woff, bool rotation,
                                                  bool two, int d0, int d1, UnitParams<VEC>& p) {
@@ -179,7 +184,7 @@ __device__ __forceinline__ void load_unit_params(const RopeKernelArgs& a, const 
     load_param<T, VEC>(w, woff + d0, p.w0);
     if (two) load_param<T, VEC>(w, woff + d1, p.w1);
   }
-  if (rotation) unit_rotation<L, T, VEC, GRID>(a, g, pos, b, s, two, d0, d1, p.c0, p.s0, p.c1, p.s1);
+  if (rotation) unit_rotation<L, TAB, VEC, GRID>(a, g, pos, b, s, two, d0, d1, p.c0, p.s0, p.c1, p.s1);
 }
 
 // Grid mode: the (frame, row, column) of token s, offsets included, as doubles (the angle's
@@ -215,7 +220,7 @@ __device__ __forceinline__ GridTable stage_grid_table(const RopeKernelArgs& a, c
 // the same unit of several heads (step_units 0) load that unit's rotation factors with the
 // data; it is a template parameter because holding them through the reduction costs the
 // other rows registers even when not taken.
-template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID, bool EARLY_ROTATION>
+template <typename T, typename TAB, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID, bool EARLY_ROTATION>
 __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernelArgs a, const GridParam<GRID> gp) {
   constexpr bool kEarlyParams = ITEMS == 1;
   constexpr bool kEarlyRotation = EARLY_ROTATION && !kEarlyParams;
@@ -296,10 +301,10 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
       x0[it] = load_pack<T, VEC>(p + d0);
       if (rotary && L::kTwoVectors) x1[it] = load_pack<T, VEC>(p + d1);
       if constexpr (kEarlyParams)
-        load_unit_params<L, T, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0, rotary,
+        load_unit_params<L, T, TAB, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0, rotary,
                                                 rotary && L::kTwoVectors, d0, d1, early);
       else if (kEarlyRotation && it == 0 && rotary)
-        unit_rotation<L, T, VEC, GRID>(a, gtab, pos, b, s, L::kTwoVectors, d0, d1, late.c0, late.s0, late.c1,
+        unit_rotation<L, TAB, VEC, GRID>(a, gtab, pos, b, s, L::kTwoVectors, d0, d1, late.c0, late.s0, late.c1,
                                        late.s1);
     }
   }
@@ -331,7 +336,7 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
     T* o = out + (head0 + hi) * dst.sh;
     const bool two = rotary && L::kTwoVectors;
     if constexpr (!kEarlyParams)  // weights span every head when the norm does
-      load_unit_params<L, T, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0,
+      load_unit_params<L, T, TAB, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0,
                                            rotary && !kEarlyRotation && (it == 0 || !same_unit), two, d0, d1,
                                            late);
     const UnitParams<VEC>& p = kEarlyParams ? early : late;
@@ -355,8 +360,9 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
 // A lane's unit is the same in all its heads, so its rotation factors (and, for the norm, its
 // weight vectors) are loaded or computed once per token and reused ITEMS times; the heads'
 // data are all loaded before the first use. The per-head RMS is a shuffle over the lanes.
-template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
-__device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const int head_groups, const GridParam<GRID>& gp) {
+template <typename T, typename TAB, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
+__device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const GridParam<GRID>& gp) {
+  const int head_groups = a.head_groups;
   using L = UnitLayout<INTERLEAVED, VEC>;
   // With one-vector units the q and k norm weights of the lane's unit are read once, with the
   // data (two-vector units read theirs per head, from L1: holding both would cost registers).
@@ -424,7 +430,7 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const int he
   // This lane's rotation factors, shared by its heads.
   UnitParams<VEC> rot;
   if constexpr (GRID) __syncthreads();  // the grid table's copy, made while the loads are in flight
-  if (active && rotary) unit_rotation<L, T, VEC, GRID>(a, gtab, pos, b, s, two, d0, d1, rot.c0, rot.s0, rot.c1, rot.s1);
+  if (active && rotary) unit_rotation<L, TAB, VEC, GRID>(a, gtab, pos, b, s, two, d0, d1, rot.c0, rot.s0, rot.c1, rot.s1);
   pdl_release();
 
   // The per-head sums of all ITEMS heads shuffle together (FLUX 46.4 -> 42.2 us, [a4c6657] tune/3).
@@ -475,10 +481,9 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const int he
   }
 }
 
-template <typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
-__global__ void __launch_bounds__(kMaxThreads)
-    rope_heads_kernel(const RopeKernelArgs a, const int head_groups, const GridParam<GRID> gp) {
-  rope_heads<T, VEC, ITEMS, INTERLEAVED, NORM, GRID>(a, head_groups, gp);
+template <typename T, typename TAB, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
+__global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKernelArgs a, const GridParam<GRID> gp) {
+  rope_heads<T, TAB, VEC, ITEMS, INTERLEAVED, NORM, GRID>(a, gp);
 }
 
 // The per-head kernel under a register cap, for the variants where the compiler's allocation
@@ -491,10 +496,9 @@ __global__ void __launch_bounds__(kMaxThreads)
 //   registers uncapped against bf16's 80 (ptxas, sm_90), one register step past the 80 at which
 //   FLUX's 192-thread blocks fit four to an SM; capped, 80 without spills (H100, fp16: 50.8 ->
 //   47.4 us; bf16 unchanged).
-template <int MAX_REGISTERS, typename T, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
-__global__ void __maxnreg__(MAX_REGISTERS)
-    rope_heads_kernel_capped(const RopeKernelArgs a, const int head_groups, const GridParam<GRID> gp) {
-  rope_heads<T, VEC, ITEMS, INTERLEAVED, NORM, GRID>(a, head_groups, gp);
+template <int MAX_REGISTERS, typename T, typename TAB, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID>
+__global__ void __maxnreg__(MAX_REGISTERS) rope_heads_kernel_capped(const RopeKernelArgs a, const GridParam<GRID> gp) {
+  rope_heads<T, TAB, VEC, ITEMS, INTERLEAVED, NORM, GRID>(a, gp);
 }
 
 RopeTensorArg tensor_arg(const TensorView& t) {
@@ -507,28 +511,36 @@ ParamPtr param(const TensorView& t) {
 }
 
 // Launches the per-head kernel (HEADS) or the rows kernel (early rotation factors compiled
-// for the 4-unit rows of whole vectors only: the wide across-heads rows that use them).
+// for the 4-unit rows of whole vectors only: the wide across-heads rows that use them). The
+// table's dtype (TAB: T, or fp32 as FLUX and LTX-Video keep theirs) is a template parameter;
+// the 3-D grid reads no table.
 template <bool HEADS, typename T, int VEC, int ITEMS>
-void launch_rope(const RopeKernelArgs& a, int head_groups, bool interleaved, bool norm, const GridPairs* grid_pairs,
+void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool table_f32, const GridPairs* grid_pairs,
                  dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool early_rotation = false) {
-  auto go = [&](auto il, auto nm, auto gr) {
+  auto go = [&](auto il, auto nm, auto gr, auto tab) {
     constexpr bool I = decltype(il)::value, N = decltype(nm)::value, G = decltype(gr)::value;
+    using TAB = decltype(tab);
     GridParam<G> gp;
     if constexpr (G) gp.pairs = *grid_pairs;
     if constexpr (HEADS && ITEMS == 2 && N && UnitLayout<I, VEC>::kTwoVectors)
-      launch(rope_heads_kernel_capped<96, T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups, gp);
+      launch(rope_heads_kernel_capped<96, T, TAB, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, gp);
     else if constexpr (HEADS && ITEMS == 4 && N && !UnitLayout<I, VEC>::kTwoVectors)
-      launch(rope_heads_kernel_capped<80, T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups, gp);
+      launch(rope_heads_kernel_capped<80, T, TAB, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, gp);
     else if constexpr (HEADS)
-      launch(rope_heads_kernel<T, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, head_groups, gp);
+      launch(rope_heads_kernel<T, TAB, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, gp);
     else if constexpr (ITEMS == 4 && VEC > 1)
-      early_rotation ? launch(rope_rows_kernel<T, VEC, ITEMS, I, N, G, true>, grid, block, smem, stream, a, gp)
-                     : launch(rope_rows_kernel<T, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a, gp);
+      early_rotation ? launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true>, grid, block, smem, stream, a, gp)
+                     : launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a, gp);
     else
-      launch(rope_rows_kernel<T, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a, gp);
+      launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a, gp);
   };
   auto with_src = [&](auto il, auto nm) {
-    grid_pairs ? go(il, nm, std::true_type{}) : go(il, nm, std::false_type{});
+    if (grid_pairs)
+      go(il, nm, std::true_type{}, T{});
+    else if (table_f32 && !std::is_same_v<T, float>)
+      go(il, nm, std::false_type{}, float{});
+    else
+      go(il, nm, std::false_type{}, T{});
   };
   auto with_norm = [&](auto il) { norm ? with_src(il, std::true_type{}) : with_src(il, std::false_type{}); };
   if constexpr (ITEMS == 8)  // only interleaved rows are that wide (rope_cuda)
@@ -555,14 +567,15 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
     a.grid_hw = FastDivmod(uint32_t(args.grid.height * args.grid.width));
     a.grid_w = FastDivmod(uint32_t(args.grid.width));
   } else {
-    a.cos = param(args.cos);
-    a.sin = param(args.sin);
+    a.cos = args.cos.data;
+    a.sin = args.sin.data;
     a.cos_sb = args.cos.strides[0];
     a.cos_ss = args.cos.strides[1];
     a.sin_sb = args.sin.strides[0];
     a.sin_ss = args.sin.strides[1];
   }
   const bool interleaved = args.style == RopeStyle::kInterleaved;
+  const bool table_f32 = !args.use_grid && args.cos.dtype == DType::kFloat32;
   const bool norm = args.norm == NormType::kRMS;
   a.across = norm && args.norm_across_heads;
   a.qw = param(args.q_weight);
@@ -618,6 +631,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   const int forced_items = tuning_knobs().rope_items.value_or(0);
   if (forced_items == 1 || forced_items == 2 || forced_items == 4) head_items = forced_items;
   const int head_groups = (heads + head_items - 1) / head_items;
+  a.head_groups = head_groups;
   if (!a.across && a.units_per_head <= 32 && head_tpr * head_groups <= kMaxThreads) {
     a.tpr = head_tpr;
     const int items = head_items;
@@ -636,9 +650,9 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
       auto with_items = [&](auto v) {
         constexpr int V = decltype(v)::value;
         switch (items) {
-          case 1: launch_rope<true, T, V, 1>(a, head_groups, interleaved, norm, grid_pairs, grid, block, smem, stream); break;
-          case 2: launch_rope<true, T, V, 2>(a, head_groups, interleaved, norm, grid_pairs, grid, block, smem, stream); break;
-          default: launch_rope<true, T, V, 4>(a, head_groups, interleaved, norm, grid_pairs, grid, block, smem, stream); break;
+          case 1: launch_rope<true, T, V, 1>(a, interleaved, norm, table_f32, grid_pairs, grid, block, smem, stream); break;
+          case 2: launch_rope<true, T, V, 2>(a, interleaved, norm, table_f32, grid_pairs, grid, block, smem, stream); break;
+          default: launch_rope<true, T, V, 4>(a, interleaved, norm, table_f32, grid_pairs, grid, block, smem, stream); break;
         }
       };
       if (vec == kFull)
@@ -679,12 +693,12 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
     auto with_items = [&](auto v) {
       constexpr int V = decltype(v)::value;
       switch (items) {
-        case 1: launch_rope<false, T, V, 1>(a, 0, interleaved, norm, grid_pairs, grid, block, smem, stream); break;
+        case 1: launch_rope<false, T, V, 1>(a, interleaved, norm, table_f32, grid_pairs, grid, block, smem, stream); break;
         case 4:
-          launch_rope<false, T, V, 4>(a, 0, interleaved, norm, grid_pairs, grid, block, smem, stream, early_rotation);
+          launch_rope<false, T, V, 4>(a, interleaved, norm, table_f32, grid_pairs, grid, block, smem, stream, early_rotation);
           break;
         default:  // interleaved pairs in whole vectors (see above)
-          if constexpr (V > 1) launch_rope<false, T, V, 8>(a, 0, interleaved, norm, grid_pairs, grid, block, smem, stream);
+          if constexpr (V > 1) launch_rope<false, T, V, 8>(a, interleaved, norm, table_f32, grid_pairs, grid, block, smem, stream);
           break;
       }
     };

@@ -230,6 +230,13 @@ def test_rope_sin_shape_differs(qk, gen, device):
         fusebox.rope(q, k, cos, randn(gen, (5, 6), F32, device))
 
 
+def test_rope_sin_dtype_differs(qk, gen, device):
+    q, k = qk
+    cos, sin = rope_tables(gen, "S", "bshd", 2, 5, 8, False, F32, device)
+    with raises(arg("sin"), arg("cos"), DTYPE_NAMES[torch.bfloat16]):
+        fusebox.rope(q, k, cos, sin.to(BF16))
+
+
 def test_rope_4d_table_in_wrong_layout(gen, device):
     q, k = qk_pair(gen, "bhsd", 2, 5, 4, 2, 8, BF16, device)
     cos, sin = rope_tables(gen, "4d", "bshd", 2, 5, 8, False, F32, device)  # [B, S, 1, R]
