@@ -10,6 +10,8 @@
 #include "common/cuda_common.cuh"
 #include "rope/rope_impl.h"
 
+#include <type_traits>
+
 namespace fusebox::cuda {
 namespace {
 
@@ -302,10 +304,10 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
       if (rotary && L::kTwoVectors) x1[it] = load_pack<T, VEC>(p + d1);
       if constexpr (kEarlyParams)
         load_unit_params<L, T, TAB, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0, rotary,
-                                                rotary && L::kTwoVectors, d0, d1, early);
+                                                     rotary && L::kTwoVectors, d0, d1, early);
       else if (kEarlyRotation && it == 0 && rotary)
         unit_rotation<L, TAB, VEC, GRID>(a, gtab, pos, b, s, L::kTwoVectors, d0, d1, late.c0, late.s0, late.c1,
-                                       late.s1);
+                                         late.s1);
     }
   }
   pdl_release();
@@ -337,8 +339,8 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
     const bool two = rotary && L::kTwoVectors;
     if constexpr (!kEarlyParams)  // weights span every head when the norm does
       load_unit_params<L, T, TAB, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0,
-                                           rotary && !kEarlyRotation && (it == 0 || !same_unit), two, d0, d1,
-                                           late);
+                                                   rotary && !kEarlyRotation && (it == 0 || !same_unit), two, d0, d1,
+                                                   late);
     const UnitParams<VEC>& p = kEarlyParams ? early : late;
     float v0[VEC], v1[VEC];
     unpack(x0[it], v0);
@@ -430,7 +432,8 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const GridPa
   // This lane's rotation factors, shared by its heads.
   UnitParams<VEC> rot;
   if constexpr (GRID) __syncthreads();  // the grid table's copy, made while the loads are in flight
-  if (active && rotary) unit_rotation<L, TAB, VEC, GRID>(a, gtab, pos, b, s, two, d0, d1, rot.c0, rot.s0, rot.c1, rot.s1);
+  if (active && rotary)
+    unit_rotation<L, TAB, VEC, GRID>(a, gtab, pos, b, s, two, d0, d1, rot.c0, rot.s0, rot.c1, rot.s1);
   pdl_release();
 
   // The per-head sums of all ITEMS heads shuffle together (FLUX 46.4 -> 42.2 us, [a4c6657] tune/3).
@@ -649,10 +652,14 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
       constexpr int kFull = 16 / int(sizeof(T));
       auto with_items = [&](auto v) {
         constexpr int V = decltype(v)::value;
+        auto go = [&](auto n) {
+          launch_rope<true, T, V, decltype(n)::value>(a, interleaved, norm, table_f32, grid_pairs, grid, block, smem,
+                                                      stream);
+        };
         switch (items) {
-          case 1: launch_rope<true, T, V, 1>(a, interleaved, norm, table_f32, grid_pairs, grid, block, smem, stream); break;
-          case 2: launch_rope<true, T, V, 2>(a, interleaved, norm, table_f32, grid_pairs, grid, block, smem, stream); break;
-          default: launch_rope<true, T, V, 4>(a, interleaved, norm, table_f32, grid_pairs, grid, block, smem, stream); break;
+          case 1: go(std::integral_constant<int, 1>{}); break;
+          case 2: go(std::integral_constant<int, 2>{}); break;
+          default: go(std::integral_constant<int, 4>{}); break;
         }
       };
       if (vec == kFull)
@@ -692,13 +699,15 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
     constexpr int kFull = 16 / int(sizeof(T));
     auto with_items = [&](auto v) {
       constexpr int V = decltype(v)::value;
+      auto go = [&](auto n) {
+        launch_rope<false, T, V, decltype(n)::value>(a, interleaved, norm, table_f32, grid_pairs, grid, block, smem,
+                                                     stream, early_rotation);
+      };
       switch (items) {
-        case 1: launch_rope<false, T, V, 1>(a, interleaved, norm, table_f32, grid_pairs, grid, block, smem, stream); break;
-        case 4:
-          launch_rope<false, T, V, 4>(a, interleaved, norm, table_f32, grid_pairs, grid, block, smem, stream, early_rotation);
-          break;
+        case 1: go(std::integral_constant<int, 1>{}); break;
+        case 4: go(std::integral_constant<int, 4>{}); break;
         default:  // interleaved pairs in whole vectors (see above)
-          if constexpr (V > 1) launch_rope<false, T, V, 8>(a, interleaved, norm, table_f32, grid_pairs, grid, block, smem, stream);
+          if constexpr (V > 1) go(std::integral_constant<int, 8>{});
           break;
       }
     };

@@ -6,8 +6,8 @@ on CPU (reference implementation) and CUDA tensors alike.
 
 Numerics: inputs are widened to fp32, everything is computed in fp32 and each output is
 rounded once. Small operands (weights, biases, scale/shift/gate, cos/sin tables) may be fp32
-or the input's dtype. Strided views (last dimension contiguous) are read in place, never
-copied.
+or the input's dtype (cos and sin the same one). Strided views (last dimension contiguous) are
+read in place, never copied.
 """
 
 from __future__ import annotations
