@@ -17,15 +17,51 @@ namespace {
 
 constexpr int kMaxThreads = 512;
 
+// Element strides in 32 bits (the launcher checks they fit, and splits a call whose batches
+// lie 2^32 or more elements apart into one launch per batch), so that each term of an offset
+// is one 32 x 32 -> 64-bit multiply-add: the 64 x 64-bit products took about a third of the
+// one-head kernel's instructions.
 struct RopeTensorArg {
   const void* ptr;
-  int64_t sb, ss, sh;
+  uint32_t sb, ss, sh;
 };
+
+// Offset of element d of head h of token (b, s).
+__device__ __forceinline__ uint64_t element_offset(uint32_t b, uint32_t s, uint32_t h, uint32_t d, uint32_t sb,
+                                                   uint32_t ss, uint32_t sh) {
+  return uint64_t(b) * sb + uint64_t(s) * ss + uint64_t(h) * sh + d;
+}
+
+// q's or k's argument, as the first one's fields plus the differences where `second`: both
+// are read from the uniform argument bank. (A reference chosen per thread, or a select per
+// field, compiles to constant-bank loads indexed by a register, each a miss of its own on the
+// path to the data load.) The pointer is either an offset from the first one, so the compiler
+// still knows it points to global memory (STG stores), or, with AS_INTEGER, an integer sum
+// that hides this (generic ST stores). Which form a kernel takes follows the register
+// allocation that results ([h200_377206b] tune/rope_pick_variants_377206b.txt): the
+// across-heads rows of LTX-Video hold 64 registers with the integer form, 90 with the offset
+// and 78 before either (qk_norm_rope 2x8064x2048 147 -> 131 us); the per-head kernel loses 5%
+// with the integer form on Wan's rope_3d (100.5 -> 105 us).
+template <bool AS_INTEGER>
+__device__ __forceinline__ RopeTensorArg pick(bool second, const RopeTensorArg& first_arg,
+                                              const RopeTensorArg& second_arg) {
+  const void* ptr;
+  if constexpr (AS_INTEGER) {
+    const uintptr_t p0 = reinterpret_cast<uintptr_t>(first_arg.ptr);
+    ptr = reinterpret_cast<const void*>(p0 + (second ? reinterpret_cast<uintptr_t>(second_arg.ptr) - p0 : 0));
+  } else {
+    const char* p0 = static_cast<const char*>(first_arg.ptr);
+    ptr = p0 + (second ? static_cast<const char*>(second_arg.ptr) - p0 : 0);
+  }
+  return RopeTensorArg{ptr, first_arg.sb + (second ? second_arg.sb - first_arg.sb : 0u),
+                       first_arg.ss + (second ? second_arg.ss - first_arg.ss : 0u),
+                       first_arg.sh + (second ? second_arg.sh - first_arg.sh : 0u)};
+}
 
 // Fields in the order the kernels first read them: the argument bank is read through the
 // constant cache, and each of its lines the path to the first load touches is a miss of its own.
 struct RopeKernelArgs {
-  int64_t rows;
+  uint32_t rows;  // below 2^31 (the launcher checks), so that row indices stay 32-bit
   int Hq, Hk, D, R;
   int q_rows;          // rows of a token that belong to q: Hq, or 1
   int units_per_head;  // rotary units + pass-through units of one head
@@ -36,7 +72,7 @@ struct RopeKernelArgs {
   FastDivmod row_split;           // rows kernel: row -> (token, row of the token); per-head: thread -> token slot
   RopeTensorArg q, k;
   const void *cos, *sin;          // the table, of the kernel's TAB dtype
-  int64_t cos_sb, cos_ss, sin_sb, sin_ss;
+  uint32_t cos_sb, cos_ss, sin_sb, sin_ss;
   RopeTensorArg qo, ko;
   FastDivmod grid_hw, grid_w;     // 3-D grid: position -> (frame, in frame) -> (row, column)
   int step_heads, step_units;  // rows kernel: tpr as (heads, units) of a head, item to item
@@ -50,7 +86,10 @@ struct RopeKernelArgs {
 template <bool INTERLEAVED, int VEC>
 struct UnitLayout {
   static constexpr bool kTwoVectors = !(INTERLEAVED && VEC >= 2);
-  __device__ __forceinline__ static int rotary_units(int R) { return kTwoVectors ? R / (2 * VEC) : R / VEC; }
+  // (R >= 0: unsigned divisions, no sign fix-up)
+  __device__ __forceinline__ static int rotary_units(int R) {
+    return int(kTwoVectors ? unsigned(R) / (2 * VEC) : unsigned(R) / VEC);
+  }
   // The rotary pair of channel d0, the unit's first (pairs numbered as the 3-D grid's table).
   __device__ __forceinline__ static int first_pair(int d0) { return INTERLEAVED ? d0 / 2 : d0; }
   __device__ __forceinline__ static void channels(int j, int R, int& d0, int& d1) {
@@ -59,7 +98,7 @@ struct UnitLayout {
       d1 = d0 + 1;
     } else {
       d0 = j * VEC;
-      d1 = d0 + R / 2;
+      d1 = d0 + int(unsigned(R) / 2);
     }
   }
 };
@@ -89,10 +128,10 @@ struct GridTable {
 // cos/sin of channels [d, d + VEC) of token (b, s), read from the table (dtype TAB: a template
 // parameter, since a run-time choice kept both loads and their addresses in every kernel).
 template <typename TAB, int VEC>
-__device__ __forceinline__ void load_rotation(const RopeKernelArgs& a, int64_t b, int64_t s, int d, float (&c)[VEC],
+__device__ __forceinline__ void load_rotation(const RopeKernelArgs& a, uint32_t b, uint32_t s, int d, float (&c)[VEC],
                                               float (&sn)[VEC]) {
-  VecIO<TAB, VEC>::load(static_cast<const TAB*>(a.cos) + (b * a.cos_sb + s * a.cos_ss + d), c);
-  VecIO<TAB, VEC>::load(static_cast<const TAB*>(a.sin) + (b * a.sin_sb + s * a.sin_ss + d), sn);
+  VecIO<TAB, VEC>::load(static_cast<const TAB*>(a.cos) + element_offset(b, s, 0, d, a.cos_sb, a.cos_ss, 0), c);
+  VecIO<TAB, VEC>::load(static_cast<const TAB*>(a.sin) + element_offset(b, s, 0, d, a.sin_sb, a.sin_ss, 0), sn);
 }
 
 // cos/sin of the unit whose first channel is d0, from the grid: one angle per rotary pair (the
@@ -123,7 +162,7 @@ __device__ __forceinline__ void grid_rotation(const GridTable& g, const double (
 // The unit's rotation factors: from the table (both vectors of a two-vector unit) or the grid.
 template <typename L, typename TAB, int VEC, bool GRID>
 __device__ __forceinline__ void unit_rotation(const RopeKernelArgs& a, const GridTable& g, const double (&pos)[3],
-                                              int64_t b, int64_t s, bool two, int d0, int d1, float (&c0)[VEC],
+                                              uint32_t b, uint32_t s, bool two, int d0, int d1, float (&c0)[VEC],
                                               float (&s0)[VEC], float (&c1)[VEC], float (&s1)[VEC]) {
   if constexpr (GRID) {
     grid_rotation<L, VEC>(g, pos, d0, c0, s0);
@@ -180,7 +219,7 @@ __device__ __forceinline__ void store_unit(T* o, int d0, int d1, bool rotary, co
 // The unit's norm weights and, where `rotation`, its rotation factors.
 template <typename L, typename T, typename TAB, int VEC, bool NORM, bool GRID>
 __device__ __forceinline__ void load_unit_params(const RopeKernelArgs& a, const GridTable& g, const double (&pos)[3],
-                                                 int64_t b, int64_t s, const ParamPtr& w, int woff, bool rotation,
+                                                 uint32_t b, uint32_t s, const ParamPtr& w, int woff, bool rotation,
                                                  bool two, int d0, int d1, UnitParams<VEC>& p) {
   if (NORM && w.ptr) {
     load_param<T, VEC>(w, woff + d0, p.w0);
@@ -191,7 +230,7 @@ __device__ __forceinline__ void load_unit_params(const RopeKernelArgs& a, const 
 
 // Grid mode: the (frame, row, column) of token s, offsets included, as doubles (the angle's
 // factor).
-__device__ __forceinline__ void grid_position(const RopeKernelArgs& a, int64_t s, double (&pos)[3]) {
+__device__ __forceinline__ void grid_position(const RopeKernelArgs& a, uint32_t s, double (&pos)[3]) {
   uint32_t in_frame, col;
   const uint32_t frame = a.grid_hw.divmod(uint32_t(s), in_frame);
   const uint32_t row = a.grid_w.divmod(in_frame, col);
@@ -235,20 +274,19 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
   const int tpr = a.tpr;
   const int rb = a.rows_per_block == 1 ? 0 : threadIdx.x / tpr;
   const int lane = threadIdx.x - rb * tpr;
-  const int64_t row = int64_t(blockIdx.x) * a.rows_per_block + rb;
+  const uint32_t row = blockIdx.x * uint32_t(a.rows_per_block) + rb;
   const bool active = row < a.rows;
-  uint32_t sub32 = 0, s32 = 0, b32 = 0;
-  if (active) b32 = a.seq.divmod(a.row_split.divmod(uint32_t(row), sub32), s32);  // (rows < 2^31)
-  const int64_t b = b32, s = s32;
+  // (rows < 2^31; the rows past the last split as well, unused, so that b and s stay 32-bit)
+  uint32_t sub32, s;
+  const uint32_t b = a.seq.divmod(a.row_split.divmod(row, sub32), s);
   const int sub = int(sub32);
   const bool is_k = sub >= a.q_rows;
   const int head0 = a.across ? 0 : (is_k ? sub - a.q_rows : sub);  // first head of the row
   const int heads = a.across ? (is_k ? a.Hk : a.Hq) : 1;
   const int units = heads * a.units_per_head;
-  const RopeTensorArg& src = is_k ? a.k : a.q;
-  const RopeTensorArg& dst = is_k ? a.ko : a.qo;
-  const T* in = static_cast<const T*>(src.ptr) + b * src.sb + s * src.ss;
-  T* out = static_cast<T*>(const_cast<void*>(dst.ptr)) + b * dst.sb + s * dst.ss;
+  const RopeTensorArg src = pick<true>(is_k, a.q, a.k), dst = pick<true>(is_k, a.qo, a.ko);
+  const T* in = static_cast<const T*>(src.ptr);
+  T* out = static_cast<T*>(const_cast<void*>(dst.ptr));
   const int rot_units = L::rotary_units(a.R);
   double pos[3] = {0, 0, 0};
   if constexpr (GRID) grid_position(a, s, pos);
@@ -284,7 +322,10 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
 
   UnitParams<VEC> late;  // kEarlyRotation: filled before the reduction
 
-  pdl_wait();
+  // Threads without a row touch no global memory and need not wait; the wait under `active`
+  // also keeps the compiler from hoisting it above the setup, which overlaps the previous
+  // kernel's tail only while it comes first.
+  if (active) pdl_wait();
   // Load every unit of the row: x0 (and x1 for two-vector rotary units).
   Pack<T, VEC> x0[ITEMS], x1[ITEMS];
   UnitParams<VEC> early;
@@ -299,9 +340,10 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
       int d0, d1;
       bool rotary;
       channels_of(j, d0, d1, rotary);
-      const T* p = in + (head0 + hi) * src.sh;
-      x0[it] = load_pack<T, VEC>(p + d0);
-      if (rotary && L::kTwoVectors) x1[it] = load_pack<T, VEC>(p + d1);
+      const uint32_t h = head0 + hi;
+      x0[it] = load_pack<T, VEC>(in + element_offset(b, s, h, d0, src.sb, src.ss, src.sh));
+      if (rotary && L::kTwoVectors)
+        x1[it] = load_pack<T, VEC>(in + element_offset(b, s, h, d1, src.sb, src.ss, src.sh));
       if constexpr (kEarlyParams)
         load_unit_params<L, T, TAB, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0, rotary,
                                                      rotary && L::kTwoVectors, d0, d1, early);
@@ -335,7 +377,7 @@ __global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernel
     int d0, d1;
     bool rotary;
     channels_of(j, d0, d1, rotary);
-    T* o = out + (head0 + hi) * dst.sh;
+    T* o = out + element_offset(b, s, head0 + hi, 0, dst.sb, dst.ss, dst.sh);
     const bool two = rotary && L::kTwoVectors;
     if constexpr (!kEarlyParams)  // weights span every head when the norm does
       load_unit_params<L, T, TAB, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0,
@@ -381,17 +423,15 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const GridPa
     if (a.rows_per_block > 1) slot = int(a.row_split.divmod(threadIdx.x, in_token));
     hg = int(in_token >> a.tpr_log2);
   }
-  const int64_t token = int64_t(blockIdx.x) * a.rows_per_block + slot;
+  const uint32_t token = blockIdx.x * uint32_t(a.rows_per_block) + slot;
   const int heads = a.Hq + a.Hk;
   // (threads that only complete the block's last warp have hg >= head_groups or a slot past
   // the block's tokens)
   const bool active = slot < a.rows_per_block && hg < head_groups && token < a.rows && lane < a.units_per_head;
-  int64_t b = 0, s = 0;
-  if (active) {  // (token < 2^31, the launcher checks)
-    uint32_t s32;
-    b = a.seq.divmod(uint32_t(token), s32);
-    s = s32;
-  }
+  // (token < 2^31, the launcher checks; inactive threads split theirs too, unused, so that b
+  // and s stay 32-bit)
+  uint32_t s;
+  const uint32_t b = a.seq.divmod(token, s);
   const int rot_units = L::rotary_units(a.R);
   const bool rotary = lane < rot_units;
   const bool two = rotary && L::kTwoVectors;
@@ -402,7 +442,10 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const GridPa
     d0 = a.R + (lane - rot_units) * VEC;
   double pos[3] = {0, 0, 0};
   if constexpr (GRID) grid_position(a, s, pos);
-  pdl_wait();
+  // Threads without a row touch no global memory and need not wait; the wait under `active`
+  // also keeps the compiler from hoisting it above the setup, which overlaps the previous
+  // kernel's tail only while it comes first.
+  if (active) pdl_wait();
   float wq[VEC], wk[VEC];
   if constexpr (kEarlyWeights) {
 #pragma unroll
@@ -423,8 +466,9 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const GridPa
     x1[it] = Pack<T, VEC>{};
     if (active && h < heads) {
       const bool is_k = h >= a.Hq;
-      const RopeTensorArg& src = is_k ? a.k : a.q;
-      const T* p = static_cast<const T*>(src.ptr) + b * src.sb + s * src.ss + (is_k ? h - a.Hq : h) * src.sh;
+      const RopeTensorArg src = pick<false>(is_k, a.q, a.k);
+      const T* p =
+          static_cast<const T*>(src.ptr) + element_offset(b, s, is_k ? h - a.Hq : h, 0, src.sb, src.ss, src.sh);
       x0[it] = load_pack<T, VEC>(p + d0);
       if (two) x1[it] = load_pack<T, VEC>(p + d1);
     }
@@ -478,8 +522,9 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const GridPa
       }
     }
     if (!(active && h < heads)) continue;
-    const RopeTensorArg& dst = is_k ? a.ko : a.qo;
-    T* o = static_cast<T*>(const_cast<void*>(dst.ptr)) + b * dst.sb + s * dst.ss + (is_k ? h - a.Hq : h) * dst.sh;
+    const RopeTensorArg dst = pick<false>(is_k, a.qo, a.ko);
+    T* o = static_cast<T*>(const_cast<void*>(dst.ptr)) +
+           element_offset(b, s, is_k ? h - a.Hq : h, 0, dst.sb, dst.ss, dst.sh);
     store_unit<L, T, VEC>(o, d0, d1, rotary, v0, v1, rot);
   }
 }
@@ -504,9 +549,37 @@ __global__ void __maxnreg__(MAX_REGISTERS) rope_heads_kernel_capped(const RopeKe
   rope_heads<T, TAB, VEC, ITEMS, INTERLEAVED, NORM, GRID>(a, gp);
 }
 
-RopeTensorArg tensor_arg(const TensorView& t) {
+// A stride as the kernels take it: in 32 bits, and 0 along a dimension of size 1 (never
+// stepped, whatever its stride).
+uint32_t stride32(const TensorView& t, int dim, const char* name) {
+  if (t.shape[dim] == 1) return 0;
+  FUSEBOX_CHECK(t.strides[dim] >= 0 && t.strides[dim] < (int64_t(1) << 32), name, "'s stride along dimension ", dim,
+                " must be below 2^32 elements on CUDA; got ", t.strides[dim]);
+  return uint32_t(t.strides[dim]);
+}
+
+RopeTensorArg tensor_arg(const TensorView& t, const char* name) {
   if (!t.defined()) return RopeTensorArg{nullptr, 0, 0, 0};
-  return RopeTensorArg{t.data, t.strides[0], t.strides[1], t.strides[2]};
+  return RopeTensorArg{t.data, stride32(t, 0, name), stride32(t, 1, name), stride32(t, 2, name)};
+}
+
+// Whether some operand's batches lie 2^32 or more elements apart (past what the kernels'
+// 32-bit strides hold).
+bool wide_batch_stride(const RopeArgs& args) {
+  for (const TensorView* t : {&args.q, &args.k, &args.q_out, &args.k_out, &args.cos, &args.sin})
+    if (t->defined() && t->shape[0] > 1 && t->strides[0] >= (int64_t(1) << 32)) return true;
+  return false;
+}
+
+// The operands of batch b alone.
+RopeArgs one_batch(const RopeArgs& args, int64_t b) {
+  RopeArgs one = args;
+  for (TensorView* t : {&one.q, &one.k, &one.q_out, &one.k_out, &one.cos, &one.sin}) {
+    if (!t->defined()) continue;
+    t->data = static_cast<char*>(t->data) + b * t->strides[0] * int64_t(dtype_size(t->dtype));
+    t->shape[0] = 1;
+  }
+  return one;
 }
 
 ParamPtr param(const TensorView& t) {
@@ -555,16 +628,22 @@ void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool tabl
 }  // namespace
 
 void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t stream) {
+  if (sh.B > 1 && wide_batch_stride(args)) {  // one launch per batch, whose batch stride is then unused
+    RopeShape one_shape = sh;
+    one_shape.B = 1;
+    for (int64_t b = 0; b < sh.B; ++b) rope_cuda(one_batch(args, b), one_shape, vec, stream);
+    return;
+  }
   RopeKernelArgs a{};
   a.seq = FastDivmod(uint32_t(sh.S));  // (S <= the token count, below 2^31: checked per kernel below)
   a.Hq = int(sh.Hq);
   a.Hk = int(sh.Hk);
   a.D = int(sh.D);
   a.R = int(sh.R);
-  a.q = tensor_arg(args.q);
-  a.k = tensor_arg(args.k);
-  a.qo = tensor_arg(args.q_out);
-  a.ko = tensor_arg(args.k_out);
+  a.q = tensor_arg(args.q, "q");
+  a.k = tensor_arg(args.k, "k");
+  a.qo = tensor_arg(args.q_out, "q_out");
+  a.ko = tensor_arg(args.k_out, "k_out");
   if (args.use_grid) {
     for (int i = 0; i < 3; ++i) a.grid_offsets[i] = args.grid.offsets[i];
     a.grid_hw = FastDivmod(uint32_t(args.grid.height * args.grid.width));
@@ -572,10 +651,10 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   } else {
     a.cos = args.cos.data;
     a.sin = args.sin.data;
-    a.cos_sb = args.cos.strides[0];
-    a.cos_ss = args.cos.strides[1];
-    a.sin_sb = args.sin.strides[0];
-    a.sin_ss = args.sin.strides[1];
+    a.cos_sb = stride32(args.cos, 0, "cos");
+    a.cos_ss = stride32(args.cos, 1, "cos");
+    a.sin_sb = stride32(args.sin, 0, "sin");
+    a.sin_ss = stride32(args.sin, 1, "sin");
   }
   const bool interleaved = args.style == RopeStyle::kInterleaved;
   const bool table_f32 = !args.use_grid && args.cos.dtype == DType::kFloat32;
@@ -638,12 +717,13 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   if (!a.across && a.units_per_head <= 32 && head_tpr * head_groups <= kMaxThreads) {
     a.tpr = head_tpr;
     const int items = head_items;
-    a.rows = sh.B * sh.S;
+    const int64_t tokens = sh.B * sh.S;
+    FUSEBOX_CHECK(tokens < (int64_t(1) << 31), "too many tokens: ", tokens);
+    a.rows = uint32_t(tokens);
     a.rows_per_block = std::max(1, 128 / (a.tpr * head_groups));
     a.row_split = FastDivmod(uint32_t(a.tpr * head_groups));
     while ((1 << a.tpr_log2) < a.tpr) ++a.tpr_log2;
-    const int64_t blocks = (a.rows + a.rows_per_block - 1) / a.rows_per_block;
-    FUSEBOX_CHECK(a.rows < (int64_t(1) << 31), "too many tokens: ", a.rows);
+    const int64_t blocks = (tokens + a.rows_per_block - 1) / a.rows_per_block;
     // whole warps: the per-head sums shuffle with every lane of a warp present
     const int threads = (a.tpr * head_groups * a.rows_per_block + 31) / 32 * 32;
     const dim3 grid(static_cast<unsigned>(blocks)), block(static_cast<unsigned>(threads));
@@ -674,7 +754,9 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   const int rows_per_token = a.across ? 1 + int(has_k) : a.Hq + a.Hk;
   a.row_split = FastDivmod(uint32_t(rows_per_token));
   a.q_rows = a.across ? 1 : a.Hq;
-  a.rows = sh.B * sh.S * rows_per_token;
+  const int64_t rows = sh.B * sh.S * rows_per_token;
+  FUSEBOX_CHECK(rows < (int64_t(1) << 31), "too many rows: ", rows);
+  a.rows = uint32_t(rows);
   const int64_t units = int64_t(a.across ? std::max(a.Hq, a.Hk) : 1) * a.units_per_head;
 
   // Two-vector units: at most 4 of them per thread.
@@ -690,8 +772,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   // Items that are one unit of several heads share its rotation factors: loaded with the data,
   // their latency overlaps it (Wan 14B qk-norm + rope 536 -> 453 us; [a4c6657] tune/1).
   const bool early_rotation = a.step_units == 0 && tuning_knobs().rope_early.value_or(1) != 0;
-  const int64_t blocks = (a.rows + a.rows_per_block - 1) / a.rows_per_block;
-  FUSEBOX_CHECK(a.rows < (int64_t(1) << 31), "too many rows: ", a.rows);
+  const int64_t blocks = (rows + a.rows_per_block - 1) / a.rows_per_block;
   const dim3 grid(static_cast<unsigned>(blocks)), block(static_cast<unsigned>(a.tpr * a.rows_per_block));
 
   dispatch_dtype(args.q.dtype, [&](auto t) {

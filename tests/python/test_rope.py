@@ -109,6 +109,46 @@ def test_rope_large(device, gen, dtypes, layout, interleaved):
     check_rope(q, k, cos, sin, interleaved, heads_first=layout == "bhsd")
 
 
+def wide_strided(gen, shape, strides, dtype, device):
+    """A view of `shape` and `strides` (elements) into a storage just large enough, its
+    elements random where the view reaches and never read elsewhere."""
+    extent = 1 + sum((n - 1) * st for n, st in zip(shape, strides))
+    storage = torch.empty(extent, dtype=dtype, device=device)
+    view = storage.as_strided(shape, strides)
+    view.copy_(randn(gen, shape, dtype, device))
+    return view
+
+
+@pytest.mark.large
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_rope_batches_2_pow_32_apart(device, gen, interleaved):
+    """On CUDA, strides travel in 32 bits: a q whose batches lie 2^32 elements apart (8 GiB in
+    bf16) runs as one launch per batch and still rotates both batches right."""
+    if device != "cuda":
+        pytest.skip("the 32-bit strides are the CUDA kernels' (the CPU path takes int64)")
+    s, h, d = 3, 2, 64
+    q = wide_strided(gen, (2, s, h, d), (1 << 32, h * d, d, 1), BF16, device)
+    k = randn(gen, (2, s, h, d), BF16, device)
+    cos, sin = rope_tables(gen, "BS", "bshd", 2, s, d, interleaved, F32, device)
+    check_rope(q, k, cos, sin, interleaved, heads_first=False)
+    del q
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.large
+def test_rope_sequence_stride_2_pow_32_rejected(device, gen):
+    """A stride past 32 bits other than the batch's is refused with the tensor and dimension
+    named, not wrapped into a wrong address."""
+    if device != "cuda":
+        pytest.skip("the 32-bit strides are the CUDA kernels' (the CPU path takes int64)")
+    q = wide_strided(gen, (1, 2, 2, 64), (1 << 33, 1 << 32, 64, 1), BF16, device)
+    cos, sin = rope_tables(gen, "BS", "bshd", 1, 2, 64, False, F32, device)
+    with pytest.raises(ValueError, match=r"q.s stride along dimension 1 must be below 2\^32"):
+        fusebox.rope(q, None, cos, sin)
+    del q
+    torch.cuda.empty_cache()
+
+
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 def test_alias_rope_1d(device, gen, interleaved):
     q, k = qk_pair(gen, "bhsd", B, S, HQ, HK, 64, BF16, device, strided=True)
