@@ -261,8 +261,12 @@ __device__ __forceinline__ GridTable stage_grid_table(const RopeKernelArgs& a, c
 // the same unit of several heads (step_units 0) load that unit's rotation factors with the
 // data; it is a template parameter because holding them through the reduction costs the
 // other rows registers even when not taken.
-template <typename T, typename TAB, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID, bool EARLY_ROTATION>
-__global__ void __launch_bounds__(kMaxThreads) rope_rows_kernel(const RopeKernelArgs a, const GridParam<GRID> gp) {
+// MAX_THREADS / MIN_BLOCKS: launch bounds (a MIN_BLOCKS of 0 states none), other than the
+// defaults only for the Wan rows of launch_rope.
+template <typename T, typename TAB, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID, bool EARLY_ROTATION,
+          int MAX_THREADS = kMaxThreads, int MIN_BLOCKS = 0>
+__global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
+    rope_rows_kernel(const RopeKernelArgs a, const GridParam<GRID> gp) {
   constexpr bool kEarlyParams = ITEMS == 1;
   constexpr bool kEarlyRotation = EARLY_ROTATION && !kEarlyParams;
   using L = UnitLayout<INTERLEAVED, VEC>;
@@ -604,7 +608,20 @@ void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool tabl
       launch(rope_heads_kernel_capped<80, T, TAB, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, gp);
     else if constexpr (HEADS)
       launch(rope_heads_kernel<T, TAB, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, gp);
-    else if constexpr (ITEMS == 4 && VEC > 1)
+    else if constexpr (ITEMS == 4 && VEC > 1 && sizeof(T) == 2 && N && !G && !UnitLayout<I, VEC>::kTwoVectors) {
+      // The early-rotation rows of 16-bit one-vector units with their norm, in blocks of at
+      // most 128 threads (Wan's q/k: two 64-thread rows), are bounded to seven blocks an SM
+      // (at most 72 registers; 70 without spills): bf16 took 75 unbounded against fp16's 72,
+      // one allocation step past the 72 at which seven blocks fit instead of six (Wan 14B
+      // qk_norm_rope: fp16 379 us, bf16 415; [h200_377206b] bench). Half-split units would
+      // spill up to 396 bytes at that bound, so they keep the default one.
+      if (early_rotation && block.x <= 128)
+        launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true, 128, 7>, grid, block, smem, stream, a, gp);
+      else if (early_rotation)
+        launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true>, grid, block, smem, stream, a, gp);
+      else
+        launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a, gp);
+    } else if constexpr (ITEMS == 4 && VEC > 1)
       early_rotation ? launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true>, grid, block, smem, stream, a, gp)
                      : launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a, gp);
     else
