@@ -610,11 +610,11 @@ void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool tabl
       launch(rope_heads_kernel<T, TAB, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, gp);
     else if constexpr (ITEMS == 4 && VEC > 1 && sizeof(T) == 2 && N && !G && !UnitLayout<I, VEC>::kTwoVectors) {
       // The early-rotation rows of 16-bit one-vector units with their norm, in blocks of at
-      // most 128 threads (Wan's q/k: two 64-thread rows), are bounded to seven blocks an SM
-      // (at most 72 registers; 70 without spills): bf16 took 75 unbounded against fp16's 72,
-      // one allocation step past the 72 at which seven blocks fit instead of six (Wan 14B
-      // qk_norm_rope: fp16 379 us, bf16 415; [h200_377206b] bench). Half-split units would
-      // spill up to 396 bytes at that bound, so they keep the default one.
+      // most 128 threads (Wan 1.3B's q/k: two 64-thread rows), are bounded to seven blocks an
+      // SM (at most 72 registers; 70 without spills): bf16 took 75 unbounded against fp16's
+      // 72, one allocation step past the 72 at which seven blocks fit instead of six (Wan 1.3B
+      // qk_norm_rope 133.7 -> 125.5 us; [h200_377206b] tune/rope_wan_rows_launch_bounds_*).
+      // Half-split units would spill up to 396 bytes at that bound, so they keep the default.
       if (early_rotation && block.x <= 128)
         launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true, 128, 7>, grid, block, smem, stream, a, gp);
       else if (early_rotation)
