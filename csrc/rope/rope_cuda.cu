@@ -609,14 +609,20 @@ void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool tabl
     else if constexpr (HEADS)
       launch(rope_heads_kernel<T, TAB, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, gp);
     else if constexpr (ITEMS == 4 && VEC > 1 && sizeof(T) == 2 && N && !G && !UnitLayout<I, VEC>::kTwoVectors) {
-      // The early-rotation rows of 16-bit one-vector units with their norm, in blocks of at
-      // most 128 threads (Wan 1.3B's q/k: two 64-thread rows), are bounded to seven blocks an
-      // SM (at most 72 registers; 70 without spills): bf16 took 75 unbounded against fp16's
-      // 72, one allocation step past the 72 at which seven blocks fit instead of six (Wan 1.3B
-      // qk_norm_rope 133.7 -> 125.5 us; [h200_377206b] tune/rope_wan_rows_launch_bounds_*).
-      // Half-split units would spill up to 396 bytes at that bound, so they keep the default.
+      // The early-rotation rows of 16-bit one-vector units with their norm are bounded to more
+      // blocks an SM than their register allocation gives unbounded (bf16 75 registers, fp16
+      // 72), at the cost of 8 bytes of spills: 64 registers, eight 128-thread blocks (Wan
+      // 1.3B's q/k, two 64-thread rows a block) or six 160-thread ones (Wan 14B's, one row).
+      // Unbounded, bf16 fit only four 160-thread blocks against fp16's five (5-warp blocks
+      // split unevenly over the four schedulers' register files: Nsight Compute's register
+      // occupancy limit, [h200_3703b1b] ncu/). Measured side by side ([h200_3703b1b] tune/):
+      // Wan 14B bf16 418.5 -> 362.2 us, fp16 381 -> 365.5; Wan 1.3B bf16 125.0 -> 122.8, fp16
+      // 127.0 -> 123.4. Seven 160-thread blocks (56 registers, 64-80 bytes of spills) ran 433 us. Half-split units would spill up to 396 bytes at these bounds, so they keep the
+      // default.
       if (early_rotation && block.x <= 128)
-        launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true, 128, 7>, grid, block, smem, stream, a, gp);
+        launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true, 128, 8>, grid, block, smem, stream, a, gp);
+      else if (early_rotation && block.x <= 160)
+        launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true, 160, 6>, grid, block, smem, stream, a, gp);
       else if (early_rotation)
         launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true>, grid, block, smem, stream, a, gp);
       else

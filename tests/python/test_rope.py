@@ -278,8 +278,8 @@ def test_qk_norm_rope(device, gen, dtypes, layout, across, interleaved, with_wei
 def test_qk_norm_rope_across_heads_wide(device, gen, dtypes, interleaved, heads, d, r):
     # Rows of many heads: each thread walks several units, whose head and channel change from
     # item to item by a thread count that is not always a whole number of heads. 12 heads of
-    # 128 (Wan 1.3B) take the early-rotation rows in 128-thread blocks, with their own launch
-    # bounds for 16-bit interleaved units.
+    # 128 (Wan 1.3B) take the early-rotation rows in 128-thread blocks and 40 (Wan 14B) in
+    # 160-thread ones, each with launch bounds of their own for 16-bit interleaved units.
     xd, pd = dtypes
     q, k = qk_pair(gen, "bshd", 1, 3, heads, heads - 2, d, xd, device, strided=True)
     cos, sin = rope_tables(gen, "S", "bshd", 1, 3, r, interleaved, pd, device)
