@@ -544,6 +544,11 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
 // - 96: two heads of half-split units with their norm per lane group (Qwen3's q/k): at 102
 //   registers three blocks of 160 threads fit an SM, at 96 four (2048 tokens 22.4 -> 19.9 us,
 //   8192 67.4 -> 60.2).
+// - 72: two heads of half-split bf16 units without a norm (the LLM rope from 2048 tokens): 75
+//   registers uncapped fit four 160-thread blocks an SM (five warps a block split unevenly over
+//   the schedulers' register files, Nsight Compute's limit), 72 five, no spills: 2048 tokens
+//   14.83-14.91 -> 14.56-14.72 us, 8192 45.60-45.76 -> 44.98-45.52 ([h200_3703b1b]
+//   tune/rope_cap72_*). fp16 would spill 12-16 bytes there and ran 1% slower, so it keeps 78.
 // - 80: four heads of interleaved one-vector units with their norm (FLUX's q/k). fp16 gets 82
 //   registers uncapped against bf16's 80 (ptxas, sm_90), one register step past the 80 at which
 //   FLUX's 192-thread blocks fit four to an SM; capped, 80 without spills (H100, fp16: 50.8 ->
@@ -606,6 +611,9 @@ void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool tabl
       launch(rope_heads_kernel_capped<96, T, TAB, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, gp);
     else if constexpr (HEADS && ITEMS == 4 && N && !UnitLayout<I, VEC>::kTwoVectors)
       launch(rope_heads_kernel_capped<80, T, TAB, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, gp);
+    else if constexpr (HEADS && ITEMS == 2 && !N && !G && VEC > 1 && std::is_same_v<T, __nv_bfloat16> &&
+                       UnitLayout<I, VEC>::kTwoVectors)
+      launch(rope_heads_kernel_capped<72, T, TAB, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, gp);
     else if constexpr (HEADS)
       launch(rope_heads_kernel<T, TAB, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, gp);
     else if constexpr (ITEMS == 4 && VEC > 1 && sizeof(T) == 2 && N && !G && !UnitLayout<I, VEC>::kTwoVectors) {
