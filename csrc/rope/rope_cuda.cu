@@ -625,8 +625,9 @@ void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool tabl
       // split unevenly over the four schedulers' register files: Nsight Compute's register
       // occupancy limit, [h200_3703b1b] ncu/). Measured side by side ([h200_3703b1b] tune/):
       // Wan 14B bf16 418.5 -> 362.2 us, fp16 381 -> 365.5; Wan 1.3B bf16 125.0 -> 122.8, fp16
-      // 127.0 -> 123.4. Seven 160-thread blocks (56 registers, 64-80 bytes of spills) ran 433 us. Half-split units would spill up to 396 bytes at these bounds, so they keep the
-      // default.
+      // 127.0 -> 123.4. Seven 160-thread blocks (56 registers, 64-80 bytes of spills) ran 433
+      // us. Half-split units keep the default: at a 72-register bound they spilled up to 396
+      // bytes.
       if (early_rotation && block.x <= 128)
         launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true, 128, 8>, grid, block, smem, stream, a, gp);
       else if (early_rotation && block.x <= 160)
