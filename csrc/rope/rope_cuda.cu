@@ -616,7 +616,7 @@ void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool tabl
       launch(rope_heads_kernel_capped<72, T, TAB, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, gp);
     else if constexpr (HEADS)
       launch(rope_heads_kernel<T, TAB, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, gp);
-    else if constexpr (ITEMS == 4 && VEC > 1 && sizeof(T) == 2 && N && !G && !UnitLayout<I, VEC>::kTwoVectors) {
+    else if constexpr (ITEMS == 4 && VEC > 1) {
       // The early-rotation rows of 16-bit one-vector units with their norm are bounded to more
       // blocks an SM than their register allocation gives unbounded (bf16 75 registers, fp16
       // 72), at the cost of 8 bytes of spills: 64 registers, eight 128-thread blocks (Wan
@@ -628,18 +628,17 @@ void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool tabl
       // 127.0 -> 123.4. Seven 160-thread blocks (56 registers, 64-80 bytes of spills) ran 433
       // us. Half-split units keep the default: at a 72-register bound they spilled up to 396
       // bytes.
-      if (early_rotation && block.x <= 128)
-        launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true, 128, 8>, grid, block, smem, stream, a, gp);
-      else if (early_rotation && block.x <= 160)
-        launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true, 160, 6>, grid, block, smem, stream, a, gp);
-      else if (early_rotation)
-        launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true>, grid, block, smem, stream, a, gp);
-      else
-        launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a, gp);
-    } else if constexpr (ITEMS == 4 && VEC > 1)
+      if constexpr (sizeof(T) == 2 && N && !G && !UnitLayout<I, VEC>::kTwoVectors) {
+        if (early_rotation && block.x <= 128)
+          return launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true, 128, 8>, grid, block, smem, stream, a,
+                        gp);
+        if (early_rotation && block.x <= 160)
+          return launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true, 160, 6>, grid, block, smem, stream, a,
+                        gp);
+      }
       early_rotation ? launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true>, grid, block, smem, stream, a, gp)
                      : launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a, gp);
-    else
+    } else
       launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a, gp);
   };
   auto with_src = [&](auto il, auto nm) {
