@@ -374,22 +374,41 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
   }
 }
 
-template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS,
-          bool SPLIT>
-__global__ void __launch_bounds__(kMaxThreads) norm_rows_kernel(const NormKernelArgs a) {
+// MIN_BLOCKS: blocks of kMaxThreads an SM that the registers must leave room for (0 states
+// none; see register_bound for the plans that take one). The bound reaches the compiler's
+// scheduling, not only the register allocator, where a bare register cap (__maxnreg__) spills.
+template <int MIN_BLOCKS, typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD,
+          ParamPath PARAMS, bool SPLIT>
+__global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(const NormKernelArgs a) {
   norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS, SPLIT>(a);
 }
 
-// The same rows with room for two blocks of kMaxThreads per SM: 64 registers a thread. The
-// bound reaches the compiler's scheduling, not only the register allocator, so the 4-vector
-// modulated rows fit without spills (ptxas, sm_90: fp16 92-100 -> 64 registers; bf16 stays at
-// 64 and loses its 8-20 bytes of spills), where a bare register cap (__maxnreg__(64)) spills
-// 60-84 bytes. Measured (H100, fp16): per-sample adaln LTX 23.6 -> 20.2 us, Wan 14B 267.6 -> 234.0;
-// bf16 unchanged to 2.6% faster (bench/results/2026-11-25_h100_bafa32a/tune).
-template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS,
-          bool SPLIT>
-__global__ void __launch_bounds__(kMaxThreads, 2) norm_rows_kernel_64_registers(const NormKernelArgs a) {
-  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS, SPLIT>(a);
+// The register bound of a plan (MIN_BLOCKS above), for those whose allocation falls past an
+// occupancy step (ptxas 13.0, sm_90):
+// - 2 (64 registers) for the 4-vector modulated rows without a residual: fp16 92-100 -> 64
+//   registers, bf16 stays at 64 and loses its 8-20 bytes of spills, no spills anywhere (a bare
+//   __maxnreg__(64) spills 60-84 bytes). H100, fp16: per-sample adaln LTX 23.6 -> 20.2 us, Wan 14B
+//   267.6 -> 234.0; bf16 unchanged to 2.6% faster (bench/results/2026-11-25_h100_bafa32a/tune).
+// - 3 (40 registers) for the fp16 variants that ptxas otherwise gives 8-10 registers more than
+//   bf16's, one block an SM fewer: the 2-vector rows of a norm alone or of a residual add alone
+//   and the 1-vector residual + norm rows (48-50 -> 40), and for bf16's 2-vector LayerNorm rows
+//   (43 -> 40); 16-bit operands, no spills. On the H200 those fp16 rows ran up to 8% behind bf16
+//   (rms_norm [4x4096x3072] without a weight: six 192-thread blocks an SM against eight, 55.4 us
+//   against 51.2); on the H100, whose bandwidth needs fewer loads in flight, the bound moves them
+//   by under 1% either way (fp16 fused_add_rms_norm of 1-16 rows 1-2% faster), and with it
+//   384-vector rows gain from the 2-vector plan (pick_items). Where bf16 already holds 40 the bound
+//   only moves its schedule, and its 1-vector residual + norm rows then ran 0.1-0.2 us slower
+//   (H100), so those keep none.
+template <typename T, typename P, int ITEMS, NormType NORM, bool RES, bool MOD>
+constexpr int register_bound() {
+  if constexpr (ITEMS == 4 && MOD && !RES) return 2;
+  if constexpr (std::is_same_v<P, T> && !MOD) {
+    constexpr bool kNormAlone2 = ITEMS == 2 && !RES, kAddAlone2 = ITEMS == 2 && RES && NORM == NormType::kNone,
+                   kAddNorm1 = ITEMS == 1 && RES && NORM != NormType::kNone;
+    if constexpr (std::is_same_v<T, __half> && (kNormAlone2 || kAddAlone2 || kAddNorm1)) return 3;
+    if constexpr (std::is_same_v<T, __nv_bfloat16> && kNormAlone2 && NORM == NormType::kLayer) return 3;
+  }
+  return 0;
 }
 
 // ---------------------------------------------------------------- streaming path
@@ -530,11 +549,14 @@ struct RowOpTraits {
 // - 1 for a norm without a residual or modulation up to a full wave: 2026-11-25, [1x512x4096]
 //   7.17 -> 6.82 us (before the short plans of 00ba0d1 it lost there, 7.39 -> 8.51); with a
 //   residual it still loses ([1x512x4096] 8.38 -> 9.28).
-// - 2 for such a norm with 16-bit small operands (weight, bias) and rows up to 256 vectors
+// - 2 for such a norm with 16-bit small operands (weight, bias) and rows up to 384 vectors
 //   (bench/results/2026-11-26_h200_128d6e5/tune/norm_items_and_stage_172e9aa.txt: LayerNorm LTX
 //   18.54 -> 17.49 us, ltx-long 42.88 -> 41.79, rms_norm 8192x2048 20.90 -> 20.30, 32768x2048
-//   68.91 -> 67.01; 384 vectors gain nothing, FLUX 22.30 -> 22.19, 8192x3072 28.72 -> 28.91).
-//   fp32 operands held in registers cost occupancy (Wan 1.3B's LayerNorm 61.2 -> 63.7).
+//   68.91 -> 67.01). 384 vectors gained nothing there (FLUX 22.30 -> 22.19); on the 40-register
+//   variants of register_bound they do (H100, [h100_18a1a3d] tune/: LayerNorm FLUX 26.0-26.3 ->
+//   24.5-24.7 us bf16, 26.0 -> 25.0-25.2 fp16; rms_norm 8192x3072 fp16 37.9-38.4 -> 37.5-37.7),
+//   and 512 stays even (rms_norm 4096 wide, within 1% either way). fp32 operands held in
+//   registers cost occupancy (Wan 1.3B's LayerNorm 61.2 -> 63.7).
 // - 2 for a plain residual add + norm (fused_add_rms_norm: no gate, no modulation) of rows up to
 //   512 vectors: x and the residual in flight with the small operands in registers. Measured
 //   together with the shuffle row sum against the previous kernels (2026-11-24 tune/4):
@@ -567,7 +589,7 @@ int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOp
   if (vec_per_row <= kMaxThreads && rows * vec_per_row <= wave / 2) return 1;
   if (plain_norm && !op.small_operands && vec_per_row <= kMaxThreads) return 2;
   if (plain_norm && vec_per_row <= kMaxThreads && rows * vec_per_row <= wave) return 1;
-  if (plain_norm && !op.f32_operands && vec_per_row <= 256) return 2;
+  if (plain_norm && !op.f32_operands && vec_per_row <= 384) return 2;
   if (op.plain_residual && vec_per_row <= kMaxThreads) return 2;
   if (op.per_row_operand && vec_per_row <= 256) return 2;
   if (op.residual && op.modulated && op.bf16_rows && !op.f32_operands && vec_per_row <= 256) return 2;
@@ -632,10 +654,8 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, int n_
       };
       auto with_path = [&](auto path) {
         constexpr ParamPath kPath = decltype(path)::value;
-        if constexpr (ITEMS == 4 && kMod && !kRes)
-          launch_kernel(norm_rows_kernel_64_registers<T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit>);
-        else
-          launch_kernel(norm_rows_kernel<T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit>);
+        constexpr int kMinBlocks = register_bound<T, P, ITEMS, kNorm, kRes, kMod>();
+        launch_kernel(norm_rows_kernel<kMinBlocks, T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit>);
       };
       if constexpr (ITEMS <= 2)
         with_path(std::integral_constant<ParamPath, ParamPath::kHeld>{});
