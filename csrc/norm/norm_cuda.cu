@@ -389,13 +389,13 @@ __global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(cons
 //   registers, bf16 stays at 64 and loses its 8-20 bytes of spills, no spills anywhere (a bare
 //   __maxnreg__(64) spills 60-84 bytes). H100, fp16: per-sample adaln LTX 23.6 -> 20.2 us, Wan 14B
 //   267.6 -> 234.0; bf16 unchanged to 2.6% faster (bench/results/2026-11-25_h100_bafa32a/tune).
-// - 3 (40 registers) for the fp16 variants that ptxas otherwise gives 8-10 registers more than
+// - 3 (40 registers) for the fp16 variants that ptxas otherwise gives 7-10 registers more than
 //   bf16's, one block an SM fewer: the 2-vector rows of a norm alone or of a residual add alone
 //   and the 1-vector residual + norm rows (48-50 -> 40), and for bf16's 2-vector LayerNorm rows
 //   (43 -> 40); 16-bit operands, no spills. On the H200 those fp16 rows ran up to 8% behind bf16
 //   (rms_norm [4x4096x3072] without a weight: six 192-thread blocks an SM against eight, 55.4 us
 //   against 51.2); on the H100, whose bandwidth needs fewer loads in flight, the bound moves them
-//   by under 1% either way (fp16 fused_add_rms_norm of 1-16 rows 1-2% faster), and with it
+//   by about 1% either way (fp16 fused_add_rms_norm of 1-16 rows 1-2% faster), and with it
 //   384-vector rows gain from the 2-vector plan (pick_items). Where bf16 already holds 40 the bound
 //   only moves its schedule, and its 1-vector residual + norm rows then ran 0.1-0.2 us slower
 //   (H100), so those keep none.
@@ -555,7 +555,7 @@ struct RowOpTraits {
 //   68.91 -> 67.01). 384 vectors gained nothing there (FLUX 22.30 -> 22.19); on the 40-register
 //   variants of register_bound they do (H100, [h100_18a1a3d] tune/: LayerNorm FLUX 26.0-26.3 ->
 //   24.5-24.7 us bf16, 26.0 -> 25.0-25.2 fp16; rms_norm 8192x3072 fp16 37.9-38.4 -> 37.5-37.7),
-//   and 512 stays even (rms_norm 4096 wide, within 1% either way). fp32 operands held in
+//   and 512 stays even (rms_norm 4096 wide, within 1-2% either way). fp32 operands held in
 //   registers cost occupancy (Wan 1.3B's LayerNorm 61.2 -> 63.7).
 // - 2 for a plain residual add + norm (fused_add_rms_norm: no gate, no modulation) of rows up to
 //   512 vectors: x and the residual in flight with the small operands in registers. Measured
