@@ -391,21 +391,21 @@ __global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(cons
 //   267.6 -> 234.0; bf16 unchanged to 2.6% faster (bench/results/2026-11-25_h100_bafa32a/tune).
 // - 3 (40 registers) for the fp16 variants that ptxas otherwise gives 7-10 registers more than
 //   bf16's, one block an SM fewer: the 2-vector rows of a norm alone or of a residual add alone
-//   and the 1-vector residual + norm rows (48-50 -> 40), and for bf16's 2-vector LayerNorm rows
-//   (43 -> 40); 16-bit operands, no spills. On the H200 those fp16 rows ran up to 8% behind bf16
-//   (rms_norm [4x4096x3072] without a weight: six 192-thread blocks an SM against eight, 55.4 us
-//   against 51.2); on the H100, whose bandwidth needs fewer loads in flight, the bound moves them
-//   by about 1% either way (fp16 fused_add_rms_norm of 1-16 rows 1-2% faster), and with it
-//   384-vector rows gain from the 2-vector plan (pick_items). Where bf16 already holds 40 the bound
-//   only moves its schedule, and its 1-vector residual + norm rows then ran 0.1-0.2 us slower
-//   (H100), so those keep none.
+//   (48-50 -> 40), and for bf16's 2-vector LayerNorm rows (43 -> 40); 16-bit operands, no
+//   spills. Side by side on the H200 ([h100_18a1a3d] tune/norm_bound_h200_*): fp16 rms_norm
+//   [4x4096x3072] without a weight 54.5-54.8 -> 51.4-51.7 us (bf16: 51.2), [2x4096x3072]
+//   29.2-29.6 -> 27.6-27.8, 32768x2048 70.9-71.3 -> 67.6-67.7, LayerNorm ltx-long 42.4-42.6 ->
+//   40.9-41.1 (bf16 42.1-42.5 -> 40.4); on the H100, whose bandwidth needs fewer loads in
+//   flight, about 1% either way. Where bf16 already holds 40 the bound only moves its schedule
+//   (its 1-vector residual + norm rows then ran 0.1-0.2 us slower on the H100), and fp16's
+//   1-vector residual + norm rows (48 -> 40) ran 0.1-0.2 us slower on the H200 (faster on the
+//   H100): those keep none.
 template <typename T, typename P, int ITEMS, NormType NORM, bool RES, bool MOD>
 constexpr int register_bound() {
   if constexpr (ITEMS == 4 && MOD && !RES) return 2;
   if constexpr (std::is_same_v<P, T> && !MOD) {
-    constexpr bool kNormAlone2 = ITEMS == 2 && !RES, kAddAlone2 = ITEMS == 2 && RES && NORM == NormType::kNone,
-                   kAddNorm1 = ITEMS == 1 && RES && NORM != NormType::kNone;
-    if constexpr (std::is_same_v<T, __half> && (kNormAlone2 || kAddAlone2 || kAddNorm1)) return 3;
+    constexpr bool kNormAlone2 = ITEMS == 2 && !RES, kAddAlone2 = ITEMS == 2 && RES && NORM == NormType::kNone;
+    if constexpr (std::is_same_v<T, __half> && (kNormAlone2 || kAddAlone2)) return 3;
     if constexpr (std::is_same_v<T, __nv_bfloat16> && kNormAlone2 && NORM == NormType::kLayer) return 3;
   }
   return 0;
@@ -530,6 +530,7 @@ struct RowOpTraits {
   bool small_operands;   // any of weight, bias, gate, scale, shift present
   bool f32_operands;     // ... in fp32
   bool bf16_rows;        // x is bf16
+  bool layer_norm;       // the norm is LayerNorm
 };
 
 // Vectors per thread on the register path (0: streaming path). H200 figures; "2026-11-25"
@@ -549,14 +550,16 @@ struct RowOpTraits {
 // - 1 for a norm without a residual or modulation up to a full wave: 2026-11-25, [1x512x4096]
 //   7.17 -> 6.82 us (before the short plans of 00ba0d1 it lost there, 7.39 -> 8.51); with a
 //   residual it still loses ([1x512x4096] 8.38 -> 9.28).
-// - 2 for such a norm with 16-bit small operands (weight, bias) and rows up to 384 vectors
-//   (bench/results/2026-11-26_h200_128d6e5/tune/norm_items_and_stage_172e9aa.txt: LayerNorm LTX
-//   18.54 -> 17.49 us, ltx-long 42.88 -> 41.79, rms_norm 8192x2048 20.90 -> 20.30, 32768x2048
-//   68.91 -> 67.01). 384 vectors gained nothing there (FLUX 22.30 -> 22.19); on the 40-register
-//   variants of register_bound they do (H100, [h100_18a1a3d] tune/: LayerNorm FLUX 26.0-26.3 ->
-//   24.5-24.7 us bf16, 26.0 -> 25.0-25.2 fp16; rms_norm 8192x3072 fp16 37.9-38.4 -> 37.5-37.7),
-//   and 512 stays even (rms_norm 4096 wide, within 1-2% either way). fp32 operands held in
-//   registers cost occupancy (Wan 1.3B's LayerNorm 61.2 -> 63.7).
+// - 2 for such a norm with 16-bit small operands (weight, bias) and rows up to 256 vectors, 384
+//   for LayerNorm (bench/results/2026-11-26_h200_128d6e5/tune/norm_items_and_stage_172e9aa.txt:
+//   LayerNorm LTX 18.54 -> 17.49 us, ltx-long 42.88 -> 41.79, rms_norm 8192x2048 20.90 -> 20.30,
+//   32768x2048 68.91 -> 67.01). 384 vectors gained nothing there (FLUX 22.30 -> 22.19); on the
+//   40-register LayerNorm variants of register_bound they do ([h100_18a1a3d] tune/: H200,
+//   LayerNorm FLUX 22.3-22.4 -> 21.1 us bf16, 22.1-22.3 -> 21.5-21.6 fp16; H100 26.1 -> 24.5
+//   and 26.0 -> 25.0). RMS rows of 384 vectors stay at 4: with 2, rms_norm 8192x3072 fp16 ran
+//   28.0-28.1 -> 29.0 us and 32768x3072 98.5 -> 101.1 on the H200 (2048x3072 gained 3%, bf16
+//   8192x3072 lost 1%). 512 vectors stay even (rms_norm 4096 wide on the H100, within 1-2%).
+//   fp32 operands held in registers cost occupancy (Wan 1.3B's LayerNorm 61.2 -> 63.7).
 // - 2 for a plain residual add + norm (fused_add_rms_norm: no gate, no modulation) of rows up to
 //   512 vectors: x and the residual in flight with the small operands in registers. Measured
 //   together with the shuffle row sum against the previous kernels (2026-11-24 tune/4):
@@ -589,7 +592,7 @@ int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOp
   if (vec_per_row <= kMaxThreads && rows * vec_per_row <= wave / 2) return 1;
   if (plain_norm && !op.small_operands && vec_per_row <= kMaxThreads) return 2;
   if (plain_norm && vec_per_row <= kMaxThreads && rows * vec_per_row <= wave) return 1;
-  if (plain_norm && !op.f32_operands && vec_per_row <= 384) return 2;
+  if (plain_norm && !op.f32_operands && vec_per_row <= (op.layer_norm ? 384 : 256)) return 2;
   if (op.plain_residual && vec_per_row <= kMaxThreads) return 2;
   if (op.per_row_operand && vec_per_row <= 256) return 2;
   if (op.residual && op.modulated && op.bf16_rows && !op.f32_operands && vec_per_row <= 256) return 2;
@@ -732,7 +735,7 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   const bool params_f32 = param_dtype >= 0 && DType(param_dtype) == DType::kFloat32;
   const RowOpTraits traits{normalizes, res, res && !args.gate.defined() && !mod && normalizes, mod,
                            per_row_operand, n_params > 0, n_params > 0 && params_f32,
-                           args.x.dtype == DType::kBFloat16};
+                           args.x.dtype == DType::kBFloat16, args.norm == NormType::kLayer};
   const int items = pick_items(a.rows, a.vec_per_row, full_vectors, traits);
   FUSEBOX_CHECK(a.rows < (int64_t(1) << 31), "too many rows: ", a.rows);
   const bool split = split_modulation(args);
