@@ -792,9 +792,12 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
 
   // Two-vector units: at most 4 of them per thread.
   const int items = units <= 32 ? 1 : units <= 4 * kMaxThreads ? 4 : 8;
+  // (a two-vector unit covers 2 * vec channels: the limit in channels is for a wholly rotary row)
   FUSEBOX_CHECK(units <= int64_t(two_vectors ? 4 : 8) * kMaxThreads, "one row of the rotary kernel (",
-                a.across ? "every head of a token" : "one head", ", ", units * vec,
-                " channels) is too wide; at most ", (two_vectors ? 4 * 2 : 8) * kMaxThreads * vec, " are supported");
+                a.across ? "every head of a token" : "one head", ", ",
+                int64_t(a.across ? std::max(a.Hq, a.Hk) : 1) * a.D, " channels) is too wide: at most ",
+                8 * kMaxThreads * vec, " are supported with ", vec, "-element vectors (",
+                full, " where the rotary pairs and widths align to 16 bytes)");
   const int64_t need = (units + items - 1) / items;
   a.tpr = need <= 32 ? next_pow2(need) : int((need + 31) / 32 * 32);
   a.rows_per_block = a.tpr < 128 && (a.tpr & (a.tpr - 1)) == 0 ? 128 / a.tpr : 1;

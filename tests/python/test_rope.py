@@ -71,7 +71,10 @@ def test_rope_independent_channel_tables(device, gen, dtypes, layout, interleave
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("d", [2, 8, 80, 128, 256])
+# Heads wider than one lane group (past 256 channels of 16-byte vectors) take the rows kernel
+# (2048: LTX-Video's flat q/k; 1000 and 3000 with half-split pairs that 16-byte vectors do not
+# align, so one element a vector).
+@pytest.mark.parametrize("d", [2, 8, 80, 128, 256, 1000, 2048, 3000])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 def test_rope_head_dims(device, gen, dtype, d, interleaved):
     q, k = qk_pair(gen, "bshd", 3, 7, 3, 1, d, dtype, device)
@@ -147,6 +150,19 @@ def test_rope_sequence_stride_2_pow_32_rejected(device, gen):
         fusebox.rope(q, None, cos, sin)
     del q
     torch.cuda.empty_cache()
+
+
+def test_rope_row_too_wide(device, gen):
+    """A head past what one row of the CUDA kernel holds is refused with its width and the limit
+    at its vector width (half-split pairs of 4104 channels do not align to 16 bytes: one element
+    a vector, at most 4096 channels)."""
+    if device != "cuda":
+        pytest.skip("the limit is the CUDA kernel's (the CPU path takes any width)")
+    q = randn(gen, (1, 2, 1, 4104), BF16, device)
+    cos, sin = rope_tables(gen, "S", "bshd", 1, 2, 4104, False, F32, device)
+    with pytest.raises(ValueError, match=r"one head, 4104 channels\) is too wide: at most 4096 are supported "
+                                         r"with 1-element vectors \(8 where"):
+        fusebox.rope(q, None, cos, sin)
 
 
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
