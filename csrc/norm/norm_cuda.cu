@@ -557,7 +557,7 @@ struct RowOpTraits {
 //   40-register LayerNorm variants of register_bound they do ([h100_18a1a3d] tune/: H200,
 //   LayerNorm FLUX 22.3-22.4 -> 21.1 us bf16, 22.1-22.3 -> 21.5-21.6 fp16; H100 26.1 -> 24.5
 //   and 26.0 -> 25.0). RMS rows of 384 vectors stay at 4: with 2, rms_norm 8192x3072 fp16 ran
-//   28.0-28.1 -> 29.0 us and 32768x3072 98.5 -> 101.1 on the H200 (2048x3072 gained 3%, bf16
+//   28.0-28.1 -> 29.0 us and 32768x3072 98.5 -> 101.1 on the H200 (bf16: 2048x3072 gained 3%,
 //   8192x3072 lost 1%). 512 vectors stay even (rms_norm 4096 wide on the H100, within 1-2%).
 //   fp32 operands held in registers cost occupancy (Wan 1.3B's LayerNorm 61.2 -> 63.7).
 // - 2 for a plain residual add + norm (fused_add_rms_norm: no gate, no modulation) of rows up to
