@@ -402,8 +402,9 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
   }
 }
 
-// Per-head rows of at most 32 units (head_dim <= 128 in 16-bit with whole vectors: the LLM
-// and DiT case), one token per thread group: `tpr` lanes own the units of a head, and each of
+// Per-head rows: of at most 32 units with a norm (head_dim <= 128 in 16-bit with whole
+// vectors: the LLM and DiT case), of up to a block's threads without one (LTX-Video's flat
+// 2048-channel rotary), one token per thread group: `tpr` lanes own the units of a head, and each of
 // `head_groups` lane groups walks ITEMS heads of the token (h = group + it * head_groups).
 // A lane's unit is the same in all its heads, so its rotation factors (and, for the norm, its
 // weight vectors) are loaded or computed once per token and reused ITEMS times; the heads'
@@ -745,7 +746,11 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   if (forced_items == 1 || forced_items == 2 || forced_items == 4) head_items = forced_items;
   const int head_groups = (heads + head_items - 1) / head_items;
   a.head_groups = head_groups;
-  if (!a.across && a.units_per_head <= 32 && head_tpr * head_groups <= kMaxThreads) {
+  // Without a norm no lane group reduces, so a head of any width up to the block fits one:
+  // each lane then rotates its unit of q and of k with one read of the rotation factors, where
+  // the rows kernel gives q's and k's rows threads of their own that read the table twice.
+  const bool head_fits = !norm || a.units_per_head <= 32;
+  if (!a.across && head_fits && head_tpr * head_groups <= kMaxThreads) {
     a.tpr = head_tpr;
     const int items = head_items;
     const int64_t tokens = sh.B * sh.S;
