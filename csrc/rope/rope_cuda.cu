@@ -261,17 +261,21 @@ __device__ __forceinline__ GridTable stage_grid_table(const RopeKernelArgs& a, c
 // the same unit of several heads (step_units 0) load that unit's rotation factors with the
 // data; it is a template parameter because holding them through the reduction costs the
 // other rows registers even when not taken.
+// PAIRED (norm across heads, as many k heads as q heads): a row is a token's q and its k, and
+// each thread holds the same ITEMS units of both, so their rotation factors are read once for
+// the two (the rows of q and of k each read them otherwise); the two row sums share a barrier.
 // MAX_THREADS / MIN_BLOCKS: launch bounds (a MIN_BLOCKS of 0 states none), other than the
 // defaults only for the Wan rows of launch_rope.
 template <typename T, typename TAB, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID, bool EARLY_ROTATION,
-          int MAX_THREADS = kMaxThreads, int MIN_BLOCKS = 0>
+          bool PAIRED = false, int MAX_THREADS = kMaxThreads, int MIN_BLOCKS = 0>
 __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
     rope_rows_kernel(const RopeKernelArgs a, const GridParam<GRID> gp) {
+  static_assert(!PAIRED || (NORM && ITEMS > 1), "paired rows are rows of a norm across heads");
   constexpr bool kEarlyParams = ITEMS == 1;
   constexpr bool kEarlyRotation = EARLY_ROTATION && !kEarlyParams;
   using L = UnitLayout<INTERLEAVED, VEC>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  __shared__ float scratch[kMaxThreads / 32];
+  __shared__ float scratch[PAIRED ? 2 : 1][kMaxThreads / 32];
   const GridTable gtab = stage_grid_table<GRID>(a, gp, smem_raw);
   if constexpr (GRID) __syncthreads();  // (rows that load their factors with the data need it first)
 
@@ -330,8 +334,10 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
   // also keeps the compiler from hoisting it above the setup, which overlaps the previous
   // kernel's tail only while it comes first.
   if (active) pdl_wait();
-  // Load every unit of the row: x0 (and x1 for two-vector rotary units).
-  Pack<T, VEC> x0[ITEMS], x1[ITEMS];
+  // Load every unit of the row: x0 (and x1 for two-vector rotary units); paired rows, k's in y0
+  // and y1.
+  constexpr int kPairedItems = PAIRED ? ITEMS : 1;
+  Pack<T, VEC> x0[ITEMS], x1[ITEMS], y0[kPairedItems], y1[kPairedItems];
   UnitParams<VEC> early;
   int hi, j;
 #pragma unroll
@@ -340,6 +346,10 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
     walk(it, hi, j);
     x0[it] = Pack<T, VEC>{};
     x1[it] = Pack<T, VEC>{};
+    if constexpr (PAIRED) {
+      y0[it] = Pack<T, VEC>{};
+      y1[it] = Pack<T, VEC>{};
+    }
     if (active && u < units) {
       int d0, d1;
       bool rotary;
@@ -348,6 +358,12 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
       x0[it] = load_pack<T, VEC>(in + element_offset(b, s, h, d0, src.sb, src.ss, src.sh));
       if (rotary && L::kTwoVectors)
         x1[it] = load_pack<T, VEC>(in + element_offset(b, s, h, d1, src.sb, src.ss, src.sh));
+      if constexpr (PAIRED) {
+        const T* k_in = static_cast<const T*>(a.k.ptr);
+        y0[it] = load_pack<T, VEC>(k_in + element_offset(b, s, h, d0, a.k.sb, a.k.ss, a.k.sh));
+        if (rotary && L::kTwoVectors)
+          y1[it] = load_pack<T, VEC>(k_in + element_offset(b, s, h, d1, a.k.sb, a.k.ss, a.k.sh));
+      }
       if constexpr (kEarlyParams)
         load_unit_params<L, T, TAB, VEC, NORM, GRID>(a, gtab, pos, b, s, w, a.across ? hi * a.D : 0, rotary,
                                                      rotary && L::kTwoVectors, d0, d1, early);
@@ -358,18 +374,26 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
   }
   pdl_release();
 
-  float rstd = 1.f;
+  float rstd = 1.f, rstd_k = 1.f;  // rstd_k: paired rows' k
   if constexpr (NORM) {
-    float acc = 0.f;
+    float acc[PAIRED ? 2 : 1] = {};
 #pragma unroll
     for (int it = 0; it < ITEMS; ++it) {
       float v0[VEC], v1[VEC];
       unpack(x0[it], v0);
       unpack(x1[it], v1);
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) acc += v0[i] * v0[i] + v1[i] * v1[i];
+      for (int i = 0; i < VEC; ++i) acc[0] += v0[i] * v0[i] + v1[i] * v1[i];
+      if constexpr (PAIRED) {
+        unpack(y0[it], v0);
+        unpack(y1[it], v1);
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) acc[PAIRED] += v0[i] * v0[i] + v1[i] * v1[i];
+      }
     }
-    rstd = rsqrtf(row_sum(acc, tpr, scratch) / float(heads * a.D) + a.eps);
+    row_sums(acc, tpr, scratch[0], kMaxThreads / 32);
+    rstd = rsqrtf(acc[0] / float(heads * a.D) + a.eps);
+    if constexpr (PAIRED) rstd_k = rsqrtf(acc[PAIRED] / float(heads * a.D) + a.eps);
   }
   if (!active) return;
 
@@ -399,6 +423,23 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
       }
     }
     store_unit<L, T, VEC>(o, d0, d1, rotary, v0, v1, p);
+    if constexpr (PAIRED) {  // k's unit: the same channels and rotation factors, k's weights
+      float w0[VEC], w1[VEC];
+      if (a.kw.ptr) {
+        load_param<T, VEC>(a.kw, hi * a.D + d0, w0);
+        if (two) load_param<T, VEC>(a.kw, hi * a.D + d1, w1);
+      }
+      unpack(y0[it], v0);
+      unpack(y1[it], v1);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {
+        v0[i] *= rstd_k * weight_factor(a.kw.ptr, a.weight_offset, w0[i]);
+        v1[i] *= rstd_k * weight_factor(a.kw.ptr && two, a.weight_offset, w1[i]);
+      }
+      T* k_out = static_cast<T*>(const_cast<void*>(a.ko.ptr)) +
+                 element_offset(b, s, head0 + hi, 0, a.ko.sb, a.ko.ss, a.ko.sh);
+      store_unit<L, T, VEC>(k_out, d0, d1, rotary, v0, v1, p);
+    }
   }
 }
 
@@ -597,9 +638,10 @@ ParamPtr param(const TensorView& t) {
 }
 
 // Launches the per-head kernel (HEADS) or the rows kernel (early rotation factors compiled
-// for the 4-unit rows of whole vectors only: the wide across-heads rows that use them). The
-// table's dtype (TAB: T, or fp32 as FLUX and LTX-Video keep theirs) is a template parameter;
-// the 3-D grid reads no table.
+// for the 4-unit rows of whole vectors and the paired rows only: the wide across-heads rows
+// that use them; 2 items a thread only as paired rows, which only a norm takes). The table's
+// dtype (TAB: T, or fp32 as FLUX and LTX-Video keep theirs) is a template parameter; the 3-D
+// grid reads no table.
 template <bool HEADS, typename T, int VEC, int ITEMS>
 void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool table_f32, const GridPairs* grid_pairs,
                  dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool early_rotation = false) {
@@ -631,14 +673,25 @@ void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool tabl
       // bytes.
       if constexpr (sizeof(T) == 2 && N && !G && !UnitLayout<I, VEC>::kTwoVectors) {
         if (early_rotation && block.x <= 128)
-          return launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true, 128, 8>, grid, block, smem, stream, a,
-                        gp);
+          return launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true, false, 128, 8>, grid, block, smem,
+                        stream, a, gp);
         if (early_rotation && block.x <= 160)
-          return launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true, 160, 6>, grid, block, smem, stream, a,
-                        gp);
+          return launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true, false, 160, 6>, grid, block, smem,
+                        stream, a, gp);
       }
       early_rotation ? launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true>, grid, block, smem, stream, a, gp)
                      : launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a, gp);
+    } else if constexpr (ITEMS == 2) {
+      // Paired rows: one-vector units from a table, of at most 128 threads (the launcher's
+      // limits; two-vector units hold 128 registers paired). With early rotation factors
+      // (Wan 1.3B's 12 heads, 96 threads a token) bounded to seven blocks an SM: 72 registers
+      // where ptxas gives 76-78, no spills (qk-norm + rope bf16 118.8 -> 117.0 us, fp16 119.4
+      // -> 116.3; [h200_4e2c81a] tune/rope_paired_*). LTX-Video's rows keep 79-80: the same
+      // bound spills 4-20 bytes there (bf16 47.3 -> 50.1 us).
+      if constexpr (N && !G && !UnitLayout<I, VEC>::kTwoVectors)
+        early_rotation
+            ? launch(rope_rows_kernel<T, TAB, VEC, 2, I, N, G, true, true, 128, 7>, grid, block, smem, stream, a, gp)
+            : launch(rope_rows_kernel<T, TAB, VEC, 2, I, N, G, false, true>, grid, block, smem, stream, a, gp);
     } else
       launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a, gp);
   };
@@ -786,17 +839,25 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
     return;
   }
 
-  // rows of a token: Hq + Hk (one head per row) or 1 + has_k (all heads of a tensor)
-  const int rows_per_token = a.across ? 1 + int(has_k) : a.Hq + a.Hk;
+  const int64_t units = int64_t(a.across ? std::max(a.Hq, a.Hk) : 1) * a.units_per_head;
+  // Wide rows of a norm across heads, with as many k heads as q heads, of at most 128 threads:
+  // paired rows (a token's q and k, 2 units of each a thread; see rope_rows_kernel). H200, side
+  // by side ([h200_4e2c81a] tune/rope_paired_*): qk-norm + rope LTX-Video 2x2688x2048 bf16 50.2
+  // -> 47.3 us, 2x8064x2048 131.1 -> 127.4, Wan 1.3B 123.3 -> 117.0. Wan 14B's 40 heads
+  // (320 threads a token, 76 registers) ran 362 -> 453 and keep separate rows.
+  // Measured for interleaved pairs read from a table (one-vector units) only, which both take.
+  const bool paired =
+      a.across && has_k && a.Hq == a.Hk && !two_vectors && !args.use_grid && units > 32 && units <= 2 * 128;
+  // rows of a token: Hq + Hk (one head per row), 1 + has_k (all heads of a tensor) or 1 (paired)
+  const int rows_per_token = paired ? 1 : a.across ? 1 + int(has_k) : a.Hq + a.Hk;
   a.row_split = FastDivmod(uint32_t(rows_per_token));
   a.q_rows = a.across ? 1 : a.Hq;
   const int64_t rows = sh.B * sh.S * rows_per_token;
   FUSEBOX_CHECK(rows < (int64_t(1) << 31), "too many rows: ", rows);
   a.rows = uint32_t(rows);
-  const int64_t units = int64_t(a.across ? std::max(a.Hq, a.Hk) : 1) * a.units_per_head;
 
   // Two-vector units: at most 4 of them per thread.
-  const int items = units <= 32 ? 1 : units <= 4 * kMaxThreads ? 4 : 8;
+  const int items = paired ? 2 : units <= 32 ? 1 : units <= 4 * kMaxThreads ? 4 : 8;
   // (a two-vector unit covers 2 * vec channels: the limit in channels is for a wholly rotary row)
   FUSEBOX_CHECK(units <= int64_t(two_vectors ? 4 : 8) * kMaxThreads, "one row of the rotary kernel (",
                 a.across ? "every head of a token" : "one head", ", ",
@@ -825,6 +886,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
       };
       switch (items) {
         case 1: go(std::integral_constant<int, 1>{}); break;
+        case 2: go(std::integral_constant<int, 2>{}); break;
         case 4: go(std::integral_constant<int, 4>{}); break;
         default:  // interleaved pairs in whole vectors (see above)
           if constexpr (V > 1) go(std::integral_constant<int, 8>{});

@@ -304,6 +304,25 @@ def test_qk_norm_rope_across_heads_wide(device, gen, dtypes, interleaved, heads,
 
 
 @pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+@pytest.mark.parametrize("heads,d,r", [(1, 2048, 2048), (1, 1000, 512), (12, 128, 128), (40, 128, 128),
+                                       (5, 80, 48), (2, 64, 64), (1, 8192, 8192)])
+def test_qk_norm_rope_across_heads_paired(device, gen, dtypes, interleaved, heads, d, r):
+    # As many k heads as q heads: wide rows of up to 256 interleaved units hold a token's q and
+    # k together (LTX-Video's flat 2048 channels, Wan 1.3B's 12 heads of 128), each thread the
+    # same units of both; half-split pairs, rows of at most 32 units (2 x 64) and wider ones
+    # (Wan 14B's 40 heads, 8192 channels) keep separate q and k rows. q and k have different
+    # strides.
+    xd, pd = dtypes
+    q, _ = qk_pair(gen, "bshd", 2, 3, heads, heads, d, xd, device, strided=True)
+    k, _ = qk_pair(gen, "bshd", 2, 3, heads, heads, d, xd, device)
+    cos, sin = rope_tables(gen, "BS", "bshd", 2, 3, r, interleaved, pd, device)
+    qw, kw = norm_weights(gen, "bshd", True, q, k, pd, device)
+    check_qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6, True, interleaved, False)
+    check_qk_norm_rope(q, k, None, kw, cos, sin, 1e-6, True, interleaved, False)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
 @pytest.mark.parametrize("layout,kind", ROPE_CASES)
 def test_qk_norm_rope_tables_and_dense(device, gen, dtypes, layout, kind):
     xd, pd = dtypes
