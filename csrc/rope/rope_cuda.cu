@@ -1,7 +1,7 @@
 // Rotary kernel (with the optional RMS norm of q and k) over "rows": a row is one head of one
 // token (per-head norm or none), or every head of q (or of k) of one token (norm across
-// heads, as LTX-Video and Wan normalize). `tpr` threads own a row; each holds ITEMS work units
-// in registers, so q and k are read once and written once:
+// heads, as LTX-Video and Wan normalize; paired, every head of both). `tpr` threads own a row;
+// each holds ITEMS work units in registers, so q and k are read once and written once:
 //   - a unit is one vector when rotary pairs lie inside vectors (interleaved pairs, VEC >= 2),
 //     or two vectors a pair-offset apart (half-split pairs R/2 apart; interleaved with VEC 1);
 //   - channels past the rotary dimension R are single pass-through units.
