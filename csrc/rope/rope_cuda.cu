@@ -692,6 +692,8 @@ void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool tabl
         early_rotation
             ? launch(rope_rows_kernel<T, TAB, VEC, 2, I, N, G, true, true, 128, 7>, grid, block, smem, stream, a, gp)
             : launch(rope_rows_kernel<T, TAB, VEC, 2, I, N, G, false, true>, grid, block, smem, stream, a, gp);
+      else
+        FUSEBOX_CHECK(false, "paired rotary rows take a norm, a table and one-vector units");
     } else
       launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a, gp);
   };
