@@ -686,7 +686,7 @@ void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool tabl
       // limits; two-vector units hold 128 registers paired). With early rotation factors
       // (Wan 1.3B's 12 heads, 96 threads a token) bounded to seven blocks an SM: 72 registers
       // where ptxas gives 76-78, no spills (qk-norm + rope bf16 118.8 -> 117.0 us, fp16 119.4
-      // -> 116.3; [h200_4e2c81a] tune/rope_paired_*). LTX-Video's rows keep 79-80: the same
+      // -> 116.3; [h200_4e2c81a] tune/tune_rope_paired_*). LTX-Video's rows keep 79-80: the same
       // bound spills 4-20 bytes there (bf16 47.3 -> 50.1 us).
       if constexpr (N && !G && !UnitLayout<I, VEC>::kTwoVectors)
         early_rotation
@@ -803,7 +803,8 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   a.head_groups = head_groups;
   // Without a norm no lane group reduces, so a head of any width up to the block fits one:
   // each lane then rotates its unit of q and of k with one read of the rotation factors, where
-  // the rows kernel gives q's and k's rows threads of their own that read the table twice.
+  // the rows kernel gives q's and k's rows threads of their own that read the table twice
+  // (LTX-Video's flat 2x2688x2048 bf16 46.3 -> 43.9 us; [h200_4e2c81a] tune/tune_rope_wide_heads_*).
   const bool head_fits = !norm || a.units_per_head <= 32;
   if (!a.across && head_fits && head_tpr * head_groups <= kMaxThreads) {
     a.tpr = head_tpr;
@@ -844,7 +845,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   const int64_t units = int64_t(a.across ? std::max(a.Hq, a.Hk) : 1) * a.units_per_head;
   // Wide rows of a norm across heads, with as many k heads as q heads, of at most 128 threads:
   // paired rows (a token's q and k, 2 units of each a thread; see rope_rows_kernel). H200, side
-  // by side ([h200_4e2c81a] tune/rope_paired_*): qk-norm + rope LTX-Video 2x2688x2048 bf16 50.2
+  // by side ([h200_4e2c81a] tune/tune_rope_paired_*): qk-norm + rope LTX-Video 2x2688x2048 bf16 50.2
   // -> 47.3 us, 2x8064x2048 131.1 -> 127.4, Wan 1.3B 123.3 -> 117.0. Wan 14B's 40 heads
   // (320 threads a token, 76 registers) ran 362 -> 453 and keep separate rows.
   // Measured for interleaved pairs read from a table (one-vector units) only, which both take.

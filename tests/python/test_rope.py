@@ -71,9 +71,9 @@ def test_rope_independent_channel_tables(device, gen, dtypes, layout, interleave
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-# Heads wider than one lane group (past 256 channels of 16-byte vectors) take the rows kernel
-# (2048: LTX-Video's flat q/k; 1000 and 3000 with half-split pairs that 16-byte vectors do not
-# align, so one element a vector).
+# Heads wider than 32 vectors (past 256 channels of 16-byte vectors) take a lane group of up to
+# a block without a norm (1000, 2048: LTX-Video's flat q/k), the rows kernel past that (3000
+# with half-split pairs that 16-byte vectors do not align, so one element a vector: 1500 units).
 @pytest.mark.parametrize("d", [2, 8, 80, 128, 256, 1000, 2048, 3000])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 def test_rope_head_dims(device, gen, dtype, d, interleaved):
