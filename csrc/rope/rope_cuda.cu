@@ -412,33 +412,29 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
                                                    rotary && !kEarlyRotation && (it == 0 || !same_unit), two, d0, d1,
                                                    late);
     const UnitParams<VEC>& p = kEarlyParams ? early : late;
-    float v0[VEC], v1[VEC];
-    unpack(x0[it], v0);
-    unpack(x1[it], v1);
-    if constexpr (NORM) {
+    // Normalizes one unit (in0, in1 as loaded) by r and the norm weights wt (their vectors in
+    // wv), rotates it by p and writes it to the row at dst.
+    auto finish = [&](const Pack<T, VEC>& in0, const Pack<T, VEC>& in1, float r, const ParamPtr& wt,
+                      const UnitParams<VEC>& wv, T* dst) {
+      float v0[VEC], v1[VEC];
+      unpack(in0, v0);
+      unpack(in1, v1);
+      if constexpr (NORM) {
 #pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        v0[i] *= rstd * weight_factor(w.ptr, a.weight_offset, p.w0[i]);
-        v1[i] *= rstd * weight_factor(w.ptr && two, a.weight_offset, p.w1[i]);
+        for (int i = 0; i < VEC; ++i) {
+          v0[i] *= r * weight_factor(wt.ptr, a.weight_offset, wv.w0[i]);
+          v1[i] *= r * weight_factor(wt.ptr && two, a.weight_offset, wv.w1[i]);
+        }
       }
-    }
-    store_unit<L, T, VEC>(o, d0, d1, rotary, v0, v1, p);
+      store_unit<L, T, VEC>(dst, d0, d1, rotary, v0, v1, p);
+    };
+    finish(x0[it], x1[it], rstd, w, p, o);
     if constexpr (PAIRED) {  // k's unit: the same channels and rotation factors, k's weights
-      float w0[VEC], w1[VEC];
-      if (a.kw.ptr) {
-        load_param<T, VEC>(a.kw, hi * a.D + d0, w0);
-        if (two) load_param<T, VEC>(a.kw, hi * a.D + d1, w1);
-      }
-      unpack(y0[it], v0);
-      unpack(y1[it], v1);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {
-        v0[i] *= rstd_k * weight_factor(a.kw.ptr, a.weight_offset, w0[i]);
-        v1[i] *= rstd_k * weight_factor(a.kw.ptr && two, a.weight_offset, w1[i]);
-      }
-      T* k_out = static_cast<T*>(const_cast<void*>(a.ko.ptr)) +
-                 element_offset(b, s, head0 + hi, 0, a.ko.sb, a.ko.ss, a.ko.sh);
-      store_unit<L, T, VEC>(k_out, d0, d1, rotary, v0, v1, p);
+      UnitParams<VEC> kp;
+      load_unit_params<L, T, TAB, VEC, NORM, GRID>(a, gtab, pos, b, s, a.kw, hi * a.D, false, two, d0, d1, kp);
+      finish(y0[it], y1[it], rstd_k, a.kw, kp,
+             static_cast<T*>(const_cast<void*>(a.ko.ptr)) +
+                 element_offset(b, s, head0 + hi, 0, a.ko.sb, a.ko.ss, a.ko.sh));
     }
   }
 }
