@@ -80,6 +80,7 @@ struct RopeKernelArgs {
   ParamPtr qw, kw;
   bool across;  // one norm over every head of a tensor (weights [H * D])
   float eps, weight_offset;
+  float inv_head_dim;  // per-head kernel: 1 / D, for the per-head norm's mean
 };
 
 // Where the unit's channels sit in its head: d0 and, for two-vector units, d1.
@@ -187,6 +188,17 @@ struct UnitParams {
 // norm has no weight (or the element was not loaded).
 __device__ __forceinline__ float weight_factor(bool present, float offset, float w) {
   return present ? offset + w : 1.f;
+}
+
+// Adds the squares of a unit's elements to acc (v1 only for a layout of two vectors), one FMA
+// each (a pair's sum of squares first costs a multiply and an add more).
+template <typename L, int VEC>
+__device__ __forceinline__ void add_squares(float& acc, const float (&v0)[VEC], const float (&v1)[VEC]) {
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    acc = fmaf(v0[i], v0[i], acc);
+    if constexpr (L::kTwoVectors) acc = fmaf(v1[i], v1[i], acc);
+  }
 }
 
 // Writes one unit of a row: v0 as is outside the rotary part, else the rotated pair(s) (one
@@ -382,6 +394,8 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
       float v0[VEC], v1[VEC];
       unpack(x0[it], v0);
       unpack(x1[it], v1);
+      // (not add_squares: its FMA chain moved these rows' register allocations, LTX-Video's
+      // paired rows from 80 to 82 registers, one block an SM fewer)
 #pragma unroll
       for (int i = 0; i < VEC; ++i) acc[0] += v0[i] * v0[i] + v1[i] * v1[i];
       if constexpr (PAIRED) {
@@ -531,12 +545,11 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const GridPa
       unpack(x0[it], v0);
       unpack(x1[it], v1);
       rstd[it] = 0.f;
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) rstd[it] += v0[i] * v0[i] + v1[i] * v1[i];
+      add_squares<L>(rstd[it], v0, v1);
     }
     lane_group_sums(rstd, tpr);  // every lane takes part
 #pragma unroll
-    for (int it = 0; it < ITEMS; ++it) rstd[it] = rsqrtf(rstd[it] / float(a.D) + a.eps);
+    for (int it = 0; it < ITEMS; ++it) rstd[it] = rsqrtf(rstd[it] * a.inv_head_dim + a.eps);
   }
 
 #pragma unroll
@@ -550,17 +563,31 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const GridPa
 #pragma unroll
       for (int i = 0; i < VEC; ++i) v0[i] *= rstd[it] * (is_k ? wk[i] : wq[i]);
     } else if constexpr (NORM) {
-      const float r = rstd[it];
       const ParamPtr& w = is_k ? a.kw : a.qw;
       float w0[VEC], w1[VEC];
-      if (active && w.ptr) {  // [D] per head: L1 hits after the first head
+      // [D] per head: L1 hits after the first head. Ones only where nothing is loaded (set
+      // before the loads, they cost an instruction an element).
+      auto ones = [](float(&v)[VEC]) {
+#pragma unroll
+        for (int i = 0; i < VEC; ++i) v[i] = 1.f;
+      };
+      if (active && w.ptr) {
         load_param<T, VEC>(w, d0, w0);
-        if (two) load_param<T, VEC>(w, d1, w1);
+        if (two)
+          load_param<T, VEC>(w, d1, w1);
+        else
+          ones(w1);  // (v1 is not stored then)
+      } else {
+        ones(w0);
+        ones(w1);
       }
+      // r * (offset + w) as one FMA an element, r * w + r * offset (the offset only with
+      // weights): the norm is most of this kernel's instructions (Qwen3's q/k: 2x the rotary's).
+      const float r = rstd[it], r_offset = w.ptr ? r * a.weight_offset : 0.f;
 #pragma unroll
       for (int i = 0; i < VEC; ++i) {
-        v0[i] *= r * weight_factor(w.ptr, a.weight_offset, w0[i]);
-        v1[i] *= r * weight_factor(w.ptr && two, a.weight_offset, w1[i]);
+        v0[i] *= fmaf(r, w0[i], r_offset);
+        v1[i] *= fmaf(r, w1[i], r_offset);
       }
     }
     if (!(active && h < heads)) continue;
@@ -747,6 +774,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   a.kw = param(args.k_weight);
   a.eps = args.eps;
   a.weight_offset = args.weight_offset;
+  a.inv_head_dim = 1.f / float(sh.D);
 
   // Units need whole vectors: interleaved pairs inside one, or half-split partners R/2 apart a
   // whole number of vectors; otherwise (and for widths the vector does not divide) one
