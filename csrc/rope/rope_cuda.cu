@@ -529,11 +529,27 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const GridPa
       if (two) x1[it] = load_pack<T, VEC>(p + d1);
     }
   }
-  // This lane's rotation factors, shared by its heads.
+  // This lane's rotation factors, shared by its heads. A bf16 table's stay packed until each
+  // head's use: half the registers, for an unpack an element per head (Qwen3's q/k with their
+  // norm 91 -> 72 registers, the rotary alone 72 -> 64; fp16 tables kept theirs or rose).
+  constexpr bool kPackedRotation = !GRID && std::is_same_v<TAB, __nv_bfloat16> && ITEMS > 1;
   UnitParams<VEC> rot;
+  Pack<TAB, VEC> rot_packs[4];  // (kPackedRotation) cos and sin of d0, of d1
   if constexpr (GRID) __syncthreads();  // the grid table's copy, made while the loads are in flight
-  if (active && rotary)
-    unit_rotation<L, TAB, VEC, GRID>(a, gtab, pos, b, s, two, d0, d1, rot.c0, rot.s0, rot.c1, rot.s1);
+  if (active && rotary) {
+    if constexpr (kPackedRotation) {
+      const TAB* cos = static_cast<const TAB*>(a.cos) + element_offset(b, s, 0, 0, a.cos_sb, a.cos_ss, 0);
+      const TAB* sin = static_cast<const TAB*>(a.sin) + element_offset(b, s, 0, 0, a.sin_sb, a.sin_ss, 0);
+      rot_packs[0] = load_pack<TAB, VEC>(cos + d0);
+      rot_packs[1] = load_pack<TAB, VEC>(sin + d0);
+      if (two) {
+        rot_packs[2] = load_pack<TAB, VEC>(cos + d1);
+        rot_packs[3] = load_pack<TAB, VEC>(sin + d1);
+      }
+    } else {
+      unit_rotation<L, TAB, VEC, GRID>(a, gtab, pos, b, s, two, d0, d1, rot.c0, rot.s0, rot.c1, rot.s1);
+    }
+  }
   pdl_release();
 
   // The per-head sums of all ITEMS heads shuffle together (FLUX 46.4 -> 42.2 us, [a4c6657] tune/3).
@@ -594,6 +610,23 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const GridPa
     const RopeTensorArg dst = pick<false>(is_k, a.qo, a.ko);
     T* o = static_cast<T*>(const_cast<void*>(dst.ptr)) +
            element_offset(b, s, is_k ? h - a.Hq : h, 0, dst.sb, dst.ss, dst.sh);
+    if constexpr (kPackedRotation) {
+      if (it > 0) {  // (opaque to the compiler, so that it unpacks again rather than hold the floats)
+#pragma unroll
+        for (auto& p : rot_packs)
+#pragma unroll
+          for (auto& word : p.w) {
+            if constexpr (sizeof(word) == 4)
+              asm volatile("" : "+r"(word));
+            else
+              asm volatile("" : "+h"(word));
+          }
+      }
+      unpack(rot_packs[0], rot.c0);
+      unpack(rot_packs[1], rot.s0);
+      unpack(rot_packs[2], rot.c1);
+      unpack(rot_packs[3], rot.s1);
+    }
     store_unit<L, T, VEC>(o, d0, d1, rotary, v0, v1, rot);
   }
 }
