@@ -641,12 +641,14 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
 // allocations as well (a cap of 96 took FLUX's from 80 to 85 registers, 42.1 -> 45.9 us).
 // - 96: two heads of half-split units with their norm per lane group (Qwen3's q/k): at 102
 //   registers three blocks of 160 threads fit an SM, at 96 four (2048 tokens 22.4 -> 19.9 us,
-//   8192 67.4 -> 60.2).
+//   8192 67.4 -> 60.2). Since 0a7993b (a bf16 table held packed) bf16 takes 72 uncapped, five
+//   blocks; fp16 keeps the cap (92-96).
 // - 72: two heads of half-split bf16 units without a norm (the LLM rope from 2048 tokens): 75
 //   registers uncapped fit four 160-thread blocks an SM (five warps a block split unevenly over
 //   the schedulers' register files, Nsight Compute's limit), 72 five, no spills: 2048 tokens
 //   14.83-14.91 -> 14.56-14.72 us, 8192 45.60-45.76 -> 44.98-45.52 ([h200_3703b1b]
 //   tune/rope_cap72_*). fp16 would spill 12-16 bytes there and ran 1% slower, so it keeps 78.
+//   Since 0a7993b bf16 takes 64 under the cap, six blocks.
 // - 80: four heads of interleaved one-vector units with their norm (FLUX's q/k). fp16 gets 82
 //   registers uncapped against bf16's 80 (ptxas, sm_90), one register step past the 80 at which
 //   FLUX's 192-thread blocks fit four to an SM; capped, 80 without spills (H100, fp16: 50.8 ->
