@@ -128,11 +128,19 @@ struct GridTable {
 
 // cos/sin of channels [d, d + VEC) of token (b, s), read from the table (dtype TAB: a template
 // parameter, since a run-time choice kept both loads and their addresses in every kernel).
+template <typename TAB>
+__device__ __forceinline__ const TAB* cos_at(const RopeKernelArgs& a, uint32_t b, uint32_t s, int d) {
+  return static_cast<const TAB*>(a.cos) + element_offset(b, s, 0, d, a.cos_sb, a.cos_ss, 0);
+}
+template <typename TAB>
+__device__ __forceinline__ const TAB* sin_at(const RopeKernelArgs& a, uint32_t b, uint32_t s, int d) {
+  return static_cast<const TAB*>(a.sin) + element_offset(b, s, 0, d, a.sin_sb, a.sin_ss, 0);
+}
 template <typename TAB, int VEC>
 __device__ __forceinline__ void load_rotation(const RopeKernelArgs& a, uint32_t b, uint32_t s, int d, float (&c)[VEC],
                                               float (&sn)[VEC]) {
-  VecIO<TAB, VEC>::load(static_cast<const TAB*>(a.cos) + element_offset(b, s, 0, d, a.cos_sb, a.cos_ss, 0), c);
-  VecIO<TAB, VEC>::load(static_cast<const TAB*>(a.sin) + element_offset(b, s, 0, d, a.sin_sb, a.sin_ss, 0), sn);
+  VecIO<TAB, VEC>::load(cos_at<TAB>(a, b, s, d), c);
+  VecIO<TAB, VEC>::load(sin_at<TAB>(a, b, s, d), sn);
 }
 
 // cos/sin of the unit whose first channel is d0, from the grid: one angle per rotary pair (the
@@ -538,8 +546,7 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const GridPa
   if constexpr (GRID) __syncthreads();  // the grid table's copy, made while the loads are in flight
   if (active && rotary) {
     if constexpr (kPackedRotation) {
-      const TAB* cos = static_cast<const TAB*>(a.cos) + element_offset(b, s, 0, 0, a.cos_sb, a.cos_ss, 0);
-      const TAB* sin = static_cast<const TAB*>(a.sin) + element_offset(b, s, 0, 0, a.sin_sb, a.sin_ss, 0);
+      const TAB *cos = cos_at<TAB>(a, b, s, 0), *sin = sin_at<TAB>(a, b, s, 0);  // the token's rows
       rot_packs[0] = load_pack<TAB, VEC>(cos + d0);
       rot_packs[1] = load_pack<TAB, VEC>(sin + d0);
       if (two) {
