@@ -353,13 +353,18 @@ def test_qk_norm_rope_eps(device, gen):
 @pytest.mark.large
 @pytest.mark.parametrize("dtypes", DTYPE_CASES)
 @pytest.mark.parametrize("across", [False, True], ids=["per_head", "across_heads"])
-def test_qk_norm_rope_large(device, gen, dtypes, across):
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_qk_norm_rope_large(device, gen, dtypes, across, interleaved):
+    # Enough tokens that a lane group takes 2-4 heads on CUDA: per-head weights read per head
+    # (half-split), a bf16 table's rotation factors held packed; then q without weights and k's
+    # with Gemma's offset (a lane group's heads may mix weighted and unweighted ones).
     xd, pd = dtypes
     s = 4 * big_rows(device)
     q, k = qk_pair(gen, "bshd", 2, s, 24, 8, 128, xd, device, strided=True)
-    cos, sin = rope_tables(gen, "BS", "bshd", 2, s, 128, True, pd, device)
+    cos, sin = rope_tables(gen, "BS", "bshd", 2, s, 128, interleaved, pd, device)
     qw, kw = norm_weights(gen, "bshd", across, q, k, pd, device)
-    check_qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6, across, True, False)
+    check_qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6, across, interleaved, False)
+    check_qk_norm_rope(q, k, None, kw, cos, sin, 1e-6, across, interleaved, False, weight_offset=1.0)
 
 
 # --------------------------------------------------------------------------- real modules
