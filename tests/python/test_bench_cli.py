@@ -403,6 +403,40 @@ def test_report_from_synthetic(tmp_path, capsys):
 
 
 
+def test_streaming_fit_recovers_rate_and_fixed_cost():
+    """Cases that differ only in rows are fitted as launch + fixed + bytes / rate: exact on
+    synthetic times, none for a group with one size or under FIT_MIN_BYTES."""
+    def rec(op, rows, width, fb_rate, fb_fixed, liger_rate, liger_fixed, **opts):
+        nb = 4 * rows * width
+        us = lambda rate, fixed: CALIB["launch_us"] + fixed + nb / (rate * 1e6)  # noqa: E731
+        return {"key": f"{op}|{rows}x{width}", "op": op, "group": "llm", "shape": "s",
+                "dtype": "bf16", "params": {"shape": [rows, width], "eps": 1e-6, **opts},
+                "bytes": nb, "impls": {"fusebox": {"us": us(fb_rate, fb_fixed)},
+                                       "liger": {"us": us(liger_rate, liger_fixed)}}}
+
+    results = [rec("rms_norm", r, 4096, 3.6, 1.5, 3.2, 1.0, weight=True)
+               for r in (2048, 8192, 32768)]
+    results += [rec("rms_norm", 8192, 2048, 3.6, 1.5, 3.2, 1.0, weight=True)]  # one size: no fit
+    results += [rec("rms_norm", r, 4096, 3.0, 2.0, 3.2, 1.0, weight=False) for r in (4096, 16384)]
+    results += [rec("rms_norm", r, 512, 3.0, 2.0, 3.2, 1.0, weight=True)  # under 16 MB
+                for r in (16, 256)]
+    doc = {"calibration": dict(CALIB), "results": results}
+    fits = {f["group"]: f for f in report.finalize(doc)["summary"]["fits"]}
+    assert set(fits) == {"rms_norm D=4096 weight", "rms_norm D=4096"}
+    f = fits["rms_norm D=4096 weight"]
+    assert f["cases"] == 3 and f["baseline"] == "liger"
+    assert f["fusebox"]["tbps"] == pytest.approx(3.6)
+    assert f["fusebox"]["fixed_us"] == pytest.approx(1.5)
+    assert f["fusebox"]["pct_copy"] == pytest.approx(90.0)
+    assert f["baseline_fit"]["tbps"] == pytest.approx(3.2)
+    assert f["baseline_fit"]["fixed_us"] == pytest.approx(1.0)
+    assert fits["rms_norm D=4096"]["fusebox"]["tbps"] == pytest.approx(3.0)
+    md = report.markdown({**doc, "env": {}, "complete": True})
+    assert "## Streaming rate and fixed cost" in md
+    assert ("| rms_norm D=4096 weight | bf16 | 3 | 34-537 | 3.60 | 90% | 1.5 | Liger | 3.20 | 80% "
+            "| 1.0 |") in md
+
+
 def test_two_mode_samples_are_retimed_once(monkeypatch):
     """A measurement whose median sits at 1.5x its fastest sample or more is timed once more;
     the first median stays in the result."""

@@ -148,6 +148,7 @@ def summarize(results: List[dict], calib: dict) -> dict:
     s["per_op"] = per_op
     s["worst"] = [r["key"] for r in sorted(compared, key=lambda r: r["speedup_best"])[:5]]
     s["unsteady"] = unsteady(results)
+    s["fits"] = streaming_fits(results, calib)
     s["retimed"] = [f"{r['key']} [{name}]" for r in results for name, m in r["impls"].items()
                     if _num((m or {}).get("retimed_from_us")) is not None]
     return s
@@ -165,6 +166,82 @@ def unsteady(results: List[dict]) -> List[str]:
             us, fastest = _us(m), _num((m or {}).get("min_us"))
             if us is not None and fastest and us >= UNSTEADY_RATIO * fastest:
                 out.append(f"{r['key']} [{name}: median {us:.1f} us, min {fastest:.1f}]")
+    return out
+
+
+# --------------------------------------------------------------------------- rate and fixed cost
+
+FIT_MIN_BYTES = 16e6       # past one wave of rows on an H100/H200: smaller calls are latency
+ROW_COUNT_PARAMS = ("shape", "B", "S", "grid", "eps", "theta")
+
+
+def fit_group(rec: dict) -> tuple:
+    """The cases that differ only in their row count: same op, dtype, row width and options."""
+    p = rec.get("params", {})
+    opts = tuple(sorted((k, json.dumps(v)) for k, v in p.items() if k not in ROW_COUNT_PARAMS))
+    width = p["shape"][-1] if "shape" in p else None
+    return (rec["op"], rec["dtype"], width, opts)
+
+
+def group_label(key: tuple) -> str:
+    op, _dtype, width, opts = key
+    parts = [f"D={width}"] if width is not None else []
+    for k, v in opts:
+        v = json.loads(v)
+        if v is True:
+            parts.append(k)
+        elif v is not False:
+            parts.append(f"{k}={v}")
+    return f"{op} " + " ".join(parts)
+
+
+def line_fit(points: List[tuple]) -> Optional[tuple]:
+    """Least squares of us = fixed + bytes * k over (bytes, us): (fixed us, bytes per us), or
+    None without two sizes at least 1.5x apart or with a slope that is not positive."""
+    xs = [x for x, _ in points]
+    if len(points) < 2 or max(xs) < 1.5 * min(xs):
+        return None
+    n = len(points)
+    mx, my = sum(xs) / n, sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    k = sum((x - mx) * (y - my) for x, y in points) / sxx
+    if k <= 0:
+        return None
+    return my - k * mx, 1.0 / k
+
+
+def streaming_fits(results: List[dict], calib: dict) -> List[dict]:
+    """Per group of cases that differ only in rows, from those of FIT_MIN_BYTES and more, the
+    line time = launch + fixed + bytes / rate for fusebox and for the baseline fastest at the
+    group's largest case. The rate against copy bandwidth says how well the kernel streams
+    (bytes in flight, issue); the fixed cost is the latency that the launch does not cover
+    (the first loads, the last rows' reductions and stores), paid once per call."""
+    groups: Dict[tuple, List[dict]] = {}
+    for r in results:
+        if r["bytes"] >= FIT_MIN_BYTES and _us(r["impls"].get("fusebox")):
+            groups.setdefault(fit_group(r), []).append(r)
+    out = []
+    copy = calib["copy_tbps"]
+    for key, rs in groups.items():
+        rs.sort(key=lambda r: r["bytes"])
+
+        def fit(impl):
+            pts = [(r["bytes"], _us(r["impls"].get(impl))) for r in rs]
+            f = line_fit([(x, y) for x, y in pts if y is not None])
+            if f is None:
+                return None
+            fixed, bytes_per_us = f
+            tbps = bytes_per_us / 1e6
+            return {"tbps": tbps, "pct_copy": 100.0 * tbps / copy,
+                    "fixed_us": fixed - calib["launch_us"]}
+
+        fb = fit("fusebox")
+        if fb is None:
+            continue
+        base = rs[-1].get("best_baseline")
+        out.append({"group": group_label(key), "dtype": key[1], "cases": len(rs),
+                    "mb": [rs[0]["bytes"] / 1e6, rs[-1]["bytes"] / 1e6], "fusebox": fb,
+                    "baseline": base, "baseline_fit": fit(base) if base else None})
     return out
 
 
@@ -290,6 +367,30 @@ def summary_lines(doc: dict, md: bool = False) -> List[str]:
     return out
 
 
+def fit_lines(doc: dict) -> List[str]:
+    fits = doc["summary"].get("fits") or []
+    if not fits:
+        return []
+    launch = doc["calibration"]["launch_us"]
+    lines = ["", "## Streaming rate and fixed cost", "",
+             f"Cases of {FIT_MIN_BYTES / 1e6:.0f} MB and more that differ only in their rows, "
+             f"fitted as time = launch ({launch:.2f} us) + fixed + bytes / rate. A rate under "
+             "copy bandwidth is a streaming limit (bytes in flight, instruction issue); the "
+             "fixed cost is latency the launch does not cover (first loads, the last rows' "
+             "reductions and stores), paid once a call.", "",
+             "| group | dtype | cases | MB | fusebox TB/s | % copy | fixed us "
+             "| baseline | TB/s | % copy | fixed us |",
+             "|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|"]
+    for f in fits:
+        fb, bf = f["fusebox"], f.get("baseline_fit") or {}
+        lines.append(
+            f"| {f['group']} | {f['dtype']} | {f['cases']} | {f['mb'][0]:.0f}-{f['mb'][1]:.0f} | "
+            f"{fb['tbps']:.2f} | {fb['pct_copy']:.0f}% | {fb['fixed_us']:.1f} | "
+            f"{LABELS.get(f.get('baseline'), '—')} | {_f(bf.get('tbps'), '{:.2f}')} | "
+            f"{_f(bf.get('pct_copy'), '{:.0f}%')} | {_f(bf.get('fixed_us'))} |")
+    return lines
+
+
 def markdown(doc: dict) -> str:
     lines = ["# fusebox bench", ""]
     lines += env_lines(doc)
@@ -304,6 +405,7 @@ def markdown(doc: dict) -> str:
                      f"{_f(v['min_speedup_vs_best'], '{:.2f}x')} | "
                      f"{_f(v['fusebox_median_pct_copy'], '{:.0f}%')} | "
                      f"{_f(v['best_baseline_median_pct_copy'], '{:.0f}%')} |")
+    lines += fit_lines(doc)
     notes = doc.get("ops", {})
     for op in dict.fromkeys(r["op"] for r in doc["results"]):
         rs = [r for r in doc["results"] if r["op"] == op]
