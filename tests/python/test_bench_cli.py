@@ -437,6 +437,34 @@ def test_streaming_fit_recovers_rate_and_fixed_cost():
             "| 1.0 |") in md
 
 
+def test_same_size_copy_reference():
+    """With a same-size copy time beside a case, every implementation gets its ratio to it, the
+    summary counts the cases at or under it and the op tables show the column; results without
+    it (older JSON) still render."""
+    cases = [c for c in suite.select(["rms_norm"], suite.GROUPS, ["bf16"], quick=False)]
+    doc = _synthetic_doc(cases)
+    for i, r in enumerate(doc["results"]):
+        fb = r["impls"]["fusebox"].get("us")
+        if fb is not None:   # fusebox under the copy on even cases, over it on odd ones
+            r["copy_ref"] = {"us": fb * (1.1 if i % 2 == 0 else 0.9)}
+    s = report.finalize(doc)["summary"]
+    measured = [(i, r) for i, r in enumerate(doc["results"]) if "us" in r["impls"]["fusebox"]]
+    assert s["copy_compared"] == len(measured)
+    assert s["at_or_under_copy"] == sum(1 for i, _ in measured if i % 2 == 0)
+    i, r = measured[0]
+    assert r["impls"]["fusebox"]["x_copy"] == pytest.approx(1 / 1.1 if i % 2 == 0 else 1 / 0.9)
+    assert r["impls"]["compile"]["x_copy"] == pytest.approx(
+        r["impls"]["compile"]["us"] / r["copy_ref"]["us"])
+    line = next(l for l in report.summary_lines(doc) if l.startswith("at or under the time"))
+    assert f"{s['at_or_under_copy']}/{s['copy_compared']}" in line
+    assert "| x copy |" in report.markdown(doc)
+    for r in doc["results"]:
+        r.pop("copy_ref", None)
+    s = report.finalize(doc)["summary"]
+    assert s["copy_compared"] == 0 and "| x copy |" not in report.markdown(doc)
+    assert not any(l.startswith("at or under the time") for l in report.summary_lines(doc))
+
+
 def test_two_mode_samples_are_retimed_once(monkeypatch):
     """A measurement whose median sits at 1.5x its fastest sample or more is timed once more;
     the first median stays in the result."""

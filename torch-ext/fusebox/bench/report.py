@@ -63,6 +63,7 @@ def derive(rec: dict, calib: dict) -> dict:
     rec["floor_us"] = calib["launch_us"] + nbytes / bw * 1e6
     lg = calib.get("launch_graph_us")
     rec["graph_floor_us"] = (lg + nbytes / bw * 1e6) if lg is not None else None
+    copy_us = _us(rec.get("copy_ref"))
     for m in rec["impls"].values():
         us = _us(m)
         if us is None:
@@ -70,6 +71,9 @@ def derive(rec: dict, calib: dict) -> dict:
         m["tbps"] = nbytes / us / 1e6
         m["pct_copy"] = 100.0 * m["tbps"] / calib["copy_tbps"]
         m["x_floor"] = us / rec["floor_us"]
+        m.pop("x_copy", None)
+        if copy_us:
+            m["x_copy"] = us / copy_us
         g = _num(m.get("graph_us"))
         if g and rec["graph_floor_us"]:
             m["graph_x_floor"] = g / rec["graph_floor_us"]
@@ -80,6 +84,14 @@ def derive(rec: dict, calib: dict) -> dict:
     rec["speedup"] = {b: v / fb for b, v in base.items()} if fb else {}
     rec["speedup_best"] = (base[rec["best_baseline"]] / fb) if (fb and base) else None
     return rec
+
+
+def _copy_x_floor(results: List[dict]) -> Optional[List[float]]:
+    """[min, max] of the same-size copy's own ratio to the floor over cases of 16-64 MB, the
+    sizes where a launch and the first loads' latency are a visible share of any kernel."""
+    xs = [_us(r["copy_ref"]) / r["floor_us"] for r in results
+          if _us(r.get("copy_ref")) and 16e6 <= r["bytes"] <= 64e6]
+    return [min(xs), max(xs)] if xs else None
 
 
 def summarize(results: List[dict], calib: dict) -> dict:
@@ -94,6 +106,13 @@ def summarize(results: List[dict], calib: dict) -> dict:
         "within_1.25x_floor": sum(1 for r in with_fb
                                   if r["impls"]["fusebox"]["x_floor"] <= 1.25),
     }
+    # Against a device copy of the same bytes timed the same way (absent in older results).
+    vs_copy = [r["impls"]["fusebox"]["x_copy"] for r in with_fb
+               if "x_copy" in r["impls"]["fusebox"]]
+    s["copy_compared"] = len(vs_copy)
+    s["at_or_under_copy"] = sum(1 for x in vs_copy if x <= 1.0)
+    s["median_x_copy"] = _median(vs_copy)
+    s["copy_x_floor"] = _copy_x_floor(with_fb)
     # A share of copy bandwidth is out of reach below a size: even at the floor the launch
     # takes its part (with 3 us of launch and 4.2 TB/s, 92% needs 147 MB and 85% 72 MB).
     # The `_attainable` counts say how many cases can reach it at their floor.
@@ -345,6 +364,15 @@ def summary_lines(doc: dict, md: bool = False) -> List[str]:
         f"geometric mean speedup vs best baseline: {b}{_f(gm, '{:.2f}x')}{b} (target >= 1.5x)",
         f"fusebox at least as fast as the best baseline: {s['at_least_best']}/{s['compared']}",
         f"within 1.25x of the floor: {s['within_1.25x_floor']}/{s['fusebox_measured']}",
+    ]
+    if s.get("copy_compared"):
+        cx = s.get("copy_x_floor")
+        out.append(f"at or under the time of a device copy of the same bytes: "
+                   f"{s['at_or_under_copy']}/{s['copy_compared']} (median "
+                   f"{_f(s.get('median_x_copy'), '{:.2f}x')} the copy's time"
+                   + (f"; that copy takes {cx[0]:.2f}-{cx[1]:.2f}x the floor at 16-64 MB)"
+                      if cx else ")"))
+    out += [
         f"over 64 MB at >= 92% of copy bandwidth: {s['over_64mb_at_92pct']}/{s['over_64mb']}"
         f"{_attainable(s, 'over_64mb')}",
         f"DiT fused ops >= 40 MB at >= 85% of copy bandwidth: "
@@ -417,7 +445,9 @@ def markdown(doc: dict) -> str:
                          + (f" torch op: {notes[op]['torch']}." if notes[op].get("torch") else "")
                          + (f" Liger: {notes[op]['liger']}." if notes[op].get("liger") else ""))
             lines.append("")
+        has_copy = any(_us(r.get("copy_ref")) for r in rs)
         head = ["shape", "dtype", "MB", "fusebox us", "TB/s", "% copy", "x floor"]
+        head += ["x copy"] if has_copy else []
         head += [f"{LABELS[b]} us" for b in bases] + ["best baseline", "speedup vs best"]
         if small:
             head += ["fusebox graph us", "fusebox host us"]
@@ -430,6 +460,7 @@ def markdown(doc: dict) -> str:
             row = [r["shape"], r["dtype"], f"{r['mb']:.2f}", _fus(fb.get("us")),
                    _f(fb.get("tbps"), "{:.2f}"), _f(fb.get("pct_copy"), "{:.0f}%"),
                    _f(fb.get("x_floor"), "{:.2f}")]
+            row += [_f(fb.get("x_copy"), "{:.2f}")] if has_copy else []
             row += [_fus(_us(r["impls"].get(b))) for b in bases]
             best = r.get("best_baseline")
             row += [LABELS[best] if best else "—", _f(r.get("speedup_best"), "{:.2f}x")]
@@ -456,7 +487,8 @@ def write_markdown(path: str, doc: dict) -> str:
 
 def write_plots(out_dir: str, doc: dict) -> List[str]:
     """One PNG per (op, dtype): achieved TB/s vs MB moved (log x), one line per
-    implementation, the copy bandwidth drawn across."""
+    implementation, the copy bandwidth drawn across and, where measured, a device copy of each
+    case's bytes."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
@@ -483,6 +515,11 @@ def write_plots(out_dir: str, doc: dict) -> List[str]:
             drawn += 1
         ax.axhline(copy, color="k", linestyle="--", linewidth=1,
                    label=f"copy {copy:.2f} TB/s")
+        same = sorted({(r["bytes"] / 1e6, r["bytes"] / _us(r["copy_ref"]) / 1e6) for r in rs
+                       if _us(r.get("copy_ref"))})
+        if same:
+            ax.plot([p[0] for p in same], [p[1] for p in same], color="k", linestyle=":",
+                    linewidth=1.2, label="copy of the same bytes")
         ax.set_xscale("log")
         ax.set_xlabel("MB moved (inputs read once + outputs written once)")
         ax.set_ylabel("achieved TB/s")

@@ -88,6 +88,7 @@ class Runner:
         self.fb, self.fb_error = load_fusebox()
         self._lk = None
         self._lk_error: Optional[str] = None
+        self._copy_us: dict = {}           # same-size copy times, by (bytes, timing mode)
         if use_liger:
             try:
                 self._lk = baselines.import_liger()
@@ -154,7 +155,27 @@ class Runner:
                 torch._dynamo.reset()
             torch.cuda.empty_cache()
         rec["impls"] = {k: rec["impls"][k] for k in IMPLS if k in rec["impls"]}
+        rec["copy_ref"] = self.copy_reference(nbytes, sets_n, flush)
         return rec
+
+    def copy_reference(self, nbytes: int, sets_n: int, flush: bool) -> dict:
+        """The time of a device copy that moves the case's bytes (half read, half written),
+        timed as the case was: what any kernel moving those bytes can expect at that size, where
+        the floor takes copy bandwidth from a 1 GB copy. Measured once per size and mode."""
+        key = (nbytes, flush)
+        if key not in self._copy_us:
+            half = max(nbytes // 2, 1)
+            try:
+                src = [torch.randint(0, 255, (half,), dtype=torch.uint8, device="cuda")
+                       for _ in range(sets_n)]
+                pairs = [(a, torch.empty_like(a)) for a in src]
+                m = self.timer.measure(lambda s: s[1].copy_(s[0]), pairs, flush, small=False)
+                self._copy_us[key] = {"us": m["us"]}
+                del src, pairs
+            except Exception as e:  # noqa: BLE001
+                self._copy_us[key] = {"absent": short_error(e), "kind": "error"}
+            torch.cuda.empty_cache()
+        return dict(self._copy_us[key])
 
     def _run_impl(self, name, case, sets, flush, small, ref) -> dict:
         try:
