@@ -91,11 +91,14 @@ struct ParamSlots {
 // NORM: what normalizes the row; RES: a branch (and optional gate) is added first and the sum
 // written out; MOD: scale and/or shift modulate the normalized row. P: dtype of every small
 // operand present. SPLIT: gate, scale and shift come as a [D] table (a small operand, P) plus a
-// per-row part (T), added where the term is used.
+// per-row part (T), added where the term is used. FLAT: the rows form one row group (RowIndexer
+// flat), so an operand's row offset is one product; a compile-time fact for the short plans,
+// whose time is mostly their critical path.
 template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS,
-          bool SPLIT>
+          bool SPLIT, bool FLAT>
 __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
   static_assert((ITEMS <= 2) == (PARAMS == ParamPath::kHeld), "registers hold the operands of the 1-2 vector plans only");
+  static_assert(!FLAT || ITEMS <= 2, "only the short plans have a flat twin (has_flat_twin)");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // [iteration parity][reduction]: one float per warp for each of a row's (at most two) sums;
   // by parity since a fast thread may start the next row's reduction while a slow one still
@@ -133,7 +136,10 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
     const uint32_t row = group_row + r;
     const bool active = row < rows;
     int64_t i0 = 0, i1 = 0, i2 = 0;
-    if (active) a.index.split(row, i0, i1, i2);
+    if constexpr (FLAT)
+      i2 = row;
+    else if (active)
+      a.index.split(row, i0, i1, i2);
     // Output rows. With few vectors per thread they are addressed before the loads, so that
     // the arithmetic overlaps the loads' latency instead of following the reduction; with more,
     // at their use (registers are what bounds those plans).
@@ -385,9 +391,9 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
 // none; see register_bound for the plans that take one). The bound reaches the compiler's
 // scheduling, not only the register allocator, where a bare register cap (__maxnreg__) spills.
 template <int MIN_BLOCKS, typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD,
-          ParamPath PARAMS, bool SPLIT>
+          ParamPath PARAMS, bool SPLIT, bool FLAT>
 __global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(const NormKernelArgs a) {
-  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS, SPLIT>(a);
+  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS, SPLIT, FLAT>(a);
 }
 
 // The register bound of a plan (MIN_BLOCKS above), for those whose allocation falls past an
@@ -416,6 +422,14 @@ constexpr int register_bound() {
     if constexpr (std::is_same_v<T, __nv_bfloat16> && kNormAlone2 && NORM == NormType::kLayer) return 3;
   }
   return 0;
+}
+
+// Whether a plan has a flat twin (FLAT in norm_rows): the short plans, except the 2-vector rows
+// of an RMS norm alone, whose flat twin ran 9-11% slower at 67-268 MB on an H100 (ptxas: 55
+// registers, or 40 under a bound, against the row-group twin's 40; not explained).
+template <int ITEMS, NormType NORM, bool RES, bool MOD>
+constexpr bool has_flat_twin() {
+  return ITEMS == 1 || (ITEMS == 2 && !(NORM == NormType::kRMS && !RES && !MOD));
 }
 
 // ---------------------------------------------------------------- streaming path
@@ -662,17 +676,24 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, int n_
         if (smem > 32 * 1024) allow_dynamic_smem(kernel, smem);
         launch(kernel, dim3(unsigned((groups + a.row_iters - 1) / a.row_iters)), block, smem, stream, a);
       };
-      auto with_path = [&](auto path) {
+      auto with_path = [&](auto path, auto flat) {
         constexpr ParamPath kPath = decltype(path)::value;
         constexpr int kMinBlocks = register_bound<T, P, ITEMS, kNorm, kRes, kMod>();
-        launch_kernel(norm_rows_kernel<kMinBlocks, T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit>);
+        launch_kernel(norm_rows_kernel<kMinBlocks, T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit,
+                                       decltype(flat)::value>);
       };
-      if constexpr (ITEMS <= 2)
-        with_path(std::integral_constant<ParamPath, ParamPath::kHeld>{});
+      constexpr std::false_type kRowGroups{};
+      if constexpr (ITEMS <= 2) {
+        constexpr std::integral_constant<ParamPath, ParamPath::kHeld> kHeld{};
+        if constexpr (has_flat_twin<ITEMS, kNorm, kRes, kMod>())
+          a.index.flat ? with_path(kHeld, std::true_type{}) : with_path(kHeld, kRowGroups);
+        else
+          with_path(kHeld, kRowGroups);
+      }
       else if (stage)
-        with_path(std::integral_constant<ParamPath, ParamPath::kStaged>{});
+        with_path(std::integral_constant<ParamPath, ParamPath::kStaged>{}, kRowGroups);
       else
-        with_path(std::integral_constant<ParamPath, ParamPath::kGlobal>{});
+        with_path(std::integral_constant<ParamPath, ParamPath::kGlobal>{}, kRowGroups);
     }
   };
   auto with_flags = [&](auto norm) {
