@@ -465,6 +465,35 @@ def test_same_size_copy_reference():
     assert not any(l.startswith("at or under the time") for l in report.summary_lines(doc))
 
 
+def test_copy_reference_keeps_the_lower_median_once_per_size(monkeypatch):
+    """The same-size copy is timed twice and the lower median kept (a clock dip under one
+    measurement must not reach every ratio built on it), then reused for every case of that
+    size and timing mode."""
+    from fusebox.bench import runner as runner_mod
+
+    real_randint = torch.randint
+    monkeypatch.setattr(runner_mod.torch, "randint",
+                        lambda lo, hi, size, dtype, device: real_randint(lo, hi, size, dtype=dtype))
+    monkeypatch.setattr(runner_mod.torch.cuda, "empty_cache", lambda: None)
+    medians = iter([9.0, 4.0, 7.0, 8.0])
+    calls = []
+
+    class FakeTimer:
+        def measure(self, fn, sets, flush, small):
+            calls.append((len(sets), flush, small))
+            out = fn(sets[0])                       # the copy runs
+            assert torch.equal(out, sets[0][0])
+            return {"us": next(medians)}
+
+    r = object.__new__(runner_mod.Runner)
+    r.timer, r._copy_us = FakeTimer(), {}
+    assert r.copy_reference(1000, 3, False) == {"us": 4.0}
+    assert r.copy_reference(1000, 3, False) == {"us": 4.0}          # cached: no new timing
+    assert calls == [(3, False, False)] * 2
+    assert r.copy_reference(1000, 1, True) == {"us": 7.0}           # another timing mode
+    assert len(calls) == 4
+
+
 def test_two_mode_samples_are_retimed_once(monkeypatch):
     """A measurement whose median sits at 1.5x its fastest sample or more is timed once more;
     the first median stays in the result."""
