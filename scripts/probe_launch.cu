@@ -19,22 +19,9 @@
 
 #include "common/cuda_common.cuh"
 #include "fusebox/fusebox.h"
+#include "probe_timer.cuh"
 
 namespace {
-
-__global__ void spin_kernel(long long cycles) {
-  const long long t0 = clock64();
-  while (clock64() - t0 < cycles) {
-  }
-}
-
-// Reads a buffer larger than L2 (what the bench's flush does).
-__global__ void flush_kernel(const float4* p, size_t n, float* sink) {
-  float acc = 0.f;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x)
-    acc += p[i].x;
-  if (acc == 12345.f) *sink = acc;
-}
 
 template <int PAD>
 struct EmptyArgs {
@@ -129,39 +116,6 @@ __global__ void __launch_bounds__(512) mini_rms_extra_kernel(const RmsArgs<8> a)
   rms_row<0>(a, float((c0 ^ c1 ^ c2 ^ c3) == 0x12345u));  // 0 in practice, not provably
 }
 
-struct Timer {
-  cudaStream_t s;
-  float4* flush_buf;
-  size_t flush_n;
-  float* sink;
-  long long cycles_per_us;
-
-  double median_us(const std::function<void()>& fn, bool flush, int iters = 200) {
-    std::vector<float> ts;
-    for (int c = 0; c < iters; c += 8) {
-      cudaEvent_t ev[16];
-      for (auto& e : ev) FUSEBOX_CUDA_CHECK(cudaEventCreate(&e));
-      FUSEBOX_CUDA_CHECK(cudaStreamSynchronize(s));
-      spin_kernel<<<1, 1, 0, s>>>(cycles_per_us * 300);
-      for (int i = 0; i < 8; ++i) {
-        if (flush) flush_kernel<<<264, 1024, 0, s>>>(flush_buf, flush_n, sink);
-        FUSEBOX_CUDA_CHECK(cudaEventRecord(ev[2 * i], s));
-        fn();
-        FUSEBOX_CUDA_CHECK(cudaEventRecord(ev[2 * i + 1], s));
-      }
-      FUSEBOX_CUDA_CHECK(cudaStreamSynchronize(s));
-      for (int i = 0; i < 8; ++i) {
-        float ms;
-        FUSEBOX_CUDA_CHECK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
-        ts.push_back(ms * 1e3f);
-      }
-      for (auto& e : ev) FUSEBOX_CUDA_CHECK(cudaEventDestroy(e));
-    }
-    std::sort(ts.begin(), ts.end());
-    return ts[ts.size() / 2];
-  }
-};
-
 fusebox::TensorView view(void* p, std::initializer_list<int64_t> shape) {
   return fusebox::make_view(p, fusebox::DType::kBFloat16, fusebox::Device::kCUDA, shape);
 }
@@ -171,12 +125,7 @@ fusebox::TensorView view(void* p, std::initializer_list<int64_t> shape) {
 int main() {
   cudaStream_t s;
   FUSEBOX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-  int clock_khz = 0;
-  FUSEBOX_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrClockRate, 0));
-  Timer t{s, nullptr, (size_t(256) << 20) / 16, nullptr, clock_khz / 1000};
-  FUSEBOX_CUDA_CHECK(cudaMalloc(&t.flush_buf, t.flush_n * 16));
-  FUSEBOX_CUDA_CHECK(cudaMemset(t.flush_buf, 0, t.flush_n * 16));
-  FUSEBOX_CUDA_CHECK(cudaMalloc(&t.sink, 4));
+  probe::Timer t(s);
   const int max_rows = 256, max_width = 4096;
   __nv_bfloat16 *x, *w, *out;
   FUSEBOX_CUDA_CHECK(cudaMalloc(&x, size_t(max_rows) * max_width * 2));

@@ -9,7 +9,7 @@
 //   C: a persistent grid (resident blocks), rows strided by the grid, the next row's loads issued
 //      before this row's reductions
 //   fusebox: fusebox::layer_norm through the C++ API
-// Build (after scripts/build.sh): nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc/include
+// Build (after scripts/build.sh): nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc/include -Icsrc
 //   scripts/probe_persistent_rows.cu build/gpu/libfusebox_core.a -o build/gpu/probe_persistent_rows
 // Result (H100, bench/results/2026-11-26_h100_db0e32e/tune/probe_persistent_rows*.txt): C loses
 // to A at every size but one (its loop costs 8 registers, 10 blocks an SM against 12); "all 3"
@@ -22,9 +22,10 @@
 #include <cstdint>
 #include <vector>
 
+#include "common/cuda_common.cuh"
 #include "fusebox/fusebox.h"
+#include "probe_timer.cuh"
 
-#define CK(x) do { cudaError_t err_ = (x); if (err_ != cudaSuccess) { printf("%s: %s\n", #x, cudaGetErrorString(err_)); exit(1); } } while (0)
 
 constexpr int D = 2048, VEC = 8, ITEMS = 2, TPR = D / VEC / ITEMS;  // 128
 
@@ -138,94 +139,50 @@ __global__ void __launch_bounds__(TPR) ln_rows_p(const __nv_bfloat16* x, const _
   }
 }
 
-__global__ void flush_kernel(const float4* p, size_t n, float* sink) {
-  float acc = 0.f;
-  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) acc += p[i].x;
-  if (acc == 12345.f) *sink = acc;
-}
-__global__ void spin(long long c) { long long t = clock64(); while (clock64() - t < c) {} }
 __global__ void empty_kernel() {}
 
 template <typename K>
 void launch(K kernel, int grid, bool pdl, cudaStream_t s, const __nv_bfloat16* x, const __nv_bfloat16* w,
             const __nv_bfloat16* b, __nv_bfloat16* y, int rows) {
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(grid);
-  cfg.blockDim = dim3(TPR);
-  cfg.stream = s;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
-  CK(cudaLaunchKernelEx(&cfg, kernel, x, w, b, y, rows));
+  fusebox::cuda::launch_pdl(pdl, kernel, dim3(grid), dim3(TPR), 0, s, x, w, b, y, rows);
 }
 
 int main() {
   setvbuf(stdout, nullptr, _IONBF, 0);
-  int sms = 0, clk = 0;
-  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
-  CK(cudaDeviceGetAttribute(&clk, cudaDevAttrClockRate, 0));
+  int sms = 0;
+  FUSEBOX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
-  auto regs = [](auto k) { cudaFuncAttributes a; CK(cudaFuncGetAttributes(&a, k)); return a.numRegs; };
+  FUSEBOX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  auto regs = [](auto k) { cudaFuncAttributes a; FUSEBOX_CUDA_CHECK(cudaFuncGetAttributes(&a, k)); return a.numRegs; };
   int occ_c = 0;
-  CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_c, ln_rows_p<true>, TPR, 0));
+  FUSEBOX_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ_c, ln_rows_p<true>, TPR, 0));
   printf("%s, %d SMs; registers: A %d, A held %d, A one-pass %d, A pdl %d, A all three %d, C %d (%d blocks/SM)\n",
          prop.name, sms, regs(ln_rows_a<false, false, false>), regs(ln_rows_a<true, false, false>),
          regs(ln_rows_a<false, true, false>), regs(ln_rows_a<false, false, true>), regs(ln_rows_a<true, true, true>),
          regs(ln_rows_p<true>), occ_c);
   const int max_rows = 16384;
   __nv_bfloat16 *x, *y, *w, *b;
-  CK(cudaMalloc(&x, size_t(max_rows) * D * 2));
-  CK(cudaMalloc(&y, size_t(max_rows) * D * 2));
-  CK(cudaMalloc(&w, D * 2));
-  CK(cudaMalloc(&b, D * 2));
+  FUSEBOX_CUDA_CHECK(cudaMalloc(&x, size_t(max_rows) * D * 2));
+  FUSEBOX_CUDA_CHECK(cudaMalloc(&y, size_t(max_rows) * D * 2));
+  FUSEBOX_CUDA_CHECK(cudaMalloc(&w, D * 2));
+  FUSEBOX_CUDA_CHECK(cudaMalloc(&b, D * 2));
   {  // inputs: bf16 of small varied values
     std::vector<uint16_t> h(size_t(max_rows) * D);
     for (size_t i = 0; i < h.size(); ++i) h[i] = 0x3f80 + uint16_t((i * 2654435761u) >> 25);
-    CK(cudaMemcpy(x, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(w, h.data(), D * 2, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(b, h.data() + D, D * 2, cudaMemcpyHostToDevice));
+    FUSEBOX_CUDA_CHECK(cudaMemcpy(x, h.data(), h.size() * 2, cudaMemcpyHostToDevice));
+    FUSEBOX_CUDA_CHECK(cudaMemcpy(w, h.data(), D * 2, cudaMemcpyHostToDevice));
+    FUSEBOX_CUDA_CHECK(cudaMemcpy(b, h.data() + D, D * 2, cudaMemcpyHostToDevice));
   }
-  const size_t fn = (size_t(256) << 20) / 16;
-  float4* fbuf;
-  float* sink;
-  CK(cudaMalloc(&fbuf, fn * 16));
-  CK(cudaMemset(fbuf, 0, fn * 16));
-  CK(cudaMalloc(&sink, 4));
   cudaStream_t s;
-  CK(cudaStreamCreate(&s));
-  auto time_us = [&](auto fn_launch, bool flush) {
-    std::vector<float> ts;
-    for (int c = 0; c < 10; ++c) {
-      cudaEvent_t ev[16];
-      for (auto& e : ev) CK(cudaEventCreate(&e));
-      CK(cudaStreamSynchronize(s));
-      spin<<<1, 1, 0, s>>>((long long)clk / 1000 * 300);
-      for (int i = 0; i < 8; ++i) {
-        if (flush) flush_kernel<<<264, 1024, 0, s>>>(fbuf, fn, sink);
-        CK(cudaEventRecord(ev[2 * i], s));
-        fn_launch();
-        CK(cudaEventRecord(ev[2 * i + 1], s));
-      }
-      CK(cudaStreamSynchronize(s));
-      for (int i = 0; i < 8; ++i) {
-        float ms;
-        CK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
-        ts.push_back(ms * 1e3f);
-      }
-      for (auto& e : ev) CK(cudaEventDestroy(e));
-    }
-    std::sort(ts.begin(), ts.end());
-    return ts[ts.size() / 2];
-  };
+  FUSEBOX_CUDA_CHECK(cudaStreamCreate(&s));
+  probe::Timer timer(s);
+  auto time_us = [&](auto fn_launch, bool flush) { return timer.median_us(fn_launch, flush, 80); };
   // copy bandwidth (1 GB moved) and the empty launch, as the bench's floor
   void *cs, *cd;
   const size_t cb = size_t(1) << 29;
-  CK(cudaMalloc(&cs, cb));
-  CK(cudaMalloc(&cd, cb));
-  const float copy_us = time_us([&] { CK(cudaMemcpyAsync(cd, cs, cb, cudaMemcpyDeviceToDevice, s)); }, false);
+  FUSEBOX_CUDA_CHECK(cudaMalloc(&cs, cb));
+  FUSEBOX_CUDA_CHECK(cudaMalloc(&cd, cb));
+  const float copy_us = time_us([&] { FUSEBOX_CUDA_CHECK(cudaMemcpyAsync(cd, cs, cb, cudaMemcpyDeviceToDevice, s)); }, false);
   const double bw = 2.0 * cb / copy_us / 1e6;  // TB/s
   const float launch_us = time_us([&] { empty_kernel<<<1, 32, 0, s>>>(); }, false);
   printf("copy %.2f TB/s, empty launch %.2f us; time over the floor (launch + bytes / copy) in us\n", bw, launch_us);
@@ -253,10 +210,10 @@ int main() {
   // the variants compute the same rows
   std::vector<uint16_t> ya(size_t(4096) * D), yc(size_t(4096) * D);
   launch(ln_rows_a<false, false, false>, 4096, false, s, x, w, b, y, 4096);
-  CK(cudaMemcpy(ya.data(), y, ya.size() * 2, cudaMemcpyDeviceToHost));
-  CK(cudaMemset(y, 0xff, ya.size() * 2));
+  FUSEBOX_CUDA_CHECK(cudaMemcpy(ya.data(), y, ya.size() * 2, cudaMemcpyDeviceToHost));
+  FUSEBOX_CUDA_CHECK(cudaMemset(y, 0xff, ya.size() * 2));
   launch(ln_rows_p<true>, std::min(4096, occ_c * sms), false, s, x, w, b, y, 4096);
-  CK(cudaMemcpy(yc.data(), y, yc.size() * 2, cudaMemcpyDeviceToHost));
+  FUSEBOX_CUDA_CHECK(cudaMemcpy(yc.data(), y, yc.size() * 2, cudaMemcpyDeviceToHost));
   printf("A and C outputs %s\n", ya == yc ? "identical" : "DIFFER");
   return 0;
 }
