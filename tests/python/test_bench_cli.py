@@ -381,6 +381,11 @@ def test_report_from_synthetic(tmp_path, capsys):
         math.exp(sum(math.log(1.2 + 0.1 * (i % 5)) for i in range(len(cases)) if i != 1)
                  / (len(cases) - 1)))
     assert s["mismatches"] == [cases[0].key]
+    # fusebox runs at launch + bytes / 3.6 TB/s here; at its floor (4.0 TB/s) each ratio grows
+    # by its time over the floor
+    at_floor = [r for i, r in enumerate(data["results"]) if i != 1]
+    assert s["geomean_speedup_at_floor"] == pytest.approx(math.exp(sum(
+        math.log(r["impls"]["compile"]["us"] / r["floor_us"]) for r in at_floor) / len(at_floor)))
     assert data["results"][0]["impls"]["fusebox"]["err"] == "inf"     # JSON stays valid
     md = (tmp_path / "results.md").read_text()
     sections = {}
