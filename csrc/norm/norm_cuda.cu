@@ -425,8 +425,8 @@ constexpr int register_bound() {
 }
 
 // Whether a plan has a flat twin (FLAT in norm_rows): the short plans, except the 2-vector rows
-// of an RMS norm alone, whose flat twin ran 9-11% slower at 67-268 MB on an H100 (ptxas: 55
-// registers, or 40 under a bound, against the row-group twin's 40; not explained).
+// of an RMS norm alone, whose flat twin, bounded to the row-group twin's 40 registers (ptxas
+// gives it 55 unbounded, not timed), ran 9-11% slower at 67-268 MB on an H100 (not explained).
 template <int ITEMS, NormType NORM, bool RES, bool MOD>
 constexpr bool has_flat_twin() {
   return ITEMS == 1 || (ITEMS == 2 && !(NORM == NormType::kRMS && !RES && !MOD));
