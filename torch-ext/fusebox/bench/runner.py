@@ -159,9 +159,10 @@ class Runner:
         return rec
 
     def copy_reference(self, nbytes: int, sets_n: int, flush: bool) -> dict:
-        """The time of a device copy that moves the case's bytes (half read, half written),
-        timed as the case was: what any kernel moving those bytes can expect at that size, where
-        the floor takes copy bandwidth from a 1 GB copy. Measured once per size and mode, as the
+        """The time of PyTorch's device copy of the case's bytes (half read, half written), timed
+        as the case was: a reference at that size for a kernel that only moves the bytes, where
+        the floor takes copy bandwidth from a 1 GB copy (the copy's own path changes with the
+        size, so the reference is not smooth in it). Measured once per size and mode, as the
         lower of two medians: a property of the machine, which a clock dip under one measurement
         would otherwise carry into every ratio built on it."""
         key = (nbytes, flush)
