@@ -194,13 +194,15 @@ def unsteady(results: List[dict]) -> List[str]:
 # --------------------------------------------------------------------------- rate and fixed cost
 
 FIT_MIN_BYTES = 16e6       # past one wave of rows on an H100/H200: smaller calls are latency
-ROW_COUNT_PARAMS = ("shape", "B", "S", "grid", "eps", "theta")
+# parameters a group's cases may differ in: the row count (shape's leading dims, B, S, the video
+# grid) and values that change neither the bytes nor the kernel (eps, theta)
+FIT_FREE_PARAMS = ("shape", "B", "S", "grid", "eps", "theta")
 
 
 def fit_group(rec: dict) -> tuple:
     """The cases that differ only in their row count: same op, dtype, row width and options."""
     p = rec.get("params", {})
-    opts = tuple(sorted((k, json.dumps(v)) for k, v in p.items() if k not in ROW_COUNT_PARAMS))
+    opts = tuple(sorted((k, json.dumps(v)) for k, v in p.items() if k not in FIT_FREE_PARAMS))
     width = p["shape"][-1] if "shape" in p else None
     return (rec["op"], rec["dtype"], width, opts)
 
