@@ -92,13 +92,13 @@ struct ParamSlots {
 // written out; MOD: scale and/or shift modulate the normalized row. P: dtype of every small
 // operand present. SPLIT: gate, scale and shift come as a [D] table (a small operand, P) plus a
 // per-row part (T), added where the term is used. FLAT: the rows form one row group (RowIndexer
-// flat), so an operand's row offset is one product; a compile-time fact for the short plans,
-// whose time is mostly their critical path.
+// flat), so an operand's row offset is one product and the row split is gone from the path
+// to the first load (has_flat_twin: which plans have the twin).
 template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS,
           bool SPLIT, bool FLAT>
 __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
   static_assert((ITEMS <= 2) == (PARAMS == ParamPath::kHeld), "registers hold the operands of the 1-2 vector plans only");
-  static_assert(!FLAT || ITEMS <= 2, "only the short plans have a flat twin (has_flat_twin)");
+  static_assert(!FLAT || ITEMS <= 4, "the 8-vector plans have no flat twin (has_flat_twin)");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // [iteration parity][reduction]: one float per warp for each of a row's (at most two) sums;
   // by parity since a fast thread may start the next row's reduction while a slow one still
@@ -424,12 +424,13 @@ constexpr int register_bound() {
   return 0;
 }
 
-// Whether a plan has a flat twin (FLAT in norm_rows): the short plans, except the 2-vector rows
-// of an RMS norm alone, whose flat twin, bounded to the row-group twin's 40 registers (ptxas
-// gives it 55 unbounded, not timed), ran 9-11% slower at 67-268 MB on an H100 (not explained).
-template <int ITEMS, NormType NORM, bool RES, bool MOD>
+// Whether a plan has a flat twin (FLAT in norm_rows): the 1-4 vector plans without split
+// modulation, except the 2-vector rows of an RMS norm alone, whose flat twin, bounded to the
+// row-group twin's 40 registers (ptxas gives it 55 unbounded, not timed), ran 9-11% slower at
+// 67-268 MB on an H100 (not explained).
+template <int ITEMS, NormType NORM, bool RES, bool MOD, bool SPLIT>
 constexpr bool has_flat_twin() {
-  return ITEMS == 1 || (ITEMS == 2 && !(NORM == NormType::kRMS && !RES && !MOD));
+  return ITEMS == 1 || (ITEMS == 2 && !(NORM == NormType::kRMS && !RES && !MOD)) || (ITEMS == 4 && !SPLIT);
 }
 
 // ---------------------------------------------------------------- streaming path
@@ -654,9 +655,9 @@ template <typename P, int VEC, int ITEMS>
 constexpr bool kSplitOnRegisterPath = std::is_same_v<P, float> && VEC > 1 && ITEMS <= 4;
 
 // stage: ITEMS > 2, the small operands go through shared-memory slots (else read at their use).
-// split: split modulation (see norm_rows).
+// split: split modulation (see norm_rows). flat: the plan's flat twin, where it has one.
 template <typename T, typename P, int VEC, int ITEMS>
-void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, int n_params, bool stage,
+void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, bool flat, int n_params, bool stage,
                  int64_t groups, dim3 block, cudaStream_t stream) {
   stage = stage && ITEMS > 2 && n_params > 0;
   const size_t smem = stage ? size_t(n_params) * ITEMS * block.x * sizeof(Pack<P, VEC>) : 0;
@@ -682,18 +683,17 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, int n_
         launch_kernel(norm_rows_kernel<kMinBlocks, T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit,
                                        decltype(flat)::value>);
       };
-      constexpr std::false_type kRowGroups{};
-      if constexpr (ITEMS <= 2) {
-        constexpr std::integral_constant<ParamPath, ParamPath::kHeld> kHeld{};
-        if constexpr (has_flat_twin<ITEMS, kNorm, kRes, kMod>())
-          a.index.flat ? with_path(kHeld, std::true_type{}) : with_path(kHeld, kRowGroups);
-        else
-          with_path(kHeld, kRowGroups);
-      }
+      auto with_layout = [&](auto path) {
+        if constexpr (has_flat_twin<ITEMS, kNorm, kRes, kMod, kSplit>())
+          if (flat) return with_path(path, std::true_type{});
+        with_path(path, std::false_type{});
+      };
+      if constexpr (ITEMS <= 2)
+        with_layout(std::integral_constant<ParamPath, ParamPath::kHeld>{});
       else if (stage)
-        with_path(std::integral_constant<ParamPath, ParamPath::kStaged>{}, kRowGroups);
+        with_layout(std::integral_constant<ParamPath, ParamPath::kStaged>{});
       else
-        with_path(std::integral_constant<ParamPath, ParamPath::kGlobal>{}, kRowGroups);
+        with_layout(std::integral_constant<ParamPath, ParamPath::kGlobal>{});
     }
   };
   auto with_flags = [&](auto norm) {
@@ -801,6 +801,16 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   // per-token adaln 497.6 -> 458.8 us, norm_items_and_stage_172e9aa.txt).
   const bool stage_by_default = !params_f32;
   const bool stage = tuning_knobs().norm_stage.value_or(int(stage_by_default)) != 0;
+  // The flat twin where the rows form one group (FUSEBOX_NORM_FLAT=0: never, for tuning runs).
+  // The 2-vector rows of a residual + RMS norm take it only while their threads fit one wave:
+  // past that its rows streamed 0.2-0.5 us slower at 67-268 MB (H100, bf16, in two side-by-side
+  // runs; fp16 within 0.2 either way), where on one wave it gains 0.1 us (fused_add_rms_norm
+  // [1x512x4096]) and its decode-sized 1-vector twin 0.35-0.45 ([1x128x4096]).
+  // (rows * tpr threads, tpr = D / 2 vectors, against the half of the resident threads that blocks
+  // of their 60-63 registers leave room for)
+  const bool one_wave = a.rows * a.vec_per_row <= device_limits().resident_threads();
+  const bool flat = a.index.flat && tuning_knobs().norm_flat.value_or(1) != 0 &&
+                    !(items == 2 && traits.plain_residual && args.norm == NormType::kRMS && !one_wave);
 
   dispatch_dtype(args.x.dtype, [&](auto t) {
     using T = decltype(t);
@@ -809,15 +819,15 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
       if (full_vectors) {
         constexpr int V = 16 / int(sizeof(T));
         if (items == 1)
-          launch_rows<T, P, V, 1>(a, res, mod, split, n_params, stage, groups, block, stream);
+          launch_rows<T, P, V, 1>(a, res, mod, split, flat, n_params, stage, groups, block, stream);
         else if (items == 2)
-          launch_rows<T, P, V, 2>(a, res, mod, split, n_params, stage, groups, block, stream);
+          launch_rows<T, P, V, 2>(a, res, mod, split, flat, n_params, stage, groups, block, stream);
         else if (items == 4)
-          launch_rows<T, P, V, 4>(a, res, mod, split, n_params, stage, groups, block, stream);
+          launch_rows<T, P, V, 4>(a, res, mod, split, flat, n_params, stage, groups, block, stream);
         else
-          launch_rows<T, P, V, 8>(a, res, mod, split, n_params, stage, groups, block, stream);
+          launch_rows<T, P, V, 8>(a, res, mod, split, flat, n_params, stage, groups, block, stream);
       } else {
-        launch_rows<T, P, 1, 8>(a, res, mod, split, n_params, stage, groups, block, stream);
+        launch_rows<T, P, 1, 8>(a, res, mod, split, flat, n_params, stage, groups, block, stream);
       }
     };
     if (params_f32 || std::is_same_v<T, float>)
