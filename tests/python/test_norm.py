@@ -120,17 +120,19 @@ def test_plans_between_half_and_full_wave(device, gen, dtypes):
 # Calls of more than one wave of resident threads on an H100/H200 (the CPU rows check the same
 # semantics): 16-bit rows take the 2- and 4-vector plans, whose small operands are held in
 # registers, staged in shared memory or read at their use depending on op, width and dtype.
-BEYOND_ONE_WAVE = ["rms_weight_2048", "layer_affine_1536", "layer_affine_2048", "adaln_sample_3072",
-                   "adaln_sample_1536", "adaln_token_5120", "gated_residual_norm_sample_3072"]
+# One sample makes the rows one group even with per-sample modulation: the plans' flat twins.
+BEYOND_ONE_WAVE = ["rms_weight_2048", "rms_weight_4096", "layer_affine_1536", "layer_affine_2048",
+                   "adaln_sample_3072", "adaln_sample_1536", "adaln_token_5120", "gated_residual_norm_sample_3072"]
 
 
 @pytest.mark.parametrize("dtypes", DTYPE_CASES)
 @pytest.mark.parametrize("case", BEYOND_ONE_WAVE)
-def test_plans_beyond_one_wave(device, gen, dtypes, case):
+@pytest.mark.parametrize("samples", [2, 1])
+def test_plans_beyond_one_wave(device, gen, dtypes, case, samples):
     xd, pd = dtypes
     kind, width = case.rsplit("_", 1)
     width = int(width)
-    shape = (2, 1152 if torch.device(device).type == "cuda" else 3, width)
+    shape = (samples, (2304 if torch.device(device).type == "cuda" else 6) // samples, width)
     x = randn(gen, shape, xd, device)
     if kind in ("rms_weight", "layer_affine"):
         w, b = affine_params(gen, "weight" if kind == "rms_weight" else "weight_bias", width, pd, device)
