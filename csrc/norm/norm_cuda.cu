@@ -804,8 +804,8 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   // The flat twin where the rows form one group (FUSEBOX_NORM_FLAT=0: never, for tuning runs).
   // The 2-vector rows of a residual + RMS norm take it only while their threads fit one wave:
   // past that its rows streamed 0.2-0.5 us slower at 67-268 MB (H100, bf16, in two side-by-side
-  // runs; fp16 within 0.2 either way), where on one wave it gains 0.1 us (fused_add_rms_norm
-  // [1x512x4096]) and its decode-sized 1-vector twin 0.35-0.45 ([1x128x4096]).
+  // runs; fp16 within 0.2 either way), while on one wave it ran 0.1 us faster on the H100
+  // (fused_add_rms_norm [1x512x4096]; on the H200 within the spread of repeated runs).
   // (rows * tpr threads, tpr = D / 2 vectors, against the half of the resident threads that blocks
   // of their 60-63 registers leave room for)
   const bool one_wave = a.rows * a.vec_per_row <= device_limits().resident_threads();
