@@ -7,6 +7,8 @@
 // Build (after scripts/build.sh): nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc/include -Icsrc
 //   scripts/probe_launch.cu build/gpu/libfusebox_core.a -o build/gpu/probe_launch
 // Run: build/gpu/probe_launch   (FUSEBOX_PDL=0 turns PDL off for the fusebox rows)
+// -DPROBE_BLOAT_KERNELS=N compiles N large unused kernels (about 30 KB of code each) into the
+// probe's module, beside the mini kernels: whether a kernel's module size moves its launch.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -15,6 +17,7 @@
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common/cuda_common.cuh"
@@ -63,9 +66,9 @@ struct RmsSpreadArgs {
 // One bf16 row per block, one 16-byte vector per thread: the least a one-vector RMS row kernel
 // does. `bias` (0 in practice) lets a caller make the result depend on extra work. PDL 1 waits
 // on the previous grid; 2 also lets the next grid launch once the loads are issued.
-template <int PDL, typename Args>
+template <int PDL, typename Args, int SMEM_FLOATS = 16>
 __device__ __forceinline__ void rms_row(const Args& a, float bias = 0.f) {
-  __shared__ float warp_sums[16];
+  __shared__ float warp_sums[SMEM_FLOATS];
   if constexpr (PDL > 0) fusebox::cuda::pdl_wait();
   const size_t base = size_t(blockIdx.x) * a.width + threadIdx.x * 8;
   const uint4 xv = *reinterpret_cast<const uint4*>(a.x + base);
@@ -99,6 +102,9 @@ __global__ void __launch_bounds__(512) mini_rms_kernel(const RmsArgs<PAD> a) {
   rms_row<PDL>(a);
 }
 
+// fusebox's row kernels hold a 256-byte static shared array (two 32-float reduction slots).
+__global__ void __launch_bounds__(512) mini_rms_smem256_kernel(const RmsArgs<8> a) { rms_row<0, RmsArgs<8>, 64>(a); }
+
 __global__ void __launch_bounds__(512) mini_rms_spread_kernel(const RmsSpreadArgs a) { rms_row<0>(a); }
 
 // 256 extra integer instructions before the loads (four chains): as straight-line code
@@ -114,6 +120,26 @@ __global__ void __launch_bounds__(512) mini_rms_extra_kernel(const RmsArgs<8> a)
     for (int i = 0; i < 64; ++i) c0 = c0 * 3u + c1, c1 = c1 * 5u + c2, c2 = c2 * 7u + c3, c3 = c3 * 9u + c0;
   }
   rms_row<0>(a, float((c0 ^ c1 ^ c2 ^ c3) == 0x12345u));  // 0 in practice, not provably
+}
+
+#ifndef PROBE_BLOAT_KERNELS
+#define PROBE_BLOAT_KERNELS 0
+#endif
+// Never launched: only their code in this module counts.
+template <int K>
+__global__ void bloat_kernel(float* p) {
+  float acc = p[threadIdx.x];
+#pragma unroll
+  for (int i = 0; i < 1000; ++i) acc = acc * (1.0001f + K * 1e-7f) + p[(threadIdx.x + i * (K + 1)) & 1023];
+  p[threadIdx.x] = acc;
+}
+
+template <int... K>
+int bloat_count(std::integer_sequence<int, K...>) {
+  static const void* table[] = {nullptr, reinterpret_cast<const void*>(bloat_kernel<K>)...};
+  int n = 0;
+  for (const void* f : table) n += f != nullptr;
+  return n;
 }
 
 fusebox::TensorView view(void* p, std::initializer_list<int64_t> shape) {
@@ -158,6 +184,9 @@ int main() {
     add("mini rms " + tag + ", PDL + early trigger", [=, &t] {
       fusebox::cuda::launch_pdl(true, mini_rms_kernel<8, 2>, grid, block, 0, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
     });
+    add("mini rms " + tag + ", 256 B static shared", [=, &t] {
+      fusebox::cuda::launch_pdl(false, mini_rms_smem256_kernel, grid, block, 0, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
+    });
     add("mini rms " + tag + ", 384 B args", [=, &t] {
       fusebox::cuda::launch_pdl(false, mini_rms_kernel<384, 0>, grid, block, 0, s, RmsArgs<384>{x, w, out, width, 1e-6f, {}});
     });
@@ -179,6 +208,9 @@ int main() {
   for (auto& r : rows) r.fn();  // load modules, warm up
   FUSEBOX_CUDA_CHECK(cudaStreamSynchronize(s));
   const char* pdl = std::getenv("FUSEBOX_PDL");
+  const char* loading = std::getenv("CUDA_MODULE_LOADING");
+  std::printf("bloat kernels in the probe's module: %d, CUDA_MODULE_LOADING=%s\n",
+              bloat_count(std::make_integer_sequence<int, PROBE_BLOAT_KERNELS>{}), loading ? loading : "(unset)");
   std::printf("FUSEBOX_PDL=%s\n| case | flushed us | warm us |\n|---|---:|---:|\n", pdl ? pdl : "(unset)");
   for (auto& r : rows)
     std::printf("| %s | %.2f | %.2f |\n", r.name.c_str(), t.median_us(r.fn, true), t.median_us(r.fn, false));

@@ -413,8 +413,18 @@ __global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(cons
 //   (its 1-vector residual + norm rows then ran 0.1-0.2 us slower on the H100), and fp16's
 //   1-vector residual + norm rows (48 -> 40) ran 0.1-0.2 us slower on the H200 (faster on the
 //   H100): those keep none.
-template <typename T, typename P, int ITEMS, NormType NORM, bool RES, bool MOD>
+// - on the flat twins (FLAT) of 4-vector rows: 3 (40 registers) for a LayerNorm alone (56-62 ->
+//   40, no spills), 2 (64) for a residual + modulated norm with fp32 operands (78-85 -> 64, up to
+//   12 bytes of spills). Side by side on the H200 (bench/results/2026-11-26_h200_b738d93/tune/
+//   norm_bound_flat4.txt, two columns each): LayerNorm Wan 1.3B 61.3-61.5 -> 57.6-57.7 us bf16
+//   (fp16 60.6 -> 57.1-57.3), Wan 14B 179.2-179.7 -> 166.7 (fp16 177.2-177.4 -> 166.2-166.4);
+//   gated_residual_norm Wan 1.3B 109.9-110.0 -> 105.0-105.1 (fp16 104.4 -> 103.6-103.8). The
+//   RMS rows alone lost with 40 (16 bytes of spills; rms_norm 2048x4096 12.6-12.7 -> 13.3) and
+//   keep none.
+template <typename T, typename P, int ITEMS, NormType NORM, bool RES, bool MOD, bool FLAT>
 constexpr int register_bound() {
+  if constexpr (FLAT && ITEMS == 4 && !RES && !MOD && NORM == NormType::kLayer) return 3;
+  if constexpr (FLAT && ITEMS == 4 && RES && MOD && std::is_same_v<P, float>) return 2;
   if constexpr (ITEMS == 4 && MOD && !RES) return 2;
   if constexpr (std::is_same_v<P, T> && !MOD) {
     constexpr bool kNormAlone2 = ITEMS == 2 && !RES, kAddAlone2 = ITEMS == 2 && RES && NORM == NormType::kNone;
@@ -591,6 +601,10 @@ struct RowOpTraits {
 //   (per-token modulation): their operands load with the row into registers instead of being
 //   staged (same run: adaln Wan 1.3B per token 162.8 -> 148.5 us, LTX per token 25.6 -> 25.0,
 //   gated_residual_norm LTX per token 41.5 -> 40.9; at 640 vectors, Wan 14B, 524 -> 689).
+//   Not for fp32 operands (Wan's per-token modulation), which are read at their use: 4 vectors
+//   ran faster there once the 4-vector rows were bounded to 64 registers (adaln Wan 1.3B per
+//   token 142.5-142.7 -> 140.0-140.2 us bf16, 142.7-142.8 -> 139.9-140.0 fp16; LTX's bf16
+//   per-token rows lose 0.7-1.9 us with 4: 2026-11-26_h200_b738d93/tune/norm_token_items.txt).
 // - 2 as well for a gated residual + modulated norm (gated_residual_norm) of bf16 rows with
 //   16-bit operands and up to 256 vectors (bench/results/2026-11-26_h200_ca4d16f/tune/
 //   grn_items_by_dtype.txt): LTX 27.4-27.9 -> 26.6-26.7 us, LTX-long 70.0 either way. Not for
@@ -616,7 +630,7 @@ int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOp
   if (plain_norm && vec_per_row <= kMaxThreads && rows * vec_per_row <= wave) return 1;
   if (plain_norm && !op.f32_operands && vec_per_row <= (op.layer_norm ? 384 : 256)) return 2;
   if (op.plain_residual && vec_per_row <= kMaxThreads) return 2;
-  if (op.per_row_operand && vec_per_row <= 256) return 2;
+  if (op.per_row_operand && !op.f32_operands && vec_per_row <= 256) return 2;
   if (op.residual && op.modulated && op.bf16_rows && !op.f32_operands && vec_per_row <= 256) return 2;
   if (vec_per_row <= 4 * kMaxThreads) return 4;
   if (vec_per_row <= 8 * kMaxThreads && !op.residual) return 8;
@@ -679,7 +693,7 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, bool f
       };
       auto with_path = [&](auto path, auto flat) {
         constexpr ParamPath kPath = decltype(path)::value;
-        constexpr int kMinBlocks = register_bound<T, P, ITEMS, kNorm, kRes, kMod>();
+        constexpr int kMinBlocks = register_bound<T, P, ITEMS, kNorm, kRes, kMod, decltype(flat)::value>();
         launch_kernel(norm_rows_kernel<kMinBlocks, T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit,
                                        decltype(flat)::value>);
       };
