@@ -121,8 +121,12 @@ def test_plans_between_half_and_full_wave(device, gen, dtypes):
 # semantics): 16-bit rows take the 2- and 4-vector plans, whose small operands are held in
 # registers, staged in shared memory or read at their use depending on op, width and dtype.
 # One sample makes the rows one group even with per-sample modulation: the plans' flat twins.
+# Among them the register-bounded 4-vector twins: LayerNorm alone with 16-bit (4096) or fp32
+# (1536) operands, the residual + modulated norms with fp32 operands (3072), and the per-token
+# rows of 192 vectors, which take 4 vectors a thread with fp32 modulation.
 BEYOND_ONE_WAVE = ["rms_weight_2048", "rms_weight_4096", "layer_affine_1536", "layer_affine_2048",
-                   "adaln_sample_3072", "adaln_sample_1536", "adaln_token_5120", "gated_residual_norm_sample_3072"]
+                   "layer_affine_4096", "adaln_sample_3072", "adaln_sample_1536", "adaln_token_1536",
+                   "adaln_token_5120", "gated_residual_norm_sample_3072", "gated_residual_norm_rms_sample_3072"]
 
 
 @pytest.mark.parametrize("dtypes", DTYPE_CASES)
@@ -148,7 +152,7 @@ def test_plans_beyond_one_wave(device, gen, dtypes, case, samples):
     else:
         branch = randn(gen, shape, xd, device)
         gate, scale, shift = modulation(gen, "sample", shape, 3, pd, device)
-        check_gated_residual_norm(x, branch, gate, scale, shift, norm_type="layer")
+        check_gated_residual_norm(x, branch, gate, scale, shift, norm_type="rms" if "rms" in kind else "layer")
 
 
 # --------------------------------------------------------------------------- fused_add_rms_norm
