@@ -102,6 +102,76 @@ __global__ void __launch_bounds__(512) mini_rms_kernel(const RmsArgs<PAD> a) {
   rms_row<PDL>(a);
 }
 
+// The minimal kernel with what fusebox's one-vector rows decide at run time, one at a time
+// (GEN bits): 1 the weight's and bias's presence (null checks around their loads), 2 the
+// cross-warp sum over a run-time thread count (fusebox::cuda::row_sum), 4 the output dtype (a
+// branch between a bf16 and an fp32 store); and what its loads and launch do: 8 the loads
+// through the read-only path (ld.global.nc, as fusebox's load_pack), 16 programmatic dependent
+// launch (wait first, release after the loads, launched with the attribute).
+struct GenArgs {
+  const __nv_bfloat16* x;
+  const __nv_bfloat16* w;
+  const __nv_bfloat16* b;
+  void* out;
+  int width;
+  float eps;
+  int tpr;
+  bool out_f32;
+};
+
+template <int GEN>
+__global__ void __launch_bounds__(512) mini_rms_general_kernel(const GenArgs a) {
+  __shared__ float warp_sums[64];
+  if constexpr ((GEN & 16) != 0) fusebox::cuda::pdl_wait();
+  const size_t base = size_t(blockIdx.x) * a.width + threadIdx.x * 8;
+  auto load = [](const __nv_bfloat16* p) {
+    if constexpr ((GEN & 8) != 0) return __ldg(reinterpret_cast<const uint4*>(p));
+    return *reinterpret_cast<const uint4*>(p);
+  };
+  const uint4 xv = load(a.x + base);
+  uint4 wv = make_uint4(0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u), bv = make_uint4(0, 0, 0, 0);
+  if (!(GEN & 1) || a.w) wv = load(a.w + threadIdx.x * 8);
+  if ((GEN & 1) && a.b) bv = load(a.b + threadIdx.x * 8);
+  if constexpr ((GEN & 16) != 0) fusebox::cuda::pdl_release();
+  const uint32_t xs[4] = {xv.x, xv.y, xv.z, xv.w}, ws[4] = {wv.x, wv.y, wv.z, wv.w},
+                 bs[4] = {bv.x, bv.y, bv.z, bv.w};
+  float v[8], acc = 0.f;
+  for (int i = 0; i < 4; ++i) {
+    v[2 * i] = __uint_as_float(xs[i] << 16);
+    v[2 * i + 1] = __uint_as_float(xs[i] & 0xffff0000u);
+  }
+  for (int i = 0; i < 8; ++i) acc += v[i] * v[i];
+  float total;
+  if constexpr ((GEN & 2) != 0) {
+    total = fusebox::cuda::row_sum(acc, a.tpr, warp_sums);
+  } else {
+    for (int off = 16; off; off >>= 1) acc += __shfl_xor_sync(~0u, acc, off);
+    if ((threadIdx.x & 31) == 0) warp_sums[threadIdx.x >> 5] = acc;
+    __syncthreads();
+    const int warps = blockDim.x >> 5;
+    total = (threadIdx.x & 31) < warps ? warp_sums[threadIdx.x & 31] : 0.f;
+    for (int off = 16; off; off >>= 1) total += __shfl_xor_sync(~0u, total, off);
+  }
+  const float rstd = rsqrtf(total / a.width + a.eps);
+  float r[8];
+  for (int i = 0; i < 4; ++i) {
+    r[2 * i] = v[2 * i] * rstd * __uint_as_float(ws[i] << 16) + __uint_as_float(bs[i] << 16);
+    r[2 * i + 1] = v[2 * i + 1] * rstd * __uint_as_float(ws[i] & 0xffff0000u) + __uint_as_float(bs[i] & 0xffff0000u);
+  }
+  if ((GEN & 4) && a.out_f32) {
+    float4* o = reinterpret_cast<float4*>(static_cast<float*>(a.out) + base);
+    o[0] = make_float4(r[0], r[1], r[2], r[3]);
+    o[1] = make_float4(r[4], r[5], r[6], r[7]);
+    return;
+  }
+  uint32_t o[4];
+  for (int i = 0; i < 4; ++i) {
+    const __nv_bfloat162 h = __floats2bfloat162_rn(r[2 * i], r[2 * i + 1]);
+    memcpy(&o[i], &h, 4);
+  }
+  *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(a.out) + base) = make_uint4(o[0], o[1], o[2], o[3]);
+}
+
 // fusebox's row kernels hold a 256-byte static shared array (two 32-float reduction slots).
 __global__ void __launch_bounds__(512) mini_rms_smem256_kernel(const RmsArgs<8> a) { rms_row<0, RmsArgs<8>, 64>(a); }
 
@@ -184,6 +254,20 @@ int main() {
     add("mini rms " + tag + ", PDL + early trigger", [=, &t] {
       fusebox::cuda::launch_pdl(true, mini_rms_kernel<8, 2>, grid, block, 0, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
     });
+    auto general = [=](auto kernel, bool pdl = false) {
+      return [=] {
+        fusebox::cuda::launch_pdl(pdl, kernel, grid, block, 0, s, GenArgs{x, w, nullptr, out, width, 1e-6f, int(block.x), false});
+      };
+    };
+    add("mini rms " + tag + ", general: none", general(mini_rms_general_kernel<0>));
+    add("mini rms " + tag + ", general: weight/bias presence", general(mini_rms_general_kernel<1>));
+    add("mini rms " + tag + ", general: row_sum", general(mini_rms_general_kernel<2>));
+    add("mini rms " + tag + ", general: output dtype", general(mini_rms_general_kernel<4>));
+    add("mini rms " + tag + ", general: all three", general(mini_rms_general_kernel<7>));
+    add("mini rms " + tag + ", general: read-only loads", general(mini_rms_general_kernel<8>));
+    add("mini rms " + tag + ", general: PDL", general(mini_rms_general_kernel<16>, true));
+    add("mini rms " + tag + ", general: read-only loads + PDL", general(mini_rms_general_kernel<24>, true));
+    add("mini rms " + tag + ", general: all five", general(mini_rms_general_kernel<31>, true));
     add("mini rms " + tag + ", 256 B static shared", [=, &t] {
       fusebox::cuda::launch_pdl(false, mini_rms_smem256_kernel, grid, block, 0, s, RmsArgs<8>{x, w, out, width, 1e-6f, {}});
     });
