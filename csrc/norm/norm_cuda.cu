@@ -59,6 +59,15 @@ __device__ __forceinline__ T* at(const RowOperandArg& o, int64_t i0, int64_t i1,
 
 // ---------------------------------------------------------------- register path
 
+// How a block finds its rows' operands (a compile-time choice; see has_twin for the plans that
+// have more than the general split):
+enum class RowWalk {
+  kSplit,    // any layout: a row index split into three (two divisions), three-term offsets
+  kFlat,     // the rows form one row group (RowIndexer flat): an operand's offset is one product
+  kSamples,  // two row groups (samples x rows, RowLayout sizes[0] == 1): the sample from
+             // blockIdx.y, no division, two-term offsets
+};
+
 // Where a row's small operands (weight, bias, gate, scale, shift) wait between their load and
 // their use after the reduction. A compile-time choice: a run-time one kept both paths' address
 // arithmetic and predicates in every use (about 13 instructions per operand and vector).
@@ -91,14 +100,13 @@ struct ParamSlots {
 // NORM: what normalizes the row; RES: a branch (and optional gate) is added first and the sum
 // written out; MOD: scale and/or shift modulate the normalized row. P: dtype of every small
 // operand present. SPLIT: gate, scale and shift come as a [D] table (a small operand, P) plus a
-// per-row part (T), added where the term is used. FLAT: the rows form one row group (RowIndexer
-// flat), so an operand's row offset is one product and the row split is gone from the path
-// to the first load (has_flat_twin: which plans have the twin).
+// per-row part (T), added where the term is used. WALK: how the rows' operands are found
+// (RowWalk); with kSamples, a.rows counts the rows of one sample and blockIdx.y is the sample.
 template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS,
-          bool SPLIT, bool FLAT>
+          bool SPLIT, RowWalk WALK>
 __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
   static_assert((ITEMS <= 2) == (PARAMS == ParamPath::kHeld), "registers hold the operands of the 1-2 vector plans only");
-  static_assert(!FLAT || ITEMS <= 4, "the 8-vector plans have no flat twin (has_flat_twin)");
+  static_assert(WALK == RowWalk::kSplit || ITEMS <= 4, "the 8-vector plans have no twin (has_twin)");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // [iteration parity][reduction]: one float per warp for each of a row's (at most two) sums;
   // by parity since a fast thread may start the next row's reduction while a slow one still
@@ -136,10 +144,14 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
     const uint32_t row = group_row + r;
     const bool active = row < rows;
     int64_t i0 = 0, i1 = 0, i2 = 0;
-    if constexpr (FLAT)
+    if constexpr (WALK == RowWalk::kFlat) {
       i2 = row;
-    else if (active)
+    } else if constexpr (WALK == RowWalk::kSamples) {
+      i1 = blockIdx.y;
+      i2 = row;
+    } else if (active) {
       a.index.split(row, i0, i1, i2);
+    }
     // Output rows. With few vectors per thread they are addressed before the loads, so that
     // the arithmetic overlaps the loads' latency instead of following the reduction; with more,
     // at their use (registers are what bounds those plans).
@@ -391,9 +403,9 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
 // none; see register_bound for the plans that take one). The bound reaches the compiler's
 // scheduling, not only the register allocator, where a bare register cap (__maxnreg__) spills.
 template <int MIN_BLOCKS, typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD,
-          ParamPath PARAMS, bool SPLIT, bool FLAT>
+          ParamPath PARAMS, bool SPLIT, RowWalk WALK>
 __global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(const NormKernelArgs a) {
-  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS, SPLIT, FLAT>(a);
+  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS, SPLIT, WALK>(a);
 }
 
 // The register bound of a plan (MIN_BLOCKS above), for those whose allocation falls past an
@@ -421,10 +433,11 @@ __global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(cons
 //   gated_residual_norm Wan 1.3B 109.9-110.0 -> 105.0-105.1 (fp16 104.4 -> 103.6-103.8). The
 //   RMS rows alone lost with 40 (16 bytes of spills; rms_norm 2048x4096 12.6-12.7 -> 13.3) and
 //   keep none.
-template <typename T, typename P, int ITEMS, NormType NORM, bool RES, bool MOD, bool FLAT>
+template <typename T, typename P, int ITEMS, NormType NORM, bool RES, bool MOD, RowWalk WALK>
 constexpr int register_bound() {
-  if constexpr (FLAT && ITEMS == 4 && !RES && !MOD && NORM == NormType::kLayer) return 3;
-  if constexpr (FLAT && ITEMS == 4 && RES && MOD && std::is_same_v<P, float>) return 2;
+  constexpr bool kTwin = WALK != RowWalk::kSplit;  // (bounds measured on the flat twins)
+  if constexpr (kTwin && ITEMS == 4 && !RES && !MOD && NORM == NormType::kLayer) return 3;
+  if constexpr (kTwin && ITEMS == 4 && RES && MOD && std::is_same_v<P, float>) return 2;
   if constexpr (ITEMS == 4 && MOD && !RES) return 2;
   if constexpr (std::is_same_v<P, T> && !MOD) {
     constexpr bool kNormAlone2 = ITEMS == 2 && !RES, kAddAlone2 = ITEMS == 2 && RES && NORM == NormType::kNone;
@@ -434,13 +447,21 @@ constexpr int register_bound() {
   return 0;
 }
 
-// Whether a plan has a flat twin (FLAT in norm_rows): the 1-4 vector plans without split
-// modulation, except the 2-vector rows of an RMS norm alone, whose flat twin, bounded to the
-// row-group twin's 40 registers (ptxas gives it 55 unbounded, not timed), ran 9-11% slower at
-// 67-268 MB on an H100 (not explained).
-template <int ITEMS, NormType NORM, bool RES, bool MOD, bool SPLIT>
-constexpr bool has_flat_twin() {
-  return ITEMS == 1 || (ITEMS == 2 && !(NORM == NormType::kRMS && !RES && !MOD)) || (ITEMS == 4 && !SPLIT);
+// Whether a plan has a twin for a walk other than the general split (WALK in norm_rows):
+// - kFlat: the 1-4 vector plans without split modulation, except the 2-vector rows of an RMS
+//   norm alone, whose flat twin, bounded to the row-group twin's 40 registers (ptxas gives it 55
+//   unbounded, not timed), ran 9-11% slower at 67-268 MB on an H100 (not explained);
+// - kSamples: those of them with modulation, whose per-sample rows (a batch of several samples,
+//   as classifier-free guidance makes) are two row groups; a flat walk over the same bytes ran
+//   0.4-2.1 us faster than the general split (bench/results/2026-11-26_h200_32e241e/tune/
+//   sample_split_cost.txt).
+template <RowWalk WALK, int ITEMS, NormType NORM, bool RES, bool MOD, bool SPLIT>
+constexpr bool has_twin() {
+  constexpr bool kFlat =
+      ITEMS == 1 || (ITEMS == 2 && !(NORM == NormType::kRMS && !RES && !MOD)) || (ITEMS == 4 && !SPLIT);
+  if constexpr (WALK == RowWalk::kFlat) return kFlat;
+  if constexpr (WALK == RowWalk::kSamples) return kFlat && MOD && !SPLIT;
+  return true;
 }
 
 // ---------------------------------------------------------------- streaming path
@@ -669,10 +690,11 @@ template <typename P, int VEC, int ITEMS>
 constexpr bool kSplitOnRegisterPath = std::is_same_v<P, float> && VEC > 1 && ITEMS <= 4;
 
 // stage: ITEMS > 2, the small operands go through shared-memory slots (else read at their use).
-// split: split modulation (see norm_rows). flat: the plan's flat twin, where it has one.
+// split: split modulation (see norm_rows). walk: the plan's twin for that walk where it has one,
+// else the general split.
 template <typename T, typename P, int VEC, int ITEMS>
-void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, bool flat, int n_params, bool stage,
-                 int64_t groups, dim3 block, cudaStream_t stream) {
+void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, RowWalk walk, int n_params, bool stage,
+                 dim3 block, cudaStream_t stream) {
   stage = stage && ITEMS > 2 && n_params > 0;
   const size_t smem = stage ? size_t(n_params) * ITEMS * block.x * sizeof(Pack<P, VEC>) : 0;
   auto go = [&](auto norm, auto r, auto m, auto sp) {
@@ -686,21 +708,30 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, bool f
                   (kSplit && !(kSplitOnRegisterPath<P, VEC, ITEMS> && (kRes || kMod)))) {
       FUSEBOX_CHECK(false, "no norm kernel for this launch plan");
     } else {
-      const auto launch_kernel = [&](auto kernel) {
+      auto with_path = [&](auto path, auto walk_c) {
+        constexpr ParamPath kPath = decltype(path)::value;
+        constexpr RowWalk kWalk = decltype(walk_c)::value;
+        constexpr int kMinBlocks = register_bound<T, P, ITEMS, kNorm, kRes, kMod, kWalk>();
+        const auto kernel = norm_rows_kernel<kMinBlocks, T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit, kWalk>;
         // (the kernel's static shared memory counts against the same 48 KB default)
         if (smem > 32 * 1024) allow_dynamic_smem(kernel, smem);
-        launch(kernel, dim3(unsigned((groups + a.row_iters - 1) / a.row_iters)), block, smem, stream, a);
+        // The rows one grid row walks: all of them, or one sample's (kSamples: blockIdx.y).
+        NormKernelArgs k = a;
+        unsigned samples = 1;
+        if constexpr (kWalk == RowWalk::kSamples) {
+          k.rows = a.index.size2;
+          samples = a.index.size1;
+        }
+        const int64_t groups = (k.rows + k.rows_per_block - 1) / k.rows_per_block;
+        launch(kernel, dim3(unsigned((groups + k.row_iters - 1) / k.row_iters), samples), block, smem, stream, k);
       };
-      auto with_path = [&](auto path, auto flat) {
-        constexpr ParamPath kPath = decltype(path)::value;
-        constexpr int kMinBlocks = register_bound<T, P, ITEMS, kNorm, kRes, kMod, decltype(flat)::value>();
-        launch_kernel(norm_rows_kernel<kMinBlocks, T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit,
-                                       decltype(flat)::value>);
-      };
+      using Walk = RowWalk;
       auto with_layout = [&](auto path) {
-        if constexpr (has_flat_twin<ITEMS, kNorm, kRes, kMod, kSplit>())
-          if (flat) return with_path(path, std::true_type{});
-        with_path(path, std::false_type{});
+        if constexpr (has_twin<Walk::kFlat, ITEMS, kNorm, kRes, kMod, kSplit>())
+          if (walk == Walk::kFlat) return with_path(path, std::integral_constant<Walk, Walk::kFlat>{});
+        if constexpr (has_twin<Walk::kSamples, ITEMS, kNorm, kRes, kMod, kSplit>())
+          if (walk == Walk::kSamples) return with_path(path, std::integral_constant<Walk, Walk::kSamples>{});
+        with_path(path, std::integral_constant<Walk, Walk::kSplit>{});
       };
       if constexpr (ITEMS <= 2)
         with_layout(std::integral_constant<ParamPath, ParamPath::kHeld>{});
@@ -804,7 +835,6 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
                          : 1;
   while ((1 << a.tpr_log2) < a.tpr) ++a.tpr_log2;
   const dim3 block(unsigned(a.tpr * a.rows_per_block));
-  const int64_t groups = (a.rows + a.rows_per_block - 1) / a.rows_per_block;
   // A block may take several row groups in turn, its staged copies of constant operands then
   // serving every group. One group per block is the measured default (H200: the resident blocks
   // already keep enough loads in flight); FUSEBOX_NORM_ROW_ITERS (1-8) sets more for tuning runs.
@@ -815,16 +845,28 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   // per-token adaln 497.6 -> 458.8 us, norm_items_and_stage_172e9aa.txt).
   const bool stage_by_default = !params_f32;
   const bool stage = tuning_knobs().norm_stage.value_or(int(stage_by_default)) != 0;
-  // The flat twin where the rows form one group (FUSEBOX_NORM_FLAT=0: never, for tuning runs).
-  // The 2-vector rows of a residual + RMS norm take it only while their threads fit one wave:
+  // The flat twin where the rows form one group (FUSEBOX_NORM_FLAT=0: no twin, flat or sample,
+  // for tuning runs). The 2-vector rows of a residual + RMS norm take it only while their threads fit one wave:
   // past that its rows streamed 0.2-0.5 us slower at 67-268 MB (H100, bf16, in two side-by-side
   // runs; fp16 within 0.2 either way), while on one wave it ran 0.1 us faster on the H100
   // (fused_add_rms_norm [1x512x4096]; on the H200 within the spread of repeated runs).
   // (rows * tpr threads, tpr = D / 2 vectors, against the half of the resident threads that blocks
   // of their 60-63 registers leave room for)
-  const bool one_wave = a.rows * a.vec_per_row <= device_limits().resident_threads();
-  const bool flat = a.index.flat && tuning_knobs().norm_flat.value_or(1) != 0 &&
-                    !(items == 2 && traits.plain_residual && args.norm == NormType::kRMS && !one_wave);
+  // The sample walk where modulated rows form two row groups (a batch of samples, each with its
+  // own modulation row; the sample is blockIdx.y, at most 65535 of them), for calls of more than
+  // two waves of threads. Side by side on the H200 against the general split (bench/results/
+  // 2026-11-26_h200_8572874/tune/sample_walk.txt, two columns each): adaln LTX-long per sample
+  // 40.2-40.3 -> 39.0-39.3 us bf16, 40.2-40.3 -> 37.8-38.0 fp16, gated_residual_norm LTX-long
+  // 70.1-70.2 -> 69.4-69.5 bf16; at LTX's 1.3 waves mixed: adaln 17.4-17.6 -> 18.1 bf16,
+  // 17.5-17.6 -> 17.0-17.1 fp16, gated_residual_norm within 0.2.
+  const int64_t wave = device_limits().resident_threads();
+  const bool one_wave = a.rows * a.vec_per_row <= wave;
+  const bool twins = tuning_knobs().norm_flat.value_or(1) != 0;
+  RowWalk walk = RowWalk::kSplit;
+  if (twins && a.index.flat && !(items == 2 && traits.plain_residual && args.norm == NormType::kRMS && !one_wave))
+    walk = RowWalk::kFlat;
+  else if (twins && mod && layout.sizes[0] == 1 && layout.sizes[1] <= 65535 && a.rows * a.tpr > 2 * wave)
+    walk = RowWalk::kSamples;
 
   dispatch_dtype(args.x.dtype, [&](auto t) {
     using T = decltype(t);
@@ -833,15 +875,15 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
       if (full_vectors) {
         constexpr int V = 16 / int(sizeof(T));
         if (items == 1)
-          launch_rows<T, P, V, 1>(a, res, mod, split, flat, n_params, stage, groups, block, stream);
+          launch_rows<T, P, V, 1>(a, res, mod, split, walk, n_params, stage, block, stream);
         else if (items == 2)
-          launch_rows<T, P, V, 2>(a, res, mod, split, flat, n_params, stage, groups, block, stream);
+          launch_rows<T, P, V, 2>(a, res, mod, split, walk, n_params, stage, block, stream);
         else if (items == 4)
-          launch_rows<T, P, V, 4>(a, res, mod, split, flat, n_params, stage, groups, block, stream);
+          launch_rows<T, P, V, 4>(a, res, mod, split, walk, n_params, stage, block, stream);
         else
-          launch_rows<T, P, V, 8>(a, res, mod, split, flat, n_params, stage, groups, block, stream);
+          launch_rows<T, P, V, 8>(a, res, mod, split, walk, n_params, stage, block, stream);
       } else {
-        launch_rows<T, P, 1, 8>(a, res, mod, split, flat, n_params, stage, groups, block, stream);
+        launch_rows<T, P, 1, 8>(a, res, mod, split, walk, n_params, stage, block, stream);
       }
     };
     if (params_f32 || std::is_same_v<T, float>)

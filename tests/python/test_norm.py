@@ -155,6 +155,28 @@ def test_plans_beyond_one_wave(device, gen, dtypes, case, samples):
         check_gated_residual_norm(x, branch, gate, scale, shift, norm_type="rms" if "rms" in kind else "layer")
 
 
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("shape", [(3, 7, 256), (4, 5, 64), (2, 33, 2048), (2, 6001, 2048), (3, 1801, 3072)])
+@pytest.mark.parametrize("kind", ["sample", "sample_chunk"])
+def test_sample_batches(device, gen, dtypes, shape, kind):
+    """Modulated rows of several samples, each with its own modulation row, with rows per sample
+    that the rows a block stacks do not divide, contiguous and as a strided view of longer
+    sequences. On CUDA the shapes of more than two waves (H100 / H200) take the sample walk (the
+    sample from the grid, no row split); the CPU rows check the same semantics on fewer rows."""
+    xd, pd = dtypes
+    if torch.device(device).type != "cuda":
+        shape = (shape[0], min(shape[1], 9), shape[2])
+    big = randn(gen, (shape[0], shape[1] + 3, shape[2]), xd, device)
+    for name, x in (("contiguous", randn(gen, shape, xd, device)), ("strided", big[:, 1:1 + shape[1]])):
+        for norm in ("rms", "layer"):
+            scale, shift = modulation(gen, kind, shape, 2, pd, device)
+            out = call(fusebox.adaln, x, scale, shift, norm_type=norm)
+            assert_close(out, ref.modulate(ref.norm(norm, x), scale, shift), xd, name=f"adaln {norm} {name}")
+            branch = randn(gen, shape, xd, device)
+            gate, scale, shift = modulation(gen, kind, shape, 3, pd, device)
+            check_gated_residual_norm(x, branch, gate, scale, shift, norm_type=norm)
+
+
 # --------------------------------------------------------------------------- fused_add_rms_norm
 
 
