@@ -425,9 +425,9 @@ __global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(cons
 //   (its 1-vector residual + norm rows then ran 0.1-0.2 us slower on the H100), and fp16's
 //   1-vector residual + norm rows (48 -> 40) ran 0.1-0.2 us slower on the H200 (faster on the
 //   H100): those keep none.
-// - on the flat twins (FLAT) of 4-vector rows: 3 (40 registers) for a LayerNorm alone (56-62 ->
-//   40, no spills), 2 (64) for a residual + modulated norm with fp32 operands (78-85 -> 64, up to
-//   12 bytes of spills). Side by side on the H200 (bench/results/2026-11-26_h200_b738d93/tune/
+// - on the twins (flat or sample walk) of 4-vector rows: 3 (40 registers) for a LayerNorm
+//   alone (56-62 -> 40, no spills), 2 (64) for a residual + modulated norm with fp32 operands
+//   (78-85 -> 64, up to 12 bytes of spills; measured on the flat twins). Side by side on the H200 (bench/results/2026-11-26_h200_b738d93/tune/
 //   norm_bound_flat4.txt, two columns each): LayerNorm Wan 1.3B 61.3-61.5 -> 57.6-57.7 us bf16
 //   (fp16 60.6 -> 57.1-57.3), Wan 14B 179.2-179.7 -> 166.7 (fp16 177.2-177.4 -> 166.2-166.4);
 //   gated_residual_norm Wan 1.3B 109.9-110.0 -> 105.0-105.1 (fp16 104.4 -> 103.6-103.8). The
@@ -435,7 +435,7 @@ __global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(cons
 //   keep none.
 template <typename T, typename P, int ITEMS, NormType NORM, bool RES, bool MOD, RowWalk WALK>
 constexpr int register_bound() {
-  constexpr bool kTwin = WALK != RowWalk::kSplit;  // (bounds measured on the flat twins)
+  constexpr bool kTwin = WALK != RowWalk::kSplit;
   if constexpr (kTwin && ITEMS == 4 && !RES && !MOD && NORM == NormType::kLayer) return 3;
   if constexpr (kTwin && ITEMS == 4 && RES && MOD && std::is_same_v<P, float>) return 2;
   if constexpr (ITEMS == 4 && MOD && !RES) return 2;
@@ -846,8 +846,8 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   const bool stage_by_default = !params_f32;
   const bool stage = tuning_knobs().norm_stage.value_or(int(stage_by_default)) != 0;
   // The flat twin where the rows form one group (FUSEBOX_NORM_FLAT=0: no twin, flat or sample,
-  // for tuning runs). The 2-vector rows of a residual + RMS norm take it only while their threads fit one wave:
-  // past that its rows streamed 0.2-0.5 us slower at 67-268 MB (H100, bf16, in two side-by-side
+  // for tuning runs). The 2-vector rows of a residual + RMS norm take it only while their threads
+  // fit one wave: past that its rows streamed 0.2-0.5 us slower at 67-268 MB (H100, bf16, in two side-by-side
   // runs; fp16 within 0.2 either way), while on one wave it ran 0.1 us faster on the H100
   // (fused_add_rms_norm [1x512x4096]; on the H200 within the spread of repeated runs).
   // (rows * tpr threads, tpr = D / 2 vectors, against the half of the resident threads that blocks
@@ -858,7 +858,7 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   // 2026-11-26_h200_8572874/tune/sample_walk.txt, two columns each): adaln LTX-long per sample
   // 40.2-40.3 -> 39.0-39.3 us bf16, 40.2-40.3 -> 37.8-38.0 fp16, gated_residual_norm LTX-long
   // 70.1-70.2 -> 69.4-69.5 bf16; at LTX's 1.3 waves mixed: adaln 17.4-17.6 -> 18.1 bf16,
-  // 17.5-17.6 -> 17.0-17.1 fp16, gated_residual_norm within 0.2.
+  // 17.5-17.6 -> 17.0-17.1 fp16, gated_residual_norm within 0.2. With this rule: sample_walk_rule.txt.
   const int64_t wave = device_limits().resident_threads();
   const bool one_wave = a.rows * a.vec_per_row <= wave;
   const bool twins = tuning_knobs().norm_flat.value_or(1) != 0;
