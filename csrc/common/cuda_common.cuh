@@ -399,7 +399,8 @@ void allow_dynamic_smem(Kernel kernel, size_t bytes) {
 // Launch-plan overrides from the environment for tuning runs (scripts/tune.py), read once per
 // process: a knob is unset unless its variable is set. Plain reads after the first call.
 struct TuningKnobs {
-  std::optional<int> norm_items;      // FUSEBOX_NORM_ITEMS: vectors per thread (1, 2, 4; 8 without a residual)
+  std::optional<int> norm_items;      // FUSEBOX_NORM_ITEMS: vectors per thread (1, 2, 4; 3 for 16-bit rows
+                                      // with fp32 modulation; 8 without a residual)
   std::optional<int> norm_row_iters;  // FUSEBOX_NORM_ROW_ITERS: row groups per block (1-8)
   std::optional<int> norm_stage;      // FUSEBOX_NORM_STAGE: small operands through shared memory
   std::optional<int> rope_items;      // FUSEBOX_ROPE_ITEMS: heads per lane group (1, 2 or 4)

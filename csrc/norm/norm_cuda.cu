@@ -433,12 +433,20 @@ __global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(cons
 //   gated_residual_norm Wan 1.3B 109.9-110.0 -> 105.0-105.1 (fp16 104.4 -> 103.6-103.8). The
 //   RMS rows alone lost with 40 (16 bytes of spills; rms_norm 2048x4096 12.6-12.7 -> 13.3) and
 //   keep none.
-template <typename T, typename P, int ITEMS, NormType NORM, bool RES, bool MOD, RowWalk WALK>
+// - the 3-vector rows (see pick_items) as the 4-vector ones, but their modulated twins without a
+//   residual, whose fp32 operands are read at their use, take 40 registers (62-64 -> 40, 4-8
+//   bytes of spills; staged, they would spill 32-56): side by side on the H200
+//   (bench/results/2026-11-27_h200_c706e6a/tune/items3_bound_*.txt) per-sample adaln Wan 1.3B
+//   61.3 -> 57.2-57.3 us bf16, 60.6 -> 56.4-56.9 fp16, where 3 vectors under 64 registers gained
+//   1.6% (items3_*.txt).
+template <typename T, typename P, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS, RowWalk WALK>
 constexpr int register_bound() {
   constexpr bool kTwin = WALK != RowWalk::kSplit;
-  if constexpr (kTwin && ITEMS == 4 && !RES && !MOD && NORM == NormType::kLayer) return 3;
-  if constexpr (kTwin && ITEMS == 4 && RES && MOD && std::is_same_v<P, float>) return 2;
-  if constexpr (ITEMS == 4 && MOD && !RES) return 2;
+  constexpr bool kFour = ITEMS == 3 || ITEMS == 4;
+  if constexpr (kTwin && ITEMS == 3 && MOD && !RES && PARAMS == ParamPath::kGlobal) return 3;
+  if constexpr (kTwin && kFour && !RES && !MOD && NORM == NormType::kLayer) return 3;
+  if constexpr (kTwin && kFour && RES && MOD && std::is_same_v<P, float>) return 2;
+  if constexpr (kFour && MOD && !RES) return 2;
   if constexpr (std::is_same_v<P, T> && !MOD) {
     constexpr bool kNormAlone2 = ITEMS == 2 && !RES, kAddAlone2 = ITEMS == 2 && RES && NORM == NormType::kNone;
     if constexpr (std::is_same_v<T, __half> && (kNormAlone2 || kAddAlone2)) return 3;
@@ -458,7 +466,7 @@ constexpr int register_bound() {
 template <RowWalk WALK, int ITEMS, NormType NORM, bool RES, bool MOD, bool SPLIT>
 constexpr bool has_twin() {
   constexpr bool kFlat =
-      ITEMS == 1 || (ITEMS == 2 && !(NORM == NormType::kRMS && !RES && !MOD)) || (ITEMS == 4 && !SPLIT);
+      ITEMS == 1 || (ITEMS == 2 && !(NORM == NormType::kRMS && !RES && !MOD)) || ((ITEMS == 3 || ITEMS == 4) && !SPLIT);
   if constexpr (WALK == RowWalk::kFlat) return kFlat;
   if constexpr (WALK == RowWalk::kSamples) return kFlat && MOD && !SPLIT;
   return true;
@@ -584,7 +592,14 @@ struct RowOpTraits {
   bool f32_operands;     // ... in fp32
   bool bf16_rows;        // x is bf16
   bool layer_norm;       // the norm is LayerNorm
+  bool sixteen_bit_rows;  // x is fp16 or bf16
 };
+
+int threads_per_row(int64_t vec_per_row, int items) {
+  const int64_t need = (vec_per_row + items - 1) / items;
+  if (need <= 32) return next_pow2(need);
+  return int((need + 31) / 32 * 32);
+}
 
 // Vectors per thread on the register path (0: streaming path). H200 figures; "2026-11-25"
 // is bench/results/2026-11-25_h200_05f87b3/tune/norm_*.
@@ -636,11 +651,19 @@ struct RowOpTraits {
 // - otherwise 4, which keeps 64 bytes of each operand in flight per thread at the typical widths;
 //   8 for wide rows of the ops without a residual (with one, 8 vectors of x, branch and gate
 //   exceed the register budget).
+// - 3 instead of 4 for 16-bit rows with fp32 modulation the same for every row of a sample
+//   whose threads would all hold an empty 4th vector (widths of 768, 1280 and 1536 elements:
+//   Wan 1.3B's 192-vector rows take 64 threads either way), so that no registers or arithmetic
+//   go to it. H200 side by side (2026-11-27, see register_bound): per-sample adaln Wan 1.3B
+//   61.3 -> 57.2 us bf16, gated_residual_norm Wan 1.3B 104.5 -> 102.7-103.1 bf16 (fp16 within
+//   0.4). LayerNorm alone and the per-token rows ran unchanged and keep 4; 16-bit modulation was
+//   not measured.
 // Odd widths (one element per vector) use 8.
 int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOpTraits& op) {
   if (!full_vectors) return vec_per_row <= 8 * kMaxThreads ? 8 : 0;
   const int forced = tuning_knobs().norm_items.value_or(0);
-  if ((forced == 1 || forced == 2 || forced == 4 || (forced == 8 && !op.residual)) &&
+  const bool three = op.modulated && op.sixteen_bit_rows && op.f32_operands;  // the plans compiled with 3
+  if ((forced == 1 || forced == 2 || (forced == 3 && three) || forced == 4 || (forced == 8 && !op.residual)) &&
       vec_per_row <= forced * kMaxThreads)
     return forced;
   if (!op.normalizes && vec_per_row <= 2 * kMaxThreads) return vec_per_row <= kMaxThreads ? 1 : 2;
@@ -653,15 +676,10 @@ int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOp
   if (op.plain_residual && vec_per_row <= kMaxThreads) return 2;
   if (op.per_row_operand && !op.f32_operands && vec_per_row <= 256) return 2;
   if (op.residual && op.modulated && op.bf16_rows && !op.f32_operands && vec_per_row <= 256) return 2;
-  if (vec_per_row <= 4 * kMaxThreads) return 4;
+  if (vec_per_row <= 4 * kMaxThreads)
+    return three && !op.per_row_operand && 3 * threads_per_row(vec_per_row, 4) >= vec_per_row ? 3 : 4;
   if (vec_per_row <= 8 * kMaxThreads && !op.residual) return 8;
   return 0;
-}
-
-int threads_per_row(int64_t vec_per_row, int items) {
-  const int64_t need = (vec_per_row + items - 1) / items;
-  if (need <= 32) return next_pow2(need);
-  return int((need + 31) / 32 * 32);
 }
 
 // Split modulation: every present gate, scale and shift has a table (norm() checks).
@@ -701,17 +719,18 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, RowWal
     constexpr NormType kNorm = decltype(norm)::value;
     constexpr bool kRes = decltype(r)::value, kMod = decltype(m)::value, kSplit = decltype(sp)::value;
     // Plans that pick_items and the op never make are not compiled: a residual with 8 full
-    // vectors per thread (too many registers), and a residual add alone with modulation or
-    // without its residual. Split modulation is compiled for fp32 tables (those of the models
+    // vectors per thread (too many registers), 3 vectors but for 16-bit rows with fp32
+    // modulation, and a residual add alone with modulation or without its residual. Split modulation is compiled for fp32 tables (those of the models
     // that pass it) on full-vector plans of up to 4 vectors; the streaming path takes the rest.
-    if constexpr ((kRes && VEC > 1 && ITEMS == 8) || (kNorm == NormType::kNone && (!kRes || kMod)) ||
+    if constexpr ((kRes && VEC > 1 && ITEMS == 8) || (ITEMS == 3 && !(kMod && sizeof(T) == 2 && VEC > 1 && std::is_same_v<P, float>)) ||
+                  (kNorm == NormType::kNone && (!kRes || kMod)) ||
                   (kSplit && !(kSplitOnRegisterPath<P, VEC, ITEMS> && (kRes || kMod)))) {
       FUSEBOX_CHECK(false, "no norm kernel for this launch plan");
     } else {
       auto with_path = [&](auto path, auto walk_c) {
         constexpr ParamPath kPath = decltype(path)::value;
         constexpr RowWalk kWalk = decltype(walk_c)::value;
-        constexpr int kMinBlocks = register_bound<T, P, ITEMS, kNorm, kRes, kMod, kWalk>();
+        constexpr int kMinBlocks = register_bound<T, P, ITEMS, kNorm, kRes, kMod, kPath, kWalk>();
         const auto kernel = norm_rows_kernel<kMinBlocks, T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit, kWalk>;
         // (the kernel's static shared memory counts against the same 48 KB default)
         if (smem > 32 * 1024) allow_dynamic_smem(kernel, smem);
@@ -808,7 +827,8 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   const bool params_f32 = param_dtype >= 0 && DType(param_dtype) == DType::kFloat32;
   const RowOpTraits traits{normalizes, res, res && !args.gate.defined() && !mod && normalizes, mod,
                            per_row_operand, n_params > 0, n_params > 0 && params_f32,
-                           args.x.dtype == DType::kBFloat16, args.norm == NormType::kLayer};
+                           args.x.dtype == DType::kBFloat16, args.norm == NormType::kLayer,
+                           dtype_size(args.x.dtype) == 2};
   const int items = pick_items(a.rows, a.vec_per_row, full_vectors, traits);
   FUSEBOX_CHECK(a.rows < (int64_t(1) << 31), "too many rows: ", a.rows);
   const bool split = split_modulation(args);
@@ -878,6 +898,8 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
           launch_rows<T, P, V, 1>(a, res, mod, split, walk, n_params, stage, block, stream);
         else if (items == 2)
           launch_rows<T, P, V, 2>(a, res, mod, split, walk, n_params, stage, block, stream);
+        else if (items == 3)
+          launch_rows<T, P, V, 3>(a, res, mod, split, walk, n_params, stage, block, stream);
         else if (items == 4)
           launch_rows<T, P, V, 4>(a, res, mod, split, walk, n_params, stage, block, stream);
         else

@@ -126,7 +126,8 @@ def test_plans_between_half_and_full_wave(device, gen, dtypes):
 # rows of 192 vectors, which take 4 vectors a thread with fp32 modulation.
 BEYOND_ONE_WAVE = ["rms_weight_2048", "rms_weight_4096", "layer_affine_1536", "layer_affine_2048",
                    "layer_affine_4096", "adaln_sample_3072", "adaln_sample_1536", "adaln_token_1536",
-                   "adaln_token_5120", "gated_residual_norm_sample_3072", "gated_residual_norm_rms_sample_3072"]
+                   "adaln_token_5120", "gated_residual_norm_sample_3072", "gated_residual_norm_rms_sample_3072",
+                   "gated_residual_norm_sample_1536", "gated_residual_norm_rms_sample_1536"]
 
 
 @pytest.mark.parametrize("dtypes", DTYPE_CASES)
@@ -156,16 +157,19 @@ def test_plans_beyond_one_wave(device, gen, dtypes, case, samples):
 
 
 @pytest.mark.parametrize("dtypes", DTYPE_CASES)
-@pytest.mark.parametrize("shape", [(3, 7, 256), (4, 5, 64), (2, 33, 2048), (2, 6001, 2048), (3, 1801, 3072)])
+@pytest.mark.parametrize("shape", [(3, 7, 256), (4, 5, 64), (2, 33, 2048), (2, 6001, 2048), (3, 1901, 3072),
+                                   (2, 4300, 1536)])
 @pytest.mark.parametrize("kind", ["sample", "sample_chunk"])
 def test_sample_batches(device, gen, dtypes, shape, kind):
     """Modulated rows of several samples, each with its own modulation row, with rows per sample
     that the rows a block stacks do not divide, contiguous and as a strided view of longer
     sequences. On an H100 / H200 the 2x6001x2048 rows span more than two waves of threads in every
     dtype and take the sample walk (the sample from the grid, no row split; 64- and 128-thread
-    rows); 3x1801x3072 does so for fp32 rows only (its 16-bit 96-thread rows stay just under two
-    waves, on the general split); the smaller shapes check the split. The CPU rows check the same
-    semantics on fewer rows."""
+    rows), and so do 3x1901x3072's (96-thread 16-bit rows, a thread count that is not a power of
+    two, just past two waves; 192-thread fp32 rows), and 2x4300x1536's 16-bit rows, which take
+    three vectors a thread with fp32 modulation (64-thread rows); the smaller shapes check the
+    split. The CPU rows check
+    the same semantics on fewer rows."""
     xd, pd = dtypes
     if torch.device(device).type != "cuda":
         shape = (shape[0], min(shape[1], 9), shape[2])
