@@ -433,17 +433,19 @@ __global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(cons
 //   gated_residual_norm Wan 1.3B 109.9-110.0 -> 105.0-105.1 (fp16 104.4 -> 103.6-103.8). The
 //   RMS rows alone lost with 40 (16 bytes of spills; rms_norm 2048x4096 12.6-12.7 -> 13.3) and
 //   keep none.
-// - the 3-vector rows (see pick_items) as the 4-vector ones, but their modulated twins without a
-//   residual, whose fp32 operands are read at their use, take 40 registers (62-64 -> 40, 4-8
-//   bytes of spills; staged, they would spill 32-56): side by side on the H200
-//   (bench/results/2026-11-27_h200_c706e6a/tune/items3_bound_*.txt) per-sample adaln Wan 1.3B
-//   61.3 -> 57.2-57.3 us bf16, 60.6 -> 56.4-56.9 fp16, where 3 vectors under 64 registers gained
-//   1.6% (items3_*.txt).
+// - the 3-vector rows (see pick_items) as the 4-vector ones, but their modulated LayerNorm twins
+//   without a residual, whose fp32 operands are read at their use, take 40 registers (62 -> 40,
+//   4-8 bytes of spills): side by side on the H200 (bench/results/2026-11-27_h200_c706e6a/tune/
+//   items3_bound_*.txt) per-sample adaln Wan 1.3B 61.3 -> 57.2-57.3 us bf16, 60.6 -> 56.4-56.9
+//   fp16, where 3 vectors under 64 registers gained 1.6% (items3_*.txt). The RMS ones (8-28 bytes
+//   of spills at 40) ran 56.0-64.5 us from one process to the next against 58.2-60.3 with 4
+//   vectors (2026-11-27_h200_b170d5f/tune/rms1536.txt) and keep 64.
 template <typename T, typename P, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS, RowWalk WALK>
 constexpr int register_bound() {
   constexpr bool kTwin = WALK != RowWalk::kSplit;
   constexpr bool kFour = ITEMS == 3 || ITEMS == 4;
-  if constexpr (kTwin && ITEMS == 3 && MOD && !RES && PARAMS == ParamPath::kGlobal) return 3;
+  if constexpr (kTwin && ITEMS == 3 && MOD && !RES && NORM == NormType::kLayer && PARAMS == ParamPath::kGlobal)
+    return 3;
   if constexpr (kTwin && kFour && !RES && !MOD && NORM == NormType::kLayer) return 3;
   if constexpr (kTwin && kFour && RES && MOD && std::is_same_v<P, float>) return 2;
   if constexpr (kFour && MOD && !RES) return 2;
