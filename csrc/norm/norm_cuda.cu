@@ -105,7 +105,8 @@ struct ParamSlots {
 template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS,
           bool SPLIT, RowWalk WALK>
 __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
-  static_assert((ITEMS <= 2) == (PARAMS == ParamPath::kHeld), "registers hold the operands of the 1-2 vector plans only");
+  static_assert((ITEMS <= 2) == (PARAMS == ParamPath::kHeld),
+                "registers hold the operands of the 1-2 vector plans only");
   static_assert(WALK == RowWalk::kSplit || ITEMS <= 4, "the 8-vector plans have no twin (has_twin)");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // [iteration parity][reduction]: one float per warp for each of a row's (at most two) sums;
@@ -425,14 +426,14 @@ __global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(cons
 //   (its 1-vector residual + norm rows then ran 0.1-0.2 us slower on the H100), and fp16's
 //   1-vector residual + norm rows (48 -> 40) ran 0.1-0.2 us slower on the H200 (faster on the
 //   H100): those keep none.
-// - on the twins (flat or sample walk) of 4-vector rows: 3 (40 registers) for a LayerNorm
-//   alone (56-62 -> 40, no spills), 2 (64) for a residual + modulated norm with fp32 operands
-//   (78-85 -> 64, up to 12 bytes of spills; measured on the flat twins). Side by side on the H200 (bench/results/2026-11-26_h200_b738d93/tune/
-//   norm_bound_flat4.txt, two columns each): LayerNorm Wan 1.3B 61.3-61.5 -> 57.6-57.7 us bf16
-//   (fp16 60.6 -> 57.1-57.3), Wan 14B 179.2-179.7 -> 166.7 (fp16 177.2-177.4 -> 166.2-166.4);
-//   gated_residual_norm Wan 1.3B 109.9-110.0 -> 105.0-105.1 (fp16 104.4 -> 103.6-103.8). The
-//   RMS rows alone lost with 40 (16 bytes of spills; rms_norm 2048x4096 12.6-12.7 -> 13.3) and
-//   keep none.
+// - on the twins (flat or sample walk) of 4-vector rows: 3 (40 registers) for a LayerNorm alone
+//   (56-62 -> 40, no spills), 2 (64) for a residual + modulated norm with fp32 operands (78-85 ->
+//   64, up to 12 bytes of spills; measured on the flat twins). Side by side on the H200
+//   (bench/results/2026-11-26_h200_b738d93/tune/norm_bound_flat4.txt, two columns each): LayerNorm
+//   Wan 1.3B 61.3-61.5 -> 57.6-57.7 us bf16 (fp16 60.6 -> 57.1-57.3), Wan 14B 179.2-179.7 -> 166.7
+//   (fp16 177.2-177.4 -> 166.2-166.4); gated_residual_norm Wan 1.3B 109.9-110.0 -> 105.0-105.1
+//   (fp16 104.4 -> 103.6-103.8). The RMS rows alone lost with 40 (16 bytes of spills; rms_norm
+//   2048x4096 12.6-12.7 -> 13.3) and keep none.
 // - the 3-vector rows (see pick_items) as the 4-vector ones, but their modulated LayerNorm twins
 //   without a residual, whose fp32 operands are read at their use, take 40 registers (62 -> 40,
 //   4-8 bytes of spills): side by side on the H200 (bench/results/2026-11-27_h200_c706e6a/tune/
@@ -467,8 +468,8 @@ constexpr int register_bound() {
 //   sample_split_cost.txt).
 template <RowWalk WALK, int ITEMS, NormType NORM, bool RES, bool MOD, bool SPLIT>
 constexpr bool has_twin() {
-  constexpr bool kFlat =
-      ITEMS == 1 || (ITEMS == 2 && !(NORM == NormType::kRMS && !RES && !MOD)) || ((ITEMS == 3 || ITEMS == 4) && !SPLIT);
+  constexpr bool kFlat = ITEMS == 1 || (ITEMS == 2 && !(NORM == NormType::kRMS && !RES && !MOD)) ||
+                         ((ITEMS == 3 || ITEMS == 4) && !SPLIT);
   if constexpr (WALK == RowWalk::kFlat) return kFlat;
   if constexpr (WALK == RowWalk::kSamples) return kFlat && MOD && !SPLIT;
   return true;
@@ -722,9 +723,11 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, RowWal
     constexpr bool kRes = decltype(r)::value, kMod = decltype(m)::value, kSplit = decltype(sp)::value;
     // Plans that pick_items and the op never make are not compiled: a residual with 8 full
     // vectors per thread (too many registers), 3 vectors but for 16-bit rows with fp32
-    // modulation, and a residual add alone with modulation or without its residual. Split modulation is compiled for fp32 tables (those of the models
-    // that pass it) on full-vector plans of up to 4 vectors; the streaming path takes the rest.
-    if constexpr ((kRes && VEC > 1 && ITEMS == 8) || (ITEMS == 3 && !(kMod && sizeof(T) == 2 && VEC > 1 && std::is_same_v<P, float>)) ||
+    // modulation, and a residual add alone with modulation or without its residual. Split
+    // modulation is compiled for fp32 tables (those of the models that pass it) on full-vector
+    // plans of up to 4 vectors; the streaming path takes the rest.
+    constexpr bool kThreeVectorRows = kMod && sizeof(T) == 2 && VEC > 1 && std::is_same_v<P, float>;
+    if constexpr ((kRes && VEC > 1 && ITEMS == 8) || (ITEMS == 3 && !kThreeVectorRows) ||
                   (kNorm == NormType::kNone && (!kRes || kMod)) ||
                   (kSplit && !(kSplitOnRegisterPath<P, VEC, ITEMS> && (kRes || kMod)))) {
       FUSEBOX_CHECK(false, "no norm kernel for this launch plan");

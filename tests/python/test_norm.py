@@ -123,11 +123,14 @@ def test_plans_between_half_and_full_wave(device, gen, dtypes):
 # One sample makes the rows one group even with per-sample modulation: the plans' flat twins.
 # Among them the register-bounded 4-vector twins: LayerNorm alone with 16-bit (4096) or fp32
 # (1536) operands, the residual + modulated norms with fp32 operands (3072), and the per-token
-# rows of 192 vectors, which take 4 vectors a thread with fp32 modulation.
+# rows of 192 vectors, which take 4 vectors a thread with fp32 modulation. With fp32 per-sample
+# modulation the 1536- and 768-wide 16-bit rows take 3 vectors a thread (64-thread rows, and
+# 32-thread rows four to a block).
 BEYOND_ONE_WAVE = ["rms_weight_2048", "rms_weight_4096", "layer_affine_1536", "layer_affine_2048",
                    "layer_affine_4096", "adaln_sample_3072", "adaln_sample_1536", "adaln_token_1536",
                    "adaln_token_5120", "gated_residual_norm_sample_3072", "gated_residual_norm_rms_sample_3072",
-                   "gated_residual_norm_sample_1536", "gated_residual_norm_rms_sample_1536"]
+                   "gated_residual_norm_sample_1536", "gated_residual_norm_rms_sample_1536", "adaln_sample_768",
+                   "gated_residual_norm_sample_768"]
 
 
 @pytest.mark.parametrize("dtypes", DTYPE_CASES)
