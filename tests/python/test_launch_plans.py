@@ -113,8 +113,8 @@ print("ok")
                                      "FUSEBOX_ACT_FLAT=0", "FUSEBOX_ACT_FLAT=1", "FUSEBOX_NORM_FLAT=0"])
 def test_forced_launch_plans(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8
-    applies to ops without a residual, NORM_ITEMS=3 to 16-bit rows with fp32 modulation; the others keep
-    their default plan)."""
+    applies to ops without a residual, NORM_ITEMS=3 to 16-bit rows with fp32 modulation; the
+    others keep their default plan)."""
     here = Path(__file__).resolve().parent
     name, value = setting.split("=")
     env = dict(os.environ, **{name: value})

@@ -171,8 +171,7 @@ def test_sample_batches(device, gen, dtypes, shape, kind):
     rows), and so do 3x1901x3072's (96-thread 16-bit rows, a thread count that is not a power of
     two, just past two waves; 192-thread fp32 rows), and 2x4300x1536's 16-bit rows, which take
     three vectors a thread with fp32 modulation (64-thread rows); the smaller shapes check the
-    split. The CPU rows check
-    the same semantics on fewer rows."""
+    split. The CPU rows check the same semantics on fewer rows."""
     xd, pd = dtypes
     if torch.device(device).type != "cuda":
         shape = (shape[0], min(shape[1], 9), shape[2])
