@@ -437,9 +437,9 @@ __global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(cons
 // - the 3-vector rows (see pick_items) as the 4-vector ones, but their modulated LayerNorm twins
 //   without a residual, whose fp32 operands are read at their use, take 40 registers (62 -> 40,
 //   4-8 bytes of spills): side by side on the H200 (bench/results/2026-11-27_h200_c706e6a/tune/
-//   items3_bound_*.txt) per-sample adaln Wan 1.3B 61.3 -> 57.2-57.3 us bf16, 60.6 -> 56.4-56.9
+//   items3_bound_*.txt) per-sample adaln Wan 1.3B 61.3 -> 57.2-57.3 us bf16, 60.1-60.6 -> 56.4-56.9
 //   fp16, where 3 vectors under 64 registers gained 1.6% (items3_*.txt). The RMS ones (8-28 bytes
-//   of spills at 40) ran 56.0-64.5 us from one process to the next against 58.2-60.3 with 4
+//   of spills at 40) ran 56.0-64.5 us from one process to the next against 58.2-60.4 with 4
 //   vectors (2026-11-27_h200_b170d5f/tune/rms1536.txt) and keep 64.
 template <typename T, typename P, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS, RowWalk WALK>
 constexpr int register_bound() {
@@ -654,8 +654,8 @@ int threads_per_row(int64_t vec_per_row, int items) {
 // - otherwise 4, which keeps 64 bytes of each operand in flight per thread at the typical widths;
 //   8 for wide rows of the ops without a residual (with one, 8 vectors of x, branch and gate
 //   exceed the register budget).
-// - 3 instead of 4 for 16-bit rows with fp32 modulation the same for every row of a sample
-//   whose threads would all hold an empty 4th vector (widths of 768, 1280 and 1536 elements:
+// - 3 instead of 4 for 16-bit rows with fp32 modulation (or fp32 split tables) the same for every
+//   row of a sample, whose threads would all hold an empty 4th vector (widths of 768, 1280 and 1536 elements:
 //   Wan 1.3B's 192-vector rows take 64 threads either way), so that no registers or arithmetic
 //   go to it. H200 side by side (2026-11-27, see register_bound): per-sample adaln Wan 1.3B
 //   61.3 -> 57.2 us bf16, gated_residual_norm Wan 1.3B 104.5 -> 102.7-103.1 bf16 (fp16 within
@@ -665,7 +665,8 @@ int threads_per_row(int64_t vec_per_row, int items) {
 int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOpTraits& op) {
   if (!full_vectors) return vec_per_row <= 8 * kMaxThreads ? 8 : 0;
   const int forced = tuning_knobs().norm_items.value_or(0);
-  const bool three = op.modulated && op.sixteen_bit_rows && op.f32_operands;  // the plans compiled with 3
+  // the rows whose 3-vector plans are compiled (kThreeVectorRows in launch_rows)
+  const bool three = op.modulated && op.sixteen_bit_rows && op.f32_operands;
   if ((forced == 1 || forced == 2 || (forced == 3 && three) || forced == 4 || (forced == 8 && !op.residual)) &&
       vec_per_row <= forced * kMaxThreads)
     return forced;
