@@ -539,8 +539,12 @@ __device__ __forceinline__ void rope_heads(const RopeKernelArgs& a, const GridPa
   }
   // This lane's rotation factors, shared by its heads. A bf16 table's stay packed until each
   // head's use: half the registers, for an unpack an element per head (Qwen3's q/k with their
-  // norm 91 -> 72 registers, the rotary alone 72 -> 64; fp16 tables kept theirs or rose).
-  constexpr bool kPackedRotation = !GRID && std::is_same_v<TAB, __nv_bfloat16> && ITEMS > 1;
+  // norm 91 -> 72 registers, the rotary alone 72 -> 64). fp16 tables kept their count or rose,
+  // but for Qwen3's q/k with their norm, which packed fit a cap of 80 without spills (see
+  // rope_heads_kernel_capped).
+  constexpr bool kPackedRotation =
+      !GRID && ITEMS > 1 &&
+      (std::is_same_v<TAB, __nv_bfloat16> || (std::is_same_v<TAB, __half> && NORM && ITEMS == 2 && L::kTwoVectors));
   UnitParams<VEC> rot;
   Pack<TAB, VEC> rot_packs[4];  // (kPackedRotation) cos and sin of d0, of d1
   if constexpr (GRID) __syncthreads();  // the grid table's copy, made while the loads are in flight
@@ -649,7 +653,9 @@ __global__ void __launch_bounds__(kMaxThreads) rope_heads_kernel(const RopeKerne
 // - 96: two heads of half-split units with their norm per lane group (Qwen3's q/k): at 102
 //   registers three blocks of 160 threads fit an SM, at 96 four (2048 tokens 22.4 -> 19.9 us,
 //   8192 67.4 -> 60.2). Since 0a7993b (a bf16 table held packed) bf16 takes 72 uncapped, five
-//   blocks; fp16 keeps the cap (92-96).
+//   blocks. With an fp16 table, held packed as well: 80, five blocks, no spills (96 unpacked;
+//   80 unpacked spilled 48-64 bytes). H200 fp16, side by side: 8192 tokens 54.64 -> 53.18-53.81
+//   us, 2048 18.38-18.50 -> 18.18-18.34 ([h200_1915a37] tune/qwen3_fp16_caps.txt).
 // - 72: two heads of half-split bf16 units without a norm (the LLM rope from 2048 tokens): 75
 //   registers uncapped fit four 160-thread blocks an SM (five warps a block split unevenly over
 //   the schedulers' register files, Nsight Compute's limit), 72 five, no spills: 2048 tokens
@@ -716,7 +722,8 @@ void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool tabl
     GridParam<G> gp;
     if constexpr (G) gp.pairs = *grid_pairs;
     if constexpr (HEADS && ITEMS == 2 && N && UnitLayout<I, VEC>::kTwoVectors)
-      launch(rope_heads_kernel_capped<96, T, TAB, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, gp);
+      launch(rope_heads_kernel_capped<std::is_same_v<TAB, __half> && !G ? 80 : 96, T, TAB, VEC, ITEMS, I, N, G>, grid,
+             block, smem, stream, a, gp);
     else if constexpr (HEADS && ITEMS == 4 && N && !UnitLayout<I, VEC>::kTwoVectors)
       launch(rope_heads_kernel_capped<80, T, TAB, VEC, ITEMS, I, N, G>, grid, block, smem, stream, a, gp);
     else if constexpr (HEADS && ITEMS == 2 && !N && !G && VEC > 1 && std::is_same_v<T, __nv_bfloat16> &&
