@@ -354,13 +354,15 @@ def test_qk_norm_rope_eps(device, gen):
 @pytest.mark.parametrize("dtypes", DTYPE_CASES)
 @pytest.mark.parametrize("across", [False, True], ids=["per_head", "across_heads"])
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
-def test_qk_norm_rope_large(device, gen, dtypes, across, interleaved):
+@pytest.mark.parametrize("heads", [(24, 8), (24, 24)], ids=["gqa", "as_many"])
+def test_qk_norm_rope_large(device, gen, dtypes, across, interleaved, heads):
     # Enough tokens that a lane group takes 2-4 heads on CUDA: per-head weights read per head
-    # (half-split), a bf16 table's rotation factors held packed; then q without weights and k's
-    # with Gemma's offset (a lane group's heads may mix weighted and unweighted ones).
+    # (half-split), a bf16 table's rotation factors held packed, q and k with as many heads
+    # (FLUX) or not; then q without weights and k's with Gemma's offset (a lane group's heads
+    # may mix weighted and unweighted ones).
     xd, pd = dtypes
-    s = 4 * big_rows(device)
-    q, k = qk_pair(gen, "bshd", 2, s, 24, 8, 128, xd, device, strided=True)
+    s = (4 if heads[0] != heads[1] else 1) * big_rows(device)  # (48 heads: a wave at 1031 tokens)
+    q, k = qk_pair(gen, "bshd", 2, s, *heads, 128, xd, device, strided=True)
     cos, sin = rope_tables(gen, "BS", "bshd", 2, s, 128, interleaved, pd, device)
     qw, kw = norm_weights(gen, "bshd", across, q, k, pd, device)
     check_qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6, across, interleaved, False)
