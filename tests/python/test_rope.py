@@ -361,7 +361,7 @@ def test_qk_norm_rope_large(device, gen, dtypes, across, interleaved, heads):
     # (FLUX) or not; then q without weights and k's with Gemma's offset (a lane group's heads
     # may mix weighted and unweighted ones).
     xd, pd = dtypes
-    s = (4 if heads[0] != heads[1] else 1) * big_rows(device)  # (48 heads: a wave at 1031 tokens)
+    s = (4 if heads[0] != heads[1] else 1) * big_rows(device)  # (48 heads: past a wave at 1031 tokens)
     q, k = qk_pair(gen, "bshd", 2, s, *heads, 128, xd, device, strided=True)
     cos, sin = rope_tables(gen, "BS", "bshd", 2, s, 128, interleaved, pd, device)
     qw, kw = norm_weights(gen, "bshd", across, q, k, pd, device)
