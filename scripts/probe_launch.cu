@@ -6,7 +6,8 @@
 //
 // Build (after scripts/build.sh): nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc/include -Icsrc
 //   scripts/probe_launch.cu build/gpu/libfusebox_core.a -o build/gpu/probe_launch
-// Run: build/gpu/probe_launch   (FUSEBOX_PDL=0 turns PDL off for the fusebox rows)
+// Run: build/gpu/probe_launch   (FUSEBOX_PDL=0 turns PDL off for the fusebox rows);
+//      build/gpu/probe_launch placement   (operands in one 2 MB page or apart)
 // -DPROBE_BLOAT_KERNELS=N compiles N large unused kernels (about 30 KB of code each) into the
 // probe's module, beside the mini kernels: whether a kernel's module size moves its launch.
 #include <cuda_bf16.h>
@@ -177,6 +178,14 @@ __global__ void __launch_bounds__(512) mini_rms_smem256_kernel(const RmsArgs<8> 
 
 __global__ void __launch_bounds__(512) mini_rms_spread_kernel(const RmsSpreadArgs a) { rms_row<0>(a); }
 
+// The minimal kernel with the output row's line prefetched to L2 before the loads: the store's
+// address translation then happens while the loads are in flight, not after the reduction.
+__global__ void __launch_bounds__(512) mini_rms_prefetch_out_kernel(const RmsArgs<8> a) {
+  const __nv_bfloat16* o = a.out + size_t(blockIdx.x) * a.width + threadIdx.x * 8;
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(o));
+  rms_row<0>(a);
+}
+
 // 256 extra integer instructions before the loads (four chains): as straight-line code
 // (UNROLL, 4 KB more code to fetch) or as a loop of 64 iterations (a few instructions of code).
 template <bool UNROLL>
@@ -218,10 +227,52 @@ fusebox::TensorView view(void* p, std::initializer_list<int64_t> shape) {
 
 }  // namespace
 
-int main() {
+// `probe_launch placement`: the minimal kernel and fusebox's rms_norm with x, the weight and
+// the output in one 2 MB page or in pages 64 MB apart (whether a page's address translation,
+// missed after the flush's 256 MB pass, sits on the call's path).
+int placement(cudaStream_t s, probe::Timer& t) {
+  char* base;
+  FUSEBOX_CUDA_CHECK(cudaMalloc(&base, size_t(256) << 20));
+  FUSEBOX_CUDA_CHECK(cudaMemset(base, 0x3f, size_t(256) << 20));
+  const size_t MB = size_t(1) << 20;
+  struct Place {
+    const char* name;
+    size_t x, w, out;
+  };
+  const Place places[] = {{"x, w, out in one page", 0, 1792 * 1024, MB},
+                          {"w 64 MB apart", 0, 64 * MB, MB},
+                          {"out 64 MB apart", 0, 1792 * 1024, 128 * MB},
+                          {"x, w, out 64 MB apart", 0, 64 * MB, 128 * MB}};
+  std::printf("| case | placement | kernel | flushed us | warm us |\n|---|---|---|---:|---:|\n");
+  for (int nrows : {16, 128}) {
+    const int width = 2048;
+    const dim3 grid(nrows), block(width / 8);
+    for (const Place& p : places) {
+      auto* x = reinterpret_cast<__nv_bfloat16*>(base + p.x);
+      auto* w = reinterpret_cast<__nv_bfloat16*>(base + p.w);
+      auto* out = reinterpret_cast<__nv_bfloat16*>(base + p.out);
+      const RmsArgs<8> args{x, w, out, width, 1e-6f, {}};
+      const std::pair<const char*, std::function<void()>> kernels[] = {
+          {"mini", [&] { fusebox::cuda::launch_pdl(false, mini_rms_kernel<8, 0>, grid, block, 0, s, args); }},
+          {"mini, out prefetched", [&] { fusebox::cuda::launch_pdl(false, mini_rms_prefetch_out_kernel, grid, block, 0, s, args); }},
+          {"fusebox rms_norm", [&] {
+             fusebox::rms_norm(view(x, {nrows, width}), view(w, {width}), view(out, {nrows, width}), 1e-6f, 0.f, s);
+           }}};
+      for (const auto& k : kernels) {
+        k.second();
+        std::printf("| %dx%d | %s | %s | %.2f | %.2f |\n", nrows, width, p.name, k.first, t.median_us(k.second, true),
+                    t.median_us(k.second, false));
+      }
+    }
+  }
+  return 0;
+}
+
+int main(int argc, char** argv) {
   cudaStream_t s;
   FUSEBOX_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
   probe::Timer t(s);
+  if (argc > 1 && std::string(argv[1]) == "placement") return placement(s, t);
   const int max_rows = 256, max_width = 4096;
   __nv_bfloat16 *x, *w, *out;
   FUSEBOX_CUDA_CHECK(cudaMalloc(&x, size_t(max_rows) * max_width * 2));

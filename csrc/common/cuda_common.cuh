@@ -407,6 +407,7 @@ struct TuningKnobs {
   std::optional<int> rope_early;      // FUSEBOX_ROPE_EARLY=0: wide rows load rotation factors after the sum
   std::optional<int> act_flat;        // FUSEBOX_ACT_FLAT: packed rows as one long row (0 or 1)
   std::optional<int> norm_flat;       // FUSEBOX_NORM_FLAT=0: norm rows never take their flat twin
+  std::optional<int> norm_short;      // FUSEBOX_NORM_SHORT=0: short RMS rows take the general 1-vector plan
 };
 const TuningKnobs& tuning_knobs();
 

@@ -13,6 +13,7 @@
 #include "norm/norm_impl.h"
 
 #include <algorithm>
+#include <cstddef>
 
 namespace fusebox::cuda {
 namespace {
@@ -475,6 +476,78 @@ constexpr bool has_twin() {
   return true;
 }
 
+// ---------------------------------------------------------------- short rows
+
+// Arguments of short_rms_rows_kernel, the fields its path reads first, first (a kernel's
+// arguments start at byte 16 of a 64-byte line of the constant bank): one line, two with a
+// residual.
+struct ShortRowArgs {
+  const void* x;
+  void* out;
+  const void* weight;             // [D] of the rows' dtype, or null
+  uint32_t x_stride, out_stride;  // elements between rows (below 2^31)
+  float eps, inv_width, weight_offset;
+  int vec_per_row;
+  // residual rows
+  const void* branch;
+  void* residual_out;
+  uint32_t branch_stride, residual_stride;
+};
+static_assert(offsetof(ShortRowArgs, branch) == 48, "the plain rows' arguments fill the first line");
+
+// Rows of a plain RMS norm (fused_add_rms_norm's residual add first, with RES), one vector per
+// thread, one row per block of blockDim.x threads (a multiple of 32, 128 or more): the
+// decode-sized rms_norm and fused_add_rms_norm calls, whose time is the path from the launch
+// through the loads and the row sum to the stores. The general one-vector plan reads arguments
+// from four or five lines of the constant bank, a stall at the first read of each (Nsight
+// Compute put 10-16 warp samples on each: [h200_5e77ff2] ncu), and sets up its row in 40
+// instructions before the first load; this kernel loads at instruction 20. H200, side by side
+// with the general plan (bench/results/2026-11-27_h200_54a975c/tune/decode_short_rows.txt, four
+// alternating processes): 0.1-0.35 us faster warm, 0.05-0.3 flushed, level with Liger's kernels
+// (rms_norm 16x4096 warm 4.10-4.13 -> 3.78-3.90 us, Liger 3.78-3.90).
+template <typename T, bool RES>
+__global__ void __launch_bounds__(kMaxThreads) short_rms_rows_kernel(const ShortRowArgs a) {
+  constexpr int VEC = 16 / int(sizeof(T));
+  __shared__ float scratch[kMaxThreads / 32];
+  const int vi = int(threadIdx.x);
+  const bool active = vi < a.vec_per_row;
+  const uint64_t row = blockIdx.x;
+  const int col = vi * VEC;
+  pdl_wait();
+  Pack<T, VEC> h{}, b{}, w{};
+  if (active) {
+    h = load_pack<T, VEC>(static_cast<const T*>(a.x) + row * a.x_stride + col);
+    if constexpr (RES) b = load_pack<T, VEC>(static_cast<const T*>(a.branch) + row * a.branch_stride + col);
+    if (a.weight) w = load_pack<T, VEC>(static_cast<const T*>(a.weight) + col);
+  }
+  pdl_release();
+  float v[VEC];
+  unpack(h, v);
+  if constexpr (RES) {
+    float bv[VEC];
+    unpack(b, bv);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] += bv[i];
+    h = pack<T, VEC>(v);  // rounded to T, as the unfused model materializes the sum
+    unpack(h, v);
+    if (active) store_pack(static_cast<T*>(a.residual_out) + row * a.residual_stride + col, h);
+  }
+  float acc = 0.f;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) acc += v[i] * v[i];
+  const float rstd = rsqrtf(row_sum(acc, int(blockDim.x), scratch) * a.inv_width + a.eps);
+  if (!active) return;
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) v[i] *= rstd;
+  if (a.weight) {
+    float wv[VEC];
+    unpack(w, wv);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] *= a.weight_offset + wv[i];
+  }
+  store_pack(static_cast<T*>(a.out) + row * a.out_stride + col, pack<T, VEC>(v));
+}
+
 // ---------------------------------------------------------------- streaming path
 
 // A modulation term's values at `col`: its row's, plus its table's under split modulation.
@@ -853,6 +926,32 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
       });
     });
     return;
+  }
+
+  // The short RMS rows (see short_rms_rows_kernel): one vector a thread, one row a block, no
+  // modulation, gate, bias or fp32 operands, the output in x's dtype, strides below 2^31.
+  {
+    const bool plain_rms = args.norm == NormType::kRMS && !mod && !args.gate.defined() && !args.bias.defined() &&
+                           !split && (!args.weight.defined() || args.weight.dtype == args.x.dtype) &&
+                           !a.out_f32 && (!res || traits.plain_residual);
+    bool fits = full_vectors && items == 1 && a.index.flat && a.vec_per_row >= kMinBlockThreads;
+    for (const RowOperandArg* o : {&a.x, &a.out, &a.branch, &a.residual_out})
+      fits = fits && o->off.s2 >= 0 && o->off.s2 < (int64_t(1) << 31);
+    if (plain_rms && fits && tuning_knobs().norm_short.value_or(1) != 0) {
+      ShortRowArgs k{args.x.data, args.out.data, args.weight.defined() ? args.weight.data : nullptr,
+                     uint32_t(a.x.off.s2), uint32_t(a.out.off.s2), a.eps, a.inv_width, a.weight_offset,
+                     a.vec_per_row, res ? args.branch.data : nullptr, res ? args.residual_out.data : nullptr,
+                     uint32_t(a.branch.off.s2), uint32_t(a.residual_out.off.s2)};
+      const dim3 block(unsigned((a.vec_per_row + 31) / 32 * 32));
+      dispatch_dtype(args.x.dtype, [&](auto t) {
+        using T = decltype(t);
+        if (res)
+          launch(short_rms_rows_kernel<T, true>, dim3(unsigned(a.rows)), block, 0, stream, k);
+        else
+          launch(short_rms_rows_kernel<T, false>, dim3(unsigned(a.rows)), block, 0, stream, k);
+      });
+      return;
+    }
   }
 
   a.tpr = threads_per_row(a.vec_per_row, items);
