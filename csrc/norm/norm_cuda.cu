@@ -685,7 +685,7 @@ int threads_per_row(int64_t vec_per_row, int items) {
 //   640-vector rows 236.5 -> 231.1 with 2).
 // - 1 when one vector per thread needs at most half the GPU's resident threads (decode and
 //   other small calls): the shortest path from the row's loads to its stores, which is what
-//   bounds a call of one wave.
+//   bounds a call of one wave. Plain RMS rows of this plan take short_rms_rows_kernel.
 // - 2 for a norm without a residual, modulation or any small operand (RMSNorm with no weight)
 //   of rows up to 512 vectors: nothing to stage, and the short plan is leaner than 4 vectors
 //   (2026-11-25, every such case 2-8% faster: LTX 15.02 -> 14.51 us, [4x4096x3072] 52.22 ->
