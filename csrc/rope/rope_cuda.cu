@@ -10,6 +10,7 @@
 #include "common/cuda_common.cuh"
 #include "rope/rope_impl.h"
 
+#include <cstdint>
 #include <type_traits>
 
 namespace fusebox::cuda {
@@ -671,6 +672,105 @@ __global__ void __maxnreg__(MAX_REGISTERS) rope_heads_kernel_capped(const RopeKe
   rope_heads<T, TAB, VEC, ITEMS, INTERLEAVED, NORM, GRID>(a, gp);
 }
 
+// ---------------------------------------------------------------- short rotary
+
+// Arguments of short_rope_kernel, the fields its path reads first, first (a kernel's arguments
+// start at byte 16 of a 64-byte line of the constant bank): the loads' addresses take the first
+// two lines. A token's elements are token * (token stride) + head * (head stride) + channel in
+// every operand, in 32 bits (the launcher checks that its batch and sequence strides fold into
+// one and that the offsets fit): one multiply-add an address, where 64-bit offsets took three.
+struct ShortRopeArgs {
+  const void *q, *k;
+  const void *cos, *sin;             // the table's rows, of the kernel's TAB dtype
+  uint32_t q_ts, q_hs, k_ts, k_hs;  // token and head strides (elements)
+  uint32_t cos_ts, sin_ts;
+  int Hq, head_threads;  // threads of the block that own a head: (Hq + Hk) << tpr_log2
+  int tpr_log2, R;
+  void *qo, *ko;
+  uint32_t qo_ts, qo_hs, ko_ts, ko_hs;
+  const void *qw, *kw;  // the norm's weights, of the data's dtype, or null
+  float eps, inv_head_dim, weight_offset;
+};
+static_assert(offsetof(ShortRopeArgs, cos_ts) == 48, "the first loads' pointers fill the first line");
+
+// One token a block, each head on a lane group of 2^tpr_log2 lanes with one unit a lane (a head
+// of whole vectors, wholly rotary, of 2^tpr_log2 units; the token's heads fill at most a
+// block): the decode-sized rope and qk_norm_rope calls of LLM layers, whose time is the path
+// from the launch through the loads to the stores, as for short_rms_rows_kernel. The per-head
+// kernel's one-head plan splits its thread index by run-time plan fields (tokens a block, heads
+// a lane group), branches around pass-through channels and reads its arguments from four lines
+// of the constant bank before its first load (SASS instruction 84 of the bf16 rotary).
+template <typename T, typename TAB, bool INTERLEAVED, bool NORM>
+__global__ void __launch_bounds__(kMaxThreads) short_rope_kernel(const ShortRopeArgs a) {
+  constexpr int VEC = 16 / int(sizeof(T));
+  using L = UnitLayout<INTERLEAVED, VEC>;
+  // Threads past the heads (the rest of the block's last warp) load the last lane's unit and
+  // store nothing: no branch around the loads. Their lane groups are whole, so their sums stay
+  // apart from the heads'.
+  const int t = min(int(threadIdx.x), a.head_threads - 1);
+  const int h = t >> a.tpr_log2, lane = t & ((1 << a.tpr_log2) - 1);
+  const bool is_k = h >= a.Hq;
+  const uint32_t head = uint32_t(is_k ? h - a.Hq : h), token = blockIdx.x;
+  // q's or k's operand as q's plus the differences (see pick: a choice between the two
+  // arguments compiles to a constant-bank load indexed by a register)
+  auto choose = [is_k](uint32_t for_q, uint32_t for_k) { return for_q + (is_k ? for_k - for_q : 0u); };
+  auto address = [is_k](const void* for_q, const void* for_k) {
+    const char* p = static_cast<const char*>(for_q);
+    return p + (is_k ? static_cast<const char*>(for_k) - p : 0);
+  };
+  int d0i, d1i;
+  L::channels(lane, a.R, d0i, d1i);
+  const uint32_t d0 = uint32_t(d0i), d1 = uint32_t(d1i);
+  const T* in = reinterpret_cast<const T*>(address(a.q, a.k));
+  const uint32_t in_at = token * choose(a.q_ts, a.k_ts) + head * choose(a.q_hs, a.k_hs);
+  const TAB* cos = static_cast<const TAB*>(a.cos);
+  const TAB* sin = static_cast<const TAB*>(a.sin);
+  const uint32_t cos_at = token * a.cos_ts, sin_at = token * a.sin_ts;
+  pdl_wait();
+  const Pack<T, VEC> x0 = load_pack<T, VEC>(in + (in_at + d0));
+  const Pack<TAB, VEC> c0 = load_pack<TAB, VEC>(cos + (cos_at + d0)), s0 = load_pack<TAB, VEC>(sin + (sin_at + d0));
+  Pack<T, VEC> x1{};
+  Pack<TAB, VEC> c1{}, s1{};
+  if constexpr (L::kTwoVectors) {
+    x1 = load_pack<T, VEC>(in + (in_at + d1));
+    c1 = load_pack<TAB, VEC>(cos + (cos_at + d1));
+    s1 = load_pack<TAB, VEC>(sin + (sin_at + d1));
+  }
+  const T* w = reinterpret_cast<const T*>(address(a.qw, a.kw));
+  Pack<T, VEC> w0{}, w1{};
+  if (NORM && w) {
+    w0 = load_pack<T, VEC>(w + d0);
+    if constexpr (L::kTwoVectors) w1 = load_pack<T, VEC>(w + d1);
+  }
+  pdl_release();
+  float v0[VEC], v1[VEC];
+  unpack(x0, v0);
+  unpack(x1, v1);
+  if constexpr (NORM) {
+    float sum[1] = {0.f};
+    add_squares<L>(sum[0], v0, v1);
+    lane_group_sums(sum, 1 << a.tpr_log2);  // every lane of the warp takes part
+    const float rstd = rsqrtf(sum[0] * a.inv_head_dim + a.eps);
+    float wv0[VEC], wv1[VEC];
+    unpack(w0, wv0);
+    unpack(w1, wv1);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) {
+      v0[i] *= rstd * weight_factor(w, a.weight_offset, wv0[i]);
+      v1[i] *= rstd * weight_factor(w, a.weight_offset, wv1[i]);
+    }
+  }
+  if (int(threadIdx.x) >= a.head_threads) return;
+  UnitParams<VEC> r;
+  unpack(c0, r.c0);
+  unpack(s0, r.s0);
+  unpack(c1, r.c1);
+  unpack(s1, r.s1);
+  T* out = reinterpret_cast<T*>(const_cast<char*>(address(a.qo, a.ko))) +
+           (token * choose(a.qo_ts, a.ko_ts) + head * choose(a.qo_hs, a.ko_hs));
+  store_unit<L, T, VEC>(out, d0i, d1i, true, v0, v1, r);
+}
+
 // A stride as the kernels take it: in 32 bits, and 0 along a dimension of size 1 (never
 // stepped, whatever its stride).
 uint32_t stride32(const TensorView& t, int dim, const char* name) {
@@ -784,6 +884,51 @@ void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool tabl
     interleaved ? with_norm(std::true_type{}) : with_norm(std::false_type{});
 }
 
+// The short rotary kernel's arguments, where every operand's batch and sequence strides fold
+// into one token stride (one batch, one position per sequence, or packed sequences) and its
+// offsets fit 32 bits; false otherwise.
+bool short_rope_args(const RopeKernelArgs& a, const RopeShape& sh, int tpr_log2, ShortRopeArgs& k) {
+  bool folds = true;
+  auto token_stride = [&](uint32_t sb, uint32_t ss) {
+    if (sh.B == 1) return ss;
+    if (sh.S == 1) return sb;
+    folds = folds && uint64_t(sb) == uint64_t(sh.S) * ss;
+    return ss;
+  };
+  const uint64_t last_token = uint64_t(sh.B * sh.S - 1);
+  auto fits = [&](uint32_t ts, uint32_t hs, int64_t heads) {
+    return last_token * ts + uint64_t(heads - 1) * hs + uint64_t(a.D) <= UINT32_MAX;
+  };
+  k.q = a.q.ptr;
+  k.k = a.k.ptr;
+  k.cos = a.cos;
+  k.sin = a.sin;
+  k.q_ts = token_stride(a.q.sb, a.q.ss);
+  k.q_hs = a.q.sh;
+  k.k_ts = token_stride(a.k.sb, a.k.ss);
+  k.k_hs = a.k.sh;
+  k.cos_ts = token_stride(a.cos_sb, a.cos_ss);
+  k.sin_ts = token_stride(a.sin_sb, a.sin_ss);
+  k.Hq = a.Hq;
+  k.head_threads = (a.Hq + a.Hk) << tpr_log2;
+  k.tpr_log2 = tpr_log2;
+  k.R = a.R;
+  k.qo = const_cast<void*>(a.qo.ptr);
+  k.ko = const_cast<void*>(a.ko.ptr);
+  k.qo_ts = token_stride(a.qo.sb, a.qo.ss);
+  k.qo_hs = a.qo.sh;
+  k.ko_ts = token_stride(a.ko.sb, a.ko.ss);
+  k.ko_hs = a.ko.sh;
+  k.qw = a.qw.ptr;
+  k.kw = a.kw.ptr;
+  k.eps = a.eps;
+  k.inv_head_dim = a.inv_head_dim;
+  k.weight_offset = a.weight_offset;
+  const int64_t hk = std::max<int64_t>(sh.Hk, 1);
+  return folds && fits(k.q_ts, k.q_hs, sh.Hq) && fits(k.qo_ts, k.qo_hs, sh.Hq) && fits(k.k_ts, k.k_hs, hk) &&
+         fits(k.ko_ts, k.ko_hs, hk) && fits(k.cos_ts, 0, 1) && fits(k.sin_ts, 0, 1);
+}
+
 }  // namespace
 
 void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t stream) {
@@ -884,6 +1029,38 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
     const int items = head_items;
     const int64_t tokens = sh.B * sh.S;
     FUSEBOX_CHECK(tokens < (int64_t(1) << 31), "too many tokens: ", tokens);
+    // One head a lane group, a token's heads filling a block of 128 threads or more, a table,
+    // wholly rotary heads of 2, 4, ... 32 whole vectors, norm weights (if any) of the data's
+    // dtype: the short rotary kernel (see short_rope_kernel).
+    ShortRopeArgs short_args{};
+    int tpr_log2 = 0;
+    while ((1 << tpr_log2) < head_tpr) ++tpr_log2;
+    bool weights_of_data = true;
+    for (const TensorView* w : {&args.q_weight, &args.k_weight})
+      weights_of_data = weights_of_data && (!w->defined() || w->dtype == args.q.dtype);
+    if (items == 1 && !args.use_grid && vec == full && a.R == a.D && a.units_per_head == head_tpr &&
+        head_tpr <= 32 && head_tpr * heads >= 128 && (!norm || weights_of_data) &&
+        short_rope_args(a, sh, tpr_log2, short_args) && tuning_knobs().rope_short.value_or(1) != 0) {
+      const dim3 grid(static_cast<unsigned>(tokens)), block(static_cast<unsigned>((head_tpr * heads + 31) / 32 * 32));
+      dispatch_dtype(args.q.dtype, [&](auto t) {
+        using T = decltype(t);
+        auto go = [&](auto tab, auto il, auto nm) {
+          launch(short_rope_kernel<T, decltype(tab), decltype(il)::value, decltype(nm)::value>, grid, block, 0, stream,
+                 short_args);
+        };
+        auto with_norm = [&](auto tab, auto il) {
+          norm ? go(tab, il, std::true_type{}) : go(tab, il, std::false_type{});
+        };
+        auto with_style = [&](auto tab) {
+          interleaved ? with_norm(tab, std::true_type{}) : with_norm(tab, std::false_type{});
+        };
+        if (table_f32)
+          with_style(float{});
+        else
+          with_style(T{});
+      });
+      return;
+    }
     a.rows = uint32_t(tokens);
     a.rows_per_block = std::max(1, 128 / (a.tpr * head_groups));
     a.row_split = FastDivmod(uint32_t(a.tpr * head_groups));

@@ -1,6 +1,6 @@
 """Launch plans and kernel variants the tuning variables can force (FUSEBOX_NORM_ITEMS,
-FUSEBOX_ROPE_ITEMS, FUSEBOX_ACT_FLAT, FUSEBOX_NORM_FLAT, FUSEBOX_NORM_SHORT, used by
-scripts/tune.py): each still computes the reference result on CUDA."""
+FUSEBOX_ROPE_ITEMS, FUSEBOX_ACT_FLAT, FUSEBOX_NORM_FLAT, FUSEBOX_NORM_SHORT, FUSEBOX_ROPE_SHORT,
+used by scripts/tune.py): each still computes the reference result on CUDA."""
 
 import os
 import subprocess
@@ -111,7 +111,7 @@ print("ok")
                                      "FUSEBOX_NORM_ITEMS=8", "FUSEBOX_ROPE_ITEMS=1",
                                      "FUSEBOX_ROPE_ITEMS=2", "FUSEBOX_ROPE_ITEMS=4",
                                      "FUSEBOX_ACT_FLAT=0", "FUSEBOX_ACT_FLAT=1", "FUSEBOX_NORM_FLAT=0",
-                                     "FUSEBOX_NORM_SHORT=0"])
+                                     "FUSEBOX_NORM_SHORT=0", "FUSEBOX_ROPE_SHORT=0"])
 def test_forced_launch_plans(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8
     applies to ops without a residual, NORM_ITEMS=3 to 16-bit rows with fp32 modulation; the

@@ -369,6 +369,34 @@ def test_qk_norm_rope_large(device, gen, dtypes, across, interleaved, heads):
     check_qk_norm_rope(q, k, None, kw, cos, sin, 1e-6, across, interleaved, False, weight_offset=1.0)
 
 
+# Decode-sized calls whose heads fill a block of 128+ threads take the short rotary kernel on
+# CUDA (one token a block) where every operand's batch and sequence strides fold into one token
+# stride; the others (heads first with several tokens of several sequences, a table broadcast
+# over the batch) the per-head kernel. Heads of 16-32 lanes, and a last warp partly past the
+# heads (13 + 4 heads of 8 lanes in 16-bit).
+DECODE_HEADS = [(32, 8, 128), (13, 4, 128), (11, 1, 256)]
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("strided", [False, True], ids=["dense", "views"])
+@pytest.mark.parametrize("b,s", [(1, 1), (4, 1), (1, 7), (2, 3)])
+@pytest.mark.parametrize("heads", DECODE_HEADS, ids=lambda h: f"{h[0]}+{h[1]}x{h[2]}")
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_rope_decode_sizes(device, gen, dtypes, layout, strided, b, s, heads, interleaved):
+    xd, pd = dtypes
+    hq, hk, d = heads
+    q, k = qk_pair(gen, layout, b, s, hq, hk, d, xd, device, strided)
+    for kind in ("BS", "S"):
+        cos, sin = rope_tables(gen, kind, layout, b, s, d, interleaved, pd, device)
+        check_rope(q, k, cos, sin, interleaved, heads_first=layout == "bhsd")
+    qw, kw = norm_weights(gen, layout, False, q, k, pd, device)
+    check_qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6, False, interleaved, layout == "bhsd")
+    check_qk_norm_rope(q, k, None, kw, cos, sin, 1e-6, False, interleaved, layout == "bhsd",
+                       weight_offset=1.0)
+    check_qk_norm_rope(q, None, qw, None, cos, sin, 1e-6, False, interleaved, layout == "bhsd")
+
+
 # --------------------------------------------------------------------------- real modules
 
 
