@@ -189,9 +189,10 @@ class Timer:
 
     # ------------------------------------------------------------------ the protocol
 
-    def measure(self, fn: Callable, sets: Sequence, flush: bool, small: bool) -> dict:
-        """Warm up, then time. Returns us (median), min_us, n, host_enqueue_us and, for
-        small inputs, graph_us / host_us (or graph_error)."""
+    def measure(self, fn: Callable, sets: Sequence, flush: bool, small: bool, samples: bool = False) -> dict:
+        """Warm up, then time. Returns us (median), min_us, n, host_enqueue_us, with `samples`
+        the device times themselves (_ts) and, for small inputs, graph_us / host_us (or
+        graph_error)."""
         _sync()
         t0 = time.perf_counter()
         for i in range(self.warmup):
@@ -211,6 +212,8 @@ class Timer:
             ts = self.device_times(fn, sets, iters, flush, enq)
         out.update({"us": median(ts), "min_us": min(ts), "n": len(ts),
                     "host_enqueue_us": round(enq, 2)})
+        if samples:
+            out["_ts"] = ts
         if small:
             out["host_us"] = self.host_latency_us(fn, sets[0])
             try:
