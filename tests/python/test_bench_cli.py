@@ -516,6 +516,59 @@ def test_two_mode_samples_are_retimed_once(monkeypatch):
     assert "retimed_from_us" not in out and out["us"] == pytest.approx(10.15) and rounds == [[99.0]]
 
 
+def test_small_cases_are_retimed_in_reverse_order_and_pooled(monkeypatch):
+    """Cases of up to BALANCED_ORDER_BYTES are timed in run order, then once more in reverse
+    order, as many calls each; us, min_us and n cover both passes, first_pass_us keeps the
+    first median, and no samples reach the record. Larger cases are timed once."""
+    from fusebox.bench import runner as runner_mod
+
+    monkeypatch.setattr(runner_mod, "build_inputs",
+                        lambda case, device, seed=0: suite.build_inputs(case, "cpu", seed))
+    monkeypatch.setattr(runner_mod.torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(runner_mod.torch.cuda, "empty_cache", lambda: None)
+    first = {"eager": [30.0, 31.0, 32.0], "torch": [10.0, 11.0, 12.0]}
+    second = {"eager": [20.0, 21.0, 22.0], "torch": [6.0, 7.0, 8.0]}
+    measured, retimed = [], []
+
+    class FakeTimer:
+        l2 = 50 << 20
+
+        def measure(self, fn, sets, flush, small, samples=False):
+            name = "eager" if not measured else "torch"
+            measured.append((name, fn))
+            ts = first[name]
+            out = {"us": sorted(ts)[1], "min_us": min(ts), "n": len(ts), "host_enqueue_us": 5.0}
+            if samples:
+                out["_ts"] = list(ts)
+            return out
+
+        def device_times(self, fn, sets, iters, flush, host_us):
+            name = next(n for n, f in measured if f is fn)
+            retimed.append((name, iters, host_us))
+            return list(second[name])
+
+    r = object.__new__(runner_mod.Runner)
+    r.timer, r.use_compile, r.use_liger, r._copy_us = FakeTimer(), False, False, {}
+    r.fb, r.fb_error, r._lk, r._lk_error = None, "not loaded in this test", None, None
+    monkeypatch.setattr(r, "copy_reference", lambda *a: {"us": 1.0})
+    case = suite.matching(["rms_norm|16x4096"], "bf16")[0]
+    assert case.nbytes <= runner_mod.BALANCED_ORDER_BYTES
+    rec = r.run_case(case, impls=("eager", "fusebox", "torch"))
+    assert retimed == [("torch", 3, 5.0), ("eager", 3, 5.0)]      # reverse order, as many calls
+    torch_rec = rec["impls"]["torch"]
+    assert torch_rec["first_pass_us"] == 11.0 and torch_rec["n"] == 6 and torch_rec["min_us"] == 6.0
+    assert torch_rec["us"] == pytest.approx(9.0)                  # median of the pooled samples
+    assert rec["impls"]["eager"]["us"] == pytest.approx(26.0)
+    assert "absent" in rec["impls"]["fusebox"] and "first_pass_us" not in rec["impls"]["fusebox"]
+    assert not any("_ts" in m for m in rec["impls"].values())
+
+    monkeypatch.setattr(runner_mod, "BALANCED_ORDER_BYTES", case.nbytes - 1)
+    measured.clear(), retimed.clear()
+    rec = r.run_case(case, impls=("eager", "torch"))
+    assert retimed == [] and rec["impls"]["torch"]["us"] == 11.0
+    assert "first_pass_us" not in rec["impls"]["torch"]
+
+
 def test_unsteady_and_retimed_are_reported():
     cases = suite.select(suite.OP_NAMES, suite.GROUPS, ["bf16"], quick=True)
     doc = _synthetic_doc(cases)
