@@ -6,7 +6,9 @@
 //     or two vectors a pair-offset apart (half-split pairs R/2 apart; interleaved with VEC 1);
 //   - channels past the rotary dimension R are single pass-through units.
 // The row's RMS statistics come from a row reduction over its units; the rotation reads the
-// cos/sin table (or computes the 3-D grid angles) for the unit's own channels.
+// cos/sin table (or computes the 3-D grid angles) for the unit's own channels. Decode-sized
+// calls of LLM layers (one head a lane group, a token's heads filling a block) take
+// short_rope_kernel, whose path to its first load is short.
 #include "common/cuda_common.cuh"
 #include "rope/rope_impl.h"
 
