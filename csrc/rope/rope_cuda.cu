@@ -700,8 +700,9 @@ static_assert(offsetof(ShortRopeArgs, cos_ts) == 48, "the first loads' pointers 
 // block): the decode-sized rope and qk_norm_rope calls of LLM layers, whose time is the path
 // from the launch through the loads to the stores, as for short_rms_rows_kernel. The per-head
 // kernel's one-head plan splits its thread index by run-time plan fields (tokens a block, heads
-// a lane group), branches around pass-through channels and reads its arguments from four lines
-// of the constant bank before its first load (SASS instruction 84 of the bf16 rotary).
+// a lane group), branches around pass-through channels and reads its arguments from three lines
+// of the constant bank before its first load, at SASS instruction 84 of the bf16 rotary against
+// this kernel's 36 (bench/results/2026-11-27_h200_4f8bf14/sass/rope_first_loads.txt).
 template <typename T, typename TAB, bool INTERLEAVED, bool NORM>
 __global__ void __launch_bounds__(kMaxThreads) short_rope_kernel(const ShortRopeArgs a) {
   constexpr int VEC = 16 / int(sizeof(T));
@@ -889,7 +890,7 @@ void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool tabl
 // The short rotary kernel's arguments, where every operand's batch and sequence strides fold
 // into one token stride (one batch, one position per sequence, or packed sequences) and its
 // offsets fit 32 bits; false otherwise.
-bool short_rope_args(const RopeKernelArgs& a, const RopeShape& sh, int tpr_log2, ShortRopeArgs& k) {
+bool short_rope_args(const RopeKernelArgs& a, const RopeShape& sh, ShortRopeArgs& k) {
   bool folds = true;
   auto token_stride = [&](uint32_t sb, uint32_t ss) {
     if (sh.B == 1) return ss;
@@ -912,8 +913,8 @@ bool short_rope_args(const RopeKernelArgs& a, const RopeShape& sh, int tpr_log2,
   k.cos_ts = token_stride(a.cos_sb, a.cos_ss);
   k.sin_ts = token_stride(a.sin_sb, a.sin_ss);
   k.Hq = a.Hq;
-  k.head_threads = (a.Hq + a.Hk) << tpr_log2;
-  k.tpr_log2 = tpr_log2;
+  k.head_threads = (a.Hq + a.Hk) << a.tpr_log2;
+  k.tpr_log2 = a.tpr_log2;
   k.R = a.R;
   k.qo = const_cast<void*>(a.qo.ptr);
   k.ko = const_cast<void*>(a.ko.ptr);
@@ -1031,18 +1032,17 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
     const int items = head_items;
     const int64_t tokens = sh.B * sh.S;
     FUSEBOX_CHECK(tokens < (int64_t(1) << 31), "too many tokens: ", tokens);
+    while ((1 << a.tpr_log2) < a.tpr) ++a.tpr_log2;
     // One head a lane group, a token's heads filling a block of 128 threads or more, a table,
     // wholly rotary heads of 2, 4, ... 32 whole vectors, norm weights (if any) of the data's
     // dtype: the short rotary kernel (see short_rope_kernel).
     ShortRopeArgs short_args{};
-    int tpr_log2 = 0;
-    while ((1 << tpr_log2) < head_tpr) ++tpr_log2;
     bool weights_of_data = true;
     for (const TensorView* w : {&args.q_weight, &args.k_weight})
       weights_of_data = weights_of_data && (!w->defined() || w->dtype == args.q.dtype);
     if (items == 1 && !args.use_grid && vec == full && a.R == a.D && a.units_per_head == head_tpr &&
         head_tpr <= 32 && head_tpr * heads >= 128 && (!norm || weights_of_data) &&
-        short_rope_args(a, sh, tpr_log2, short_args) && tuning_knobs().rope_short.value_or(1) != 0) {
+        short_rope_args(a, sh, short_args) && tuning_knobs().rope_short.value_or(1) != 0) {
       const dim3 grid(static_cast<unsigned>(tokens)), block(static_cast<unsigned>((head_tpr * heads + 31) / 32 * 32));
       dispatch_dtype(args.q.dtype, [&](auto t) {
         using T = decltype(t);
@@ -1066,7 +1066,6 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
     a.rows = uint32_t(tokens);
     a.rows_per_block = std::max(1, 128 / (a.tpr * head_groups));
     a.row_split = FastDivmod(uint32_t(a.tpr * head_groups));
-    while ((1 << a.tpr_log2) < a.tpr) ++a.tpr_log2;
     const int64_t blocks = (tokens + a.rows_per_block - 1) / a.rows_per_block;
     // whole warps: the per-head sums shuffle with every lane of a warp present
     const int threads = (a.tpr * head_groups * a.rows_per_block + 31) / 32 * 32;
