@@ -145,3 +145,17 @@ def test_diffusers_hooks_survive_unpatch(order):
     registry.remove_hook("counting")
     assert _common._is_original(inner.forward, inner) or "forward" not in inner.__dict__
     assert torch.equal(_run(model, x), ref)
+
+
+@pytest.mark.parametrize("shape, target", [
+    ((1, 6, 8), (2, 6, 8)), ((6, 8), (2, 6, 8)), ((8,), (2, 6, 8)), ((2, 6, 8), (2, 6, 8)),
+    ((1, 1, 1), (3, 4, 5)), ((2, 6, 8), (1, 6, 8)), ((3, 6, 8), (2, 6, 8)), ((1, 2, 6, 8), (2, 6, 8)),
+    ((6, 1), (2, 6, 8)), ((), (2, 6, 8)), ((0, 8), (0, 8)), ((1, 8), (0, 8))])
+def test_broadcasts_to_agrees_with_torch(shape, target):
+    from fusebox.patch.dit._shared import broadcasts_to
+
+    try:
+        expect = torch.broadcast_shapes(shape, target) == torch.Size(target)
+    except RuntimeError:
+        expect = False
+    assert broadcasts_to(torch.empty(shape), torch.empty(target)) == expect
