@@ -41,8 +41,9 @@ def fusable(x: Tensor, *small: Optional[Tensor], like_x: Tuple[Optional[Tensor],
     operands (branches, gates the model adds in x's dtype) must have x's dtype. Every operand
     must sit on x's device (a weight an offload hook has not loaded yet does not). False when
     autograd must record the computation: fusebox operators have no backward."""
-    # (plain loops: a patched block asks this several times a forward, and the host time of
-    # small DiTs is part of their step)
+    # Plain loops, and the operands unpacked for needs_autograd only where grad is on: a patched
+    # block asks this about six times a forward, and the host time of small DiTs is part of their
+    # step (2.8-3.1 us a call, was 4.2-6.8: bench/results/2026-11-27_cpu_d4616d6/).
     if torch.is_grad_enabled() and needs_autograd(x, *small, *like_x):
         return False
     dtype, device = x.dtype, x.device
@@ -73,7 +74,8 @@ def has_contiguous_rows(t: Tensor) -> bool:
 
 def broadcasts_to(t: Tensor, target: Tensor) -> bool:
     """Does ``t`` broadcast to ``target``'s shape as it is? (``torch.broadcast_shapes`` answers
-    the same in about 18 us of Python a call, a patched block's largest helper cost.)"""
+    the same in 29-34 us of Python a call on one CPU thread, this in 1.4-2.3:
+    bench/results/2026-11-27_cpu_d4616d6/patch_helper_cost.txt.)"""
     if t.dim() > target.dim():
         return False
     return all(a == 1 or a == b for a, b in zip(reversed(t.shape), reversed(target.shape)))
