@@ -463,16 +463,16 @@ constexpr int register_bound() {
 // - kFlat: the 1-4 vector plans without split modulation, except the 2-vector rows of an RMS
 //   norm alone, whose flat twin, bounded to the row-group twin's 40 registers (ptxas gives it 55
 //   unbounded, not timed), ran 9-11% slower at 67-268 MB on an H100 (not explained);
-// - kSamples: those of them with modulation, whose per-sample rows (a batch of several samples,
-//   as classifier-free guidance makes) are two row groups; a flat walk over the same bytes ran
-//   0.4-2.1 us faster than the general split (bench/results/2026-11-26_h200_32e241e/tune/
-//   sample_split_cost.txt).
+// - kSamples: those of them with modulation, and the gated residual add alone, whose per-sample
+//   rows (a batch of several samples, as classifier-free guidance makes) are two row groups; a
+//   flat walk over the same bytes ran 0.4-2.1 us faster than the general split (bench/results/
+//   2026-11-26_h200_32e241e/tune/sample_split_cost.txt).
 template <RowWalk WALK, int ITEMS, NormType NORM, bool RES, bool MOD, bool SPLIT>
 constexpr bool has_twin() {
   constexpr bool kFlat = ITEMS == 1 || (ITEMS == 2 && !(NORM == NormType::kRMS && !RES && !MOD)) ||
                          ((ITEMS == 3 || ITEMS == 4) && !SPLIT);
   if constexpr (WALK == RowWalk::kFlat) return kFlat;
-  if constexpr (WALK == RowWalk::kSamples) return kFlat && MOD && !SPLIT;
+  if constexpr (WALK == RowWalk::kSamples) return kFlat && (MOD || (RES && NORM == NormType::kNone)) && !SPLIT;
   return true;
 }
 
@@ -672,6 +672,7 @@ struct RowOpTraits {
   bool bf16_rows;        // x is bf16
   bool layer_norm;       // the norm is LayerNorm
   bool sixteen_bit_rows;  // x is fp16 or bf16
+  bool short_rows;        // short_rms_rows_kernel can take them at one vector a thread
 };
 
 int threads_per_row(int64_t vec_per_row, int items) {
@@ -712,6 +713,9 @@ int threads_per_row(int64_t vec_per_row, int items) {
 //   together with the shuffle row sum against the previous kernels (2026-11-24 tune/4):
 //   2048x2048 13.79 -> 13.17 us, [1x512x4096] 9.50 -> 8.90. The per-sample modulated ops are
 //   slower with 2 (adaln FLUX 23.68 -> 25.33 us, Wan 1.3B 72.0 -> 100.1 at 128d6e5).
+//   Up to two waves, those the short RMS rows take run faster with 1 (that kernel; H200, two or
+//   three processes each, bench/results/2026-11-27_h200_f88b77c/tune/fadd_*): [1x512x4096]
+//   8.40-8.53 -> 8.10-8.11 us, 2048x2048 12.48-12.54 -> 12.32-12.38, [1x1024x4096] even.
 // - 2 as well for rows of up to 256 vectors whose modulation or gate changes from row to row
 //   (per-token modulation): their operands load with the row into registers instead of being
 //   staged (same run: adaln Wan 1.3B per token 162.8 -> 148.5 us, LTX per token 25.6 -> 25.0,
@@ -753,6 +757,7 @@ int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOp
   if (plain_norm && !op.small_operands && vec_per_row <= kMaxThreads) return 2;
   if (plain_norm && vec_per_row <= kMaxThreads && rows * vec_per_row <= wave) return 1;
   if (plain_norm && !op.f32_operands && vec_per_row <= (op.layer_norm ? 384 : 256)) return 2;
+  if (op.plain_residual && op.short_rows && vec_per_row <= kMaxThreads && rows * vec_per_row <= 2 * wave) return 1;
   if (op.plain_residual && vec_per_row <= kMaxThreads) return 2;
   if (op.per_row_operand && !op.f32_operands && vec_per_row <= 256) return 2;
   if (op.residual && op.modulated && op.bf16_rows && !op.f32_operands && vec_per_row <= 256) return 2;
@@ -907,13 +912,22 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
                        int(args.shift.defined());
   const int param_dtype = shared_param_dtype(args);
   const bool params_f32 = param_dtype >= 0 && DType(param_dtype) == DType::kFloat32;
-  const RowOpTraits traits{normalizes, res, res && !args.gate.defined() && !mod && normalizes, mod,
-                           per_row_operand, n_params > 0, n_params > 0 && params_f32,
-                           args.x.dtype == DType::kBFloat16, args.norm == NormType::kLayer,
-                           dtype_size(args.x.dtype) == 2};
+  const bool plain_residual = res && !args.gate.defined() && !mod && normalizes;
+  const bool split = split_modulation(args);
+  // Rows short_rms_rows_kernel can take at one vector a thread: a plain RMS norm (after a plain
+  // residual add or none) without modulation, gate, bias or fp32 operands, the output in x's
+  // dtype, one row group, rows of 128 or more whole vectors, strides below 2^31.
+  bool short_rows = args.norm == NormType::kRMS && !mod && !args.gate.defined() && !args.bias.defined() &&
+                    !split && (!args.weight.defined() || args.weight.dtype == args.x.dtype) && !a.out_f32 &&
+                    (!res || plain_residual) && full_vectors && a.index.flat && a.vec_per_row >= kMinBlockThreads &&
+                    tuning_knobs().norm_short.value_or(1) != 0;
+  for (const RowOperandArg* o : {&a.x, &a.out, &a.branch, &a.residual_out})
+    short_rows = short_rows && o->off.s2 >= 0 && o->off.s2 < (int64_t(1) << 31);
+  const RowOpTraits traits{normalizes, res, plain_residual, mod, per_row_operand, n_params > 0,
+                           n_params > 0 && params_f32, args.x.dtype == DType::kBFloat16,
+                           args.norm == NormType::kLayer, dtype_size(args.x.dtype) == 2, short_rows};
   const int items = pick_items(a.rows, a.vec_per_row, full_vectors, traits);
   FUSEBOX_CHECK(a.rows < (int64_t(1) << 31), "too many rows: ", a.rows);
-  const bool split = split_modulation(args);
   // (the register path's split plans: see kSplitOnRegisterPath)
   const bool split_on_registers =
       full_vectors && items <= 4 && (params_f32 || args.x.dtype == DType::kFloat32);
@@ -931,16 +945,9 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
     return;
   }
 
-  // The short RMS rows (see short_rms_rows_kernel): one vector a thread, one row a block, no
-  // modulation, gate, bias or fp32 operands, the output in x's dtype, strides below 2^31.
+  // The short RMS rows (see short_rms_rows_kernel): one vector a thread, one row a block.
   {
-    const bool plain_rms = args.norm == NormType::kRMS && !mod && !args.gate.defined() && !args.bias.defined() &&
-                           !split && (!args.weight.defined() || args.weight.dtype == args.x.dtype) &&
-                           !a.out_f32 && (!res || traits.plain_residual);
-    bool fits = full_vectors && items == 1 && a.index.flat && a.vec_per_row >= kMinBlockThreads;
-    for (const RowOperandArg* o : {&a.x, &a.out, &a.branch, &a.residual_out})
-      fits = fits && o->off.s2 >= 0 && o->off.s2 < (int64_t(1) << 31);
-    if (plain_rms && fits && tuning_knobs().norm_short.value_or(1) != 0) {
+    if (short_rows && items == 1) {
       ShortRowArgs k{args.x.data, args.out.data, args.weight.defined() ? args.weight.data : nullptr,
                      uint32_t(a.x.off.s2), uint32_t(a.out.off.s2), a.eps, a.inv_width, a.weight_offset,
                      a.vec_per_row, res ? args.branch.data : nullptr, res ? args.residual_out.data : nullptr,
@@ -980,20 +987,25 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   // (fused_add_rms_norm [1x512x4096]; on the H200 within the spread of repeated runs).
   // (rows * tpr threads, tpr = D / 2 vectors, against the half of the resident threads that blocks
   // of their 60-63 registers leave room for)
-  // The sample walk where modulated rows form two row groups (a batch of samples, each with its
-  // own modulation row; the sample is blockIdx.y, at most 65535 of them), for calls of more than
+  // The sample walk where modulated or gated rows form two row groups (a batch of samples, each
+  // with its own modulation or gate row; the sample is blockIdx.y, at most 65535 of them; the
+  // gated add alone only where no norm follows), for calls of more than
   // two waves of threads. Side by side on the H200 against the general split (bench/results/
   // 2026-11-26_h200_8572874/tune/sample_walk.txt, two columns each): adaln LTX-long per sample
   // 40.2-40.3 -> 39.0-39.3 us bf16, 40.2-40.3 -> 37.8-38.0 fp16, gated_residual_norm LTX-long
   // 70.1-70.2 -> 69.4-69.5 bf16; at LTX's 1.3 waves mixed: adaln 17.4-17.6 -> 18.1 bf16,
   // 17.5-17.6 -> 17.0-17.1 fp16, gated_residual_norm within 0.2. With this rule: sample_walk_rule.txt.
+  // The gated add alone (2026-11-27_h200_f88b77c/tune/gated_sample_walk_*, three processes each):
+  // LTX 19.58-19.63 -> 19.31-19.38 us bf16, 19.55-19.66 -> 19.26-19.42 fp16; LTX-long within 0.3
+  // either way.
   const int64_t wave = device_limits().resident_threads();
   const bool one_wave = a.rows * a.vec_per_row <= wave;
   const bool twins = tuning_knobs().norm_flat.value_or(1) != 0;
   RowWalk walk = RowWalk::kSplit;
   if (twins && a.index.flat && !(items == 2 && traits.plain_residual && args.norm == NormType::kRMS && !one_wave))
     walk = RowWalk::kFlat;
-  else if (twins && mod && layout.sizes[0] == 1 && layout.sizes[1] <= 65535 && a.rows * a.tpr > 2 * wave)
+  else if (twins && (mod || (res && !normalizes)) && layout.sizes[0] == 1 && layout.sizes[1] <= 65535 &&
+           a.rows * a.tpr > 2 * wave)
     walk = RowWalk::kSamples;
 
   dispatch_dtype(args.x.dtype, [&](auto t) {

@@ -100,9 +100,10 @@ def test_rms_norm_large(device, gen, dtypes, width):
 
 @pytest.mark.parametrize("dtypes", DTYPE_CASES)
 def test_plans_between_half_and_full_wave(device, gen, dtypes):
-    """Calls of half to one wave of resident threads on an H100/H200, where the default plan
-    depends on the op: RMSNorm without a weight takes 2 vectors per thread, with a weight 1, and
-    a gated residual of 640 vectors a row 2 (the smaller CPU rows check the same semantics)."""
+    """Calls of half a wave to two waves of resident threads on an H100/H200, where the default
+    plan depends on the op: RMSNorm without a weight takes 2 vectors per thread, with a weight 1,
+    a gated residual of 640 vectors a row 2, and a residual add + RMSNorm the short rows of one
+    vector a thread up to two waves (the smaller CPU rows check the same semantics)."""
     xd, pd = dtypes
     rows = 1024 if torch.device(device).type == "cuda" else 6
     x = randn(gen, (rows, 2048), xd, device)
@@ -115,6 +116,9 @@ def test_plans_between_half_and_full_wave(device, gen, dtypes):
     gate = modulation(gen, "sample", shape, 1, pd, device)[0]
     assert_close(call(fusebox.gated_residual, x, branch, gate), ref.gated_residual(x, branch, gate), xd,
                  name="gated_residual")
+    for shape, with_weight in (((rows // 2, 4096), True), ((2 * rows, 2048), True), ((2 * rows, 2048), False)):
+        x, res = randn(gen, shape, xd, device), randn(gen, shape, xd, device, scale=4.0)
+        check_fused_add(x, res, weight(gen, shape[1], pd, device) if with_weight else None)
 
 
 # Calls of more than one wave of resident threads on an H100/H200 (the CPU rows check the same
@@ -170,8 +174,9 @@ def test_sample_batches(device, gen, dtypes, shape, kind):
     dtype and take the sample walk (the sample from the grid, no row split; 64- and 128-thread
     rows), and so do 3x1901x3072's (96-thread 16-bit rows, a thread count that is not a power of
     two, just past two waves; 192-thread fp32 rows), and 2x4300x1536's 16-bit rows, which take
-    three vectors a thread with fp32 modulation (64-thread rows); the smaller shapes check the
-    split. The CPU rows check the same semantics on fewer rows."""
+    three vectors a thread with fp32 modulation (64-thread rows); the gated add alone takes the
+    sample walk on all three; the smaller shapes check the split. The CPU rows check the same
+    semantics on fewer rows."""
     xd, pd = dtypes
     if torch.device(device).type != "cuda":
         shape = (shape[0], min(shape[1], 9), shape[2])
@@ -184,6 +189,10 @@ def test_sample_batches(device, gen, dtypes, shape, kind):
             branch = randn(gen, shape, xd, device)
             gate, scale, shift = modulation(gen, kind, shape, 3, pd, device)
             check_gated_residual_norm(x, branch, gate, scale, shift, norm_type=norm)
+        # the gated add alone (also the sample walk on the large shapes: one to two vectors a
+        # thread, 192- to 512-thread rows)
+        out = call(fusebox.gated_residual, x, branch, gate)
+        assert_close(out, ref.gated_residual(x, branch, gate), xd, name=f"gated_residual {name}")
 
 
 # --------------------------------------------------------------------------- fused_add_rms_norm
