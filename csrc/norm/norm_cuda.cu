@@ -987,11 +987,11 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   // (fused_add_rms_norm [1x512x4096]; on the H200 within the spread of repeated runs).
   // (rows * tpr threads, tpr = D / 2 vectors, against the half of the resident threads that blocks
   // of their 60-63 registers leave room for)
-  // The sample walk where modulated or gated rows form two row groups (a batch of samples, each
-  // with its own modulation or gate row; the sample is blockIdx.y, at most 65535 of them; the
-  // gated add alone only where no norm follows), for calls of more than
-  // two waves of threads. Side by side on the H200 against the general split (bench/results/
-  // 2026-11-26_h200_8572874/tune/sample_walk.txt, two columns each): adaln LTX-long per sample
+  // The sample walk where modulated rows, or gated rows with no norm after the add, form two row
+  // groups (a batch of samples, each with its own modulation or gate row; the sample is
+  // blockIdx.y, at most 65535 of them), for calls of more than two waves of threads. Side by side
+  // on the H200 against the general split (bench/results/2026-11-26_h200_8572874/tune/
+  // sample_walk.txt, two columns each): adaln LTX-long per sample
   // 40.2-40.3 -> 39.0-39.3 us bf16, 40.2-40.3 -> 37.8-38.0 fp16, gated_residual_norm LTX-long
   // 70.1-70.2 -> 69.4-69.5 bf16; at LTX's 1.3 waves mixed: adaln 17.4-17.6 -> 18.1 bf16,
   // 17.5-17.6 -> 17.0-17.1 fp16, gated_residual_norm within 0.2. With this rule: sample_walk_rule.txt.
