@@ -410,6 +410,15 @@ __global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(cons
   norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS, SPLIT, WALK>(a);
 }
 
+// The same rows in blocks of at most kMinBlockThreads threads, MIN_BLOCKS of them an SM: a
+// register count between the steps that bounds in 512-thread blocks can state (see
+// small_block_bound). Launched only where the plan's blocks are that small.
+template <int MIN_BLOCKS, typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD,
+          ParamPath PARAMS, bool SPLIT, RowWalk WALK>
+__global__ void __launch_bounds__(kMinBlockThreads, MIN_BLOCKS) norm_rows_small_block_kernel(const NormKernelArgs a) {
+  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS, SPLIT, WALK>(a);
+}
+
 // The register bound of a plan (MIN_BLOCKS above), for those whose allocation falls past an
 // occupancy step (ptxas 13.0, sm_90):
 // - 2 (64 registers) for the 4-vector modulated rows without a residual: fp16 92-100 -> 64
@@ -457,6 +466,14 @@ constexpr int register_bound() {
     if constexpr (std::is_same_v<T, __nv_bfloat16> && kNormAlone2 && NORM == NormType::kLayer) return 3;
   }
   return 0;
+}
+
+// The bound of a plan in blocks of kMinBlockThreads (norm_rows_small_block_kernel; 0: none):
+// - 6 (80 registers) for the 2-vector residual + modulated fp16 rows with fp16 operands, which
+//   ptxas otherwise gives 86 against bf16's 80, one 128-thread block an SM fewer.
+template <typename T, typename P, int ITEMS, bool RES, bool MOD, bool SPLIT>
+constexpr int small_block_bound() {
+  return std::is_same_v<T, __half> && std::is_same_v<P, __half> && ITEMS == 2 && RES && MOD && !SPLIT ? 6 : 0;
 }
 
 // Whether a plan has a twin for a walk other than the general split (WALK in norm_rows):
@@ -760,7 +777,7 @@ int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOp
   if (op.plain_residual && op.short_rows && vec_per_row <= kMaxThreads && rows * vec_per_row <= 2 * wave) return 1;
   if (op.plain_residual && vec_per_row <= kMaxThreads) return 2;
   if (op.per_row_operand && !op.f32_operands && vec_per_row <= 256) return 2;
-  if (op.residual && op.modulated && op.bf16_rows && !op.f32_operands && vec_per_row <= 256) return 2;
+  if (op.residual && op.modulated && op.sixteen_bit_rows && !op.f32_operands && vec_per_row <= 256) return 2;
   if (vec_per_row <= 4 * kMaxThreads)
     return three && !op.per_row_operand && 3 * threads_per_row(vec_per_row, 4) >= vec_per_row ? 3 : 4;
   if (vec_per_row <= 8 * kMaxThreads && !op.residual) return 8;
@@ -818,7 +835,11 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, RowWal
         constexpr ParamPath kPath = decltype(path)::value;
         constexpr RowWalk kWalk = decltype(walk_c)::value;
         constexpr int kMinBlocks = register_bound<T, P, ITEMS, kNorm, kRes, kMod, kPath, kWalk>();
-        const auto kernel = norm_rows_kernel<kMinBlocks, T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit, kWalk>;
+        auto kernel = norm_rows_kernel<kMinBlocks, T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit, kWalk>;
+        constexpr int kSmallBlocks = small_block_bound<T, P, ITEMS, kRes, kMod, kSplit>();
+        if constexpr (kSmallBlocks > 0)
+          if (block.x <= unsigned(kMinBlockThreads))
+            kernel = norm_rows_small_block_kernel<kSmallBlocks, T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit, kWalk>;
         // (the kernel's static shared memory counts against the same 48 KB default)
         if (smem > 32 * 1024) allow_dynamic_smem(kernel, smem);
         // The rows one grid row walks: all of them, or one sample's (kSamples: blockIdx.y).
