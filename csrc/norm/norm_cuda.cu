@@ -469,8 +469,10 @@ constexpr int register_bound() {
 }
 
 // The bound of a plan in blocks of kMinBlockThreads (norm_rows_small_block_kernel; 0: none):
-// - 6 (80 registers) for the 2-vector residual + modulated fp16 rows with fp16 operands, which
-//   ptxas otherwise gives 86 against bf16's 80, one 128-thread block an SM fewer.
+// - 6 (80 registers) for the 2-vector residual + modulated fp16 rows with fp16 operands, whose
+//   general-split kernels ptxas otherwise gives 86-88 registers against bf16's 78-81 (the flat
+//   and sample twins: 79-80), one 128-thread block an SM fewer; no spills under the bound. See
+//   pick_items for the times.
 template <typename T, typename P, int ITEMS, bool RES, bool MOD, bool SPLIT>
 constexpr int small_block_bound() {
   return std::is_same_v<T, __half> && std::is_same_v<P, __half> && ITEMS == 2 && RES && MOD && !SPLIT ? 6 : 0;
@@ -686,7 +688,6 @@ struct RowOpTraits {
   bool per_row_operand;  // a gate or modulation that changes from row to row (per token)
   bool small_operands;   // any of weight, bias, gate, scale, shift present
   bool f32_operands;     // ... in fp32
-  bool bf16_rows;        // x is bf16
   bool layer_norm;       // the norm is LayerNorm
   bool sixteen_bit_rows;  // x is fp16 or bf16
   bool short_rows;        // short_rms_rows_kernel can take them at one vector a thread
@@ -741,13 +742,16 @@ int threads_per_row(int64_t vec_per_row, int items) {
 //   ran faster there once the 4-vector rows were bounded to 64 registers (adaln Wan 1.3B per
 //   token 142.5-142.7 -> 140.0-140.2 us bf16, 142.7-142.8 -> 139.9-140.0 fp16; LTX's bf16
 //   per-token rows lose 0.7-1.9 us with 4: 2026-11-26_h200_b738d93/tune/norm_token_items.txt).
-// - 2 as well for a gated residual + modulated norm (gated_residual_norm) of bf16 rows with
+// - 2 as well for a gated residual + modulated norm (gated_residual_norm) of 16-bit rows with
 //   16-bit operands and up to 256 vectors (bench/results/2026-11-26_h200_ca4d16f/tune/
-//   grn_items_by_dtype.txt): LTX 27.4-27.9 -> 26.6-26.7 us, LTX-long 70.0 either way. Not for
-//   fp16 rows, whose 2-vector variant takes 86 registers against bf16's 80, one block of 128
-//   threads fewer per SM than the 4-vector plan (LTX 27.5 -> 28.3, LTX-long 69.9 -> 74.7);
-//   nor for FLUX's 384-vector rows (38.3-38.5 -> 38.5-38.8 in act_items_and_grn_vs_ca4d16f.txt)
-//   or Wan's fp32-modulated ones.
+//   grn_items_by_dtype.txt, bf16: LTX 27.4-27.9 -> 26.6-26.7 us, LTX-long 70.0 either way). fp16
+//   rows joined once their general-split kernels were bounded to bf16's 80 registers (see
+//   small_block_bound; unbounded, 86-88 lost: LTX 27.4-27.6 -> 28.2-28.3 on that walk, LTX-long
+//   69.9-70.0 -> 73.9-74.1). H200, fp16, three processes each (bench/results/
+//   2026-11-27_h200_f88b77c/tune/fp16_grn_cap80*.txt): LTX 27.41-27.52 -> 26.62-27.02 us (the
+//   sample walk), LTX-long 69.52-69.82 -> 68.88-69.02; on the general split (twins off) LTX
+//   27.44-27.60 -> 26.78-26.91, LTX-long even. Not for FLUX's 384-vector rows (38.3-38.5 ->
+//   38.5-38.8 in act_items_and_grn_vs_ca4d16f.txt) or Wan's fp32-modulated ones.
 // - otherwise 4, which keeps 64 bytes of each operand in flight per thread at the typical widths;
 //   8 for wide rows of the ops without a residual (with one, 8 vectors of x, branch and gate
 //   exceed the register budget).
@@ -945,8 +949,8 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   for (const RowOperandArg* o : {&a.x, &a.out, &a.branch, &a.residual_out})
     short_rows = short_rows && o->off.s2 >= 0 && o->off.s2 < (int64_t(1) << 31);
   const RowOpTraits traits{normalizes, res, plain_residual, mod, per_row_operand, n_params > 0,
-                           n_params > 0 && params_f32, args.x.dtype == DType::kBFloat16,
-                           args.norm == NormType::kLayer, dtype_size(args.x.dtype) == 2, short_rows};
+                           n_params > 0 && params_f32, args.norm == NormType::kLayer,
+                           dtype_size(args.x.dtype) == 2, short_rows};
   const int items = pick_items(a.rows, a.vec_per_row, full_vectors, traits);
   FUSEBOX_CHECK(a.rows < (int64_t(1) << 31), "too many rows: ", a.rows);
   // (the register path's split plans: see kSplitOnRegisterPath)

@@ -165,7 +165,7 @@ def test_plans_beyond_one_wave(device, gen, dtypes, case, samples):
 
 @pytest.mark.parametrize("dtypes", DTYPE_CASES)
 @pytest.mark.parametrize("shape", [(3, 7, 256), (4, 5, 64), (2, 33, 2048), (2, 6001, 2048), (3, 1901, 3072),
-                                   (2, 4300, 1536)])
+                                   (2, 4300, 1536), (2, 1000, 2048)])
 @pytest.mark.parametrize("kind", ["sample", "sample_chunk"])
 def test_sample_batches(device, gen, dtypes, shape, kind):
     """Modulated rows of several samples, each with its own modulation row, with rows per sample
@@ -175,7 +175,9 @@ def test_sample_batches(device, gen, dtypes, shape, kind):
     rows), and so do 3x1901x3072's (96-thread 16-bit rows, a thread count that is not a power of
     two, just past two waves; 192-thread fp32 rows), and 2x4300x1536's 16-bit rows, which take
     three vectors a thread with fp32 modulation (64-thread rows); the gated add alone takes the
-    sample walk on all three; the smaller shapes check the split. The CPU rows check the same
+    sample walk on all three. 2x1000x2048's residual + modulated 16-bit rows take the split at two
+    vectors a thread (fp16's 80-register kernel of 128-thread blocks); the smaller shapes check
+    the split too. The CPU rows check the same
     semantics on fewer rows."""
     xd, pd = dtypes
     if torch.device(device).type != "cuda":
