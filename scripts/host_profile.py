@@ -135,6 +135,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="eager / patched alternations")
     ap.add_argument("--top", type=int, default=30, help="rows of each cProfile table")
     args = ap.parse_args()
+    if args.size and args.model != "pixart-sigma":
+        ap.error("--size builds PixArt-Sigma's inputs: use it with --model pixart-sigma")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = device.type == "cuda"
     spec = dit.SPECS[args.model]

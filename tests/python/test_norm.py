@@ -177,8 +177,7 @@ def test_sample_batches(device, gen, dtypes, shape, kind):
     three vectors a thread with fp32 modulation (64-thread rows); the gated add alone takes the
     sample walk on all three. 2x1000x2048's residual + modulated 16-bit rows take the split at two
     vectors a thread (fp16's 80-register kernel of 128-thread blocks); the smaller shapes check
-    the split too. The CPU rows check the same
-    semantics on fewer rows."""
+    the split too. The CPU rows check the same semantics on fewer rows."""
     xd, pd = dtypes
     if torch.device(device).type != "cuda":
         shape = (shape[0], min(shape[1], 9), shape[2])
