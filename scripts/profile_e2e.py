@@ -6,6 +6,7 @@ diagnostic aid; `fusebox bench e2e` is the benchmark.
     python scripts/profile_e2e.py --model qwen3-8b --decode 1   # one decode step, also compiled
     python scripts/profile_e2e.py --model qwen3-8b --generate 16   # greedy generate, dynamic cache
     python scripts/profile_e2e.py --model ltx-video --timeline  # where the GPU waits, patched
+    python scripts/profile_e2e.py --model gemma3-4b --timeline --compiled  # and under compile
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ SYNC_CALLS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
               "cuStreamSynchronize", "cuCtxSynchronize", "cuMemcpyDtoH_v2", "cuMemcpyHtoD_v2"}
 
 
-def timeline(fn, top: int) -> None:
+def timeline(fn, top: int, label: str) -> None:
     """Idle time of the GPU during one forward, from a CPU + CUDA trace: each gap between two
     kernels is "host" when the next kernel was launched after the GPU had gone idle (the GPU
     waited for Python and the launch path), else "device" (launch latency behind queued work).
@@ -99,7 +100,7 @@ def timeline(fn, top: int) -> None:
                 device_idle += gap
         busy += max(0.0, k["ts"] + k["dur"] - max(k["ts"], end))
         end = max(end, k["ts"] + k["dur"])
-    print(f"\n== timeline: {len(kernels)} kernels; unprofiled forward {wall_ms:.2f} ms wall; profiled span "
+    print(f"\n== timeline of {label}: {len(kernels)} kernels; unprofiled forward {wall_ms:.2f} ms wall; profiled span "
           f"{span / 1e3:.2f} ms: GPU busy {busy / 1e3:.2f} ms, idle waiting for a launch {host_idle / 1e3:.2f} ms "
           f"({len(gaps)} gaps), idle behind queued launches {device_idle / 1e3:.2f} ms")
     print(f"synchronizing calls in the forward (the last one ends the profiled forward): {len(syncs)} "
@@ -210,11 +211,12 @@ def main() -> None:
                     help="LLMs: time and profile greedy generate at this batch on a dynamic cache, "
                          "unpatched and patched")
     ap.add_argument("--timeline", action="store_true",
-                    help="the GPU's idle time in one patched forward, split into waiting for the host "
+                    help="the GPU's idle time in one patched forward (with --compiled, also the "
+                         "compiled ones), split into waiting for the host "
                          "and launch latency, by the launching op")
     ap.add_argument("--compiled", action="store_true",
-                    help="diffusers transformers: also the unpatched and the patched model under "
-                         "regional compile")
+                    help="also the unpatched and the patched model under regional compile (each "
+                         "diffusers block or decoder layer compiled)")
     args = ap.parse_args()
 
     import fusebox
@@ -224,10 +226,14 @@ def main() -> None:
     device = torch.device("cuda")
     if hasattr(family, "profile_target"):        # diffusers transformers: one denoising step
         model, call = family.profile_target(args.model, device, torch.bfloat16)
+        from fusebox.bench.e2e import dit
+
+        regional = lambda: dit.compiled(model, "compile-regional", fullgraph=True)  # noqa: E731
     else:                                        # LLMs: prefill of args.tokens tokens
         model = family.build_model(args.model, device, torch.bfloat16).to(torch.bfloat16)
         ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device=device)
         call = lambda: model(ids, use_cache=False, logits_to_keep=1)  # noqa: E731
+        regional = lambda: family._compiled_layers(model)  # noqa: E731
     if args.generate:
         generate_profile(fusebox, model, args.generate, device)
         return
@@ -237,18 +243,20 @@ def main() -> None:
         with torch.inference_mode():
             tables = [("eager", kernel_times(call, args.iters))]
             if args.compiled:
-                from fusebox.bench.e2e import dit
-
-                with dit.compiled(model, "compile-regional", fullgraph=True):
+                with regional():
                     tables.append(("compile-regional", kernel_times(call, args.iters)))
+                    if args.timeline:
+                        timeline(call, args.top, "compile-regional")
             print(fusebox.patch(model))
             tables.append(("patched", kernel_times(call, args.iters)))
+            if args.timeline:
+                timeline(call, args.top, "patched")
             if args.compiled:
                 torch._dynamo.reset()
-                with dit.compiled(model, "compile-regional", fullgraph=True):
+                with regional():
                     tables.append(("patched+compile-regional", kernel_times(call, args.iters)))
-            if args.timeline:
-                timeline(call, args.top)
+                    if args.timeline:
+                        timeline(call, args.top, "patched+compile-regional")
     for name, table in tables:
         total = sum(t for t, _ in table.values())
         print(f"\n== {name}: {total / 1e3:.2f} ms of kernels per forward, "

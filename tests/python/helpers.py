@@ -383,10 +383,8 @@ LLM_FAMILIES = {
 }
 
 
-# module kinds a family has no fused forward for: MoE blocks (the experts keep their code),
-# OLMo-2's post-norm layers (the norm comes before the residual add)
-LLM_KINDS_LEFT = {"mixtral": ("MLP",), "gpt_oss": ("MLP",), "olmo2": ("DecoderLayer",),
-                  "olmo3": ("DecoderLayer",)}
+# module kinds a family has no fused forward for: MoE blocks (the experts keep their code)
+LLM_KINDS_LEFT = {"mixtral": ("MLP",), "gpt_oss": ("MLP",)}
 
 
 def tiny_llm(family, dtype=torch.float32, device="cpu", **overrides):

@@ -23,6 +23,7 @@ from helpers import (  # noqa: E402
     TINY_LLM,
     causal_lm,
     rel_err,
+    requires_cuda,
     tiny_falcon,
     tiny_llm,
     token_ids,
@@ -156,6 +157,141 @@ def test_fused_operators_run(monkeypatch):
     # 2 layers: input norm each + final norm; one fused add+norm, qk-norm+rope, MLP per layer
     assert calls == {"rms_norm": 3, "fused_add_rms_norm": 2, "qk_norm_rope": 2,
                      "gated_activation": 2}
+
+
+@pytest.mark.parametrize("family, expected", [
+    # post-norm layers: each branch's norm and the residual add after it
+    ("olmo2", {"rms_norm_add": 4, "fused_add_rms_norm": 0}),
+    # sandwich layers: attention add + pre-feedforward norm, post-feedforward norm + add
+    ("gemma3", {"rms_norm_add": 2, "fused_add_rms_norm": 2}),
+])
+def test_norm_then_residual_add_fused(monkeypatch, family, expected):
+    from fusebox import functional
+
+    calls = dict.fromkeys(expected, 0)
+    for name in expected:
+        fn = getattr(functional, name)
+
+        def counted(*a, _fn=fn, _name=name, **k):
+            calls[_name] += 1
+            return _fn(*a, **k)
+        monkeypatch.setattr(functional, name, counted)
+    model = tiny_llm(family)
+    ids = token_ids()
+    ref = logits(model, ids)
+    report = fusebox.patch(model)
+    assert any("rms_norm_add" in e.what for e in report.patched), str(report)
+    assert rel_err(logits(model, ids), ref) < 1e-5
+    assert calls == expected
+
+
+def test_fp32_tables_fused_where_the_model_rounds_after_rotating(monkeypatch):
+    """OLMo-2 keeps its rotary tables in fp32 and rounds the rotated q and k back to their
+    dtype: the fused op (fp32 math, q's dtype out) takes those tables, in bf16 too. Llama's
+    rotary returns the promoted dtype, so fp32 tables would not be its result."""
+    import transformers.models.llama.modeling_llama as llama_module
+    import transformers.models.olmo2.modeling_olmo2 as olmo2_module
+
+    from fusebox import functional
+    from fusebox.layers import rotary_rounds_to_input
+
+    assert rotary_rounds_to_input(olmo2_module.apply_rotary_pos_emb, "half")
+    assert not rotary_rounds_to_input(llama_module.apply_rotary_pos_emb, "half")
+    calls = []
+    fn = functional.qk_norm_rope
+    monkeypatch.setattr(functional, "qk_norm_rope", lambda *a, **k: calls.append(1) or fn(*a, **k))
+    model = tiny_llm("olmo2", dtype=torch.bfloat16)
+    with torch.no_grad():
+        cos, _ = model.model.rotary_emb(torch.zeros(1, dtype=torch.bfloat16), torch.arange(4)[None])
+    assert cos.dtype == torch.float32
+    fusebox.patch(model)
+    logits(model, token_ids())
+    assert len(calls) == 2
+
+
+def test_post_norm_layer_with_differing_norms_left_alone():
+    """The fused post-norm forward applies one formula to both norms: a layer whose norms
+    differ (here in eps) keeps its forward, and says why."""
+    model = tiny_llm("olmo2")
+    model.model.layers[0].post_feedforward_layernorm.variance_epsilon = 1e-3
+    report = fusebox.patch(model)
+    skipped = [e for e in report.skipped if e.kind.endswith("DecoderLayer")]
+    assert len(skipped) == 1 and "differ" in skipped[0].what, str(report)
+
+
+# --------------------------------------------------------------------------- grouped keys under a mask
+
+
+def _grouped_attention_inputs(device, dtype, batch=2, heads=4, kv_heads=2, seq=24, head_dim=64):
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(batch, h, seq, head_dim, generator=gen).to(device, dtype)
+               for h in (heads, kv_heads, kv_heads))
+    i = torch.arange(seq)
+    window = (i[:, None] >= i[None, :]) & (i[:, None] - i[None, :] < 8)
+    mask = window.expand(batch, 1, seq, seq).clone()
+    mask[0, :, :, :3] = False            # a padded prompt: its first keys masked for every query
+    mask[0, :, torch.arange(3), torch.arange(3)] = True
+    module = torch.nn.Module()
+    module.num_key_value_groups, module.is_causal, module.scaling = heads // kv_heads, True, 0.125
+    return module, q, k, v, mask.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_masked_sdpa_matches_transformers(device, dtype):
+    """Grouped keys with a mask through SDPA's grouped heads give transformers' result, where
+    it repeats the keys and values over the query heads."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from fusebox.patch import llm
+
+    module, q, k, v, mask = _grouped_attention_inputs(device, dtype)
+    ref, _ = sdpa_attention_forward(module, q, k, v, mask, scaling=module.scaling)
+    out, weights = llm._grouped_masked_sdpa(module, q, k, v, mask, scaling=module.scaling,
+                                            sliding_window=8)
+    assert weights is None and out.shape == ref.shape == (2, 24, 4, 64) and out.is_contiguous()
+    assert not out.isnan().any()
+    assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_additive_mask_formed_once_per_mask():
+    from fusebox.patch import llm
+
+    mask = torch.rand(1, 1, 5, 7) > 0.5
+    bias = llm._additive_mask(mask, torch.bfloat16)
+    assert bias.dtype == torch.bfloat16 and bias.shape == mask.shape
+    assert torch.equal(bias == 0, mask) and torch.isneginf(bias[~mask]).all()
+    assert llm._additive_mask(mask, torch.bfloat16) is bias          # the next layer's call
+    assert llm._additive_mask(mask.clone(), torch.bfloat16) is not bias
+    additive = torch.zeros(1, 1, 5, 7)
+    assert llm._additive_mask(additive, torch.float32) is additive   # already additive
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_grouped_masked_sdpa_taken_on_cuda(monkeypatch):
+    """A patched bf16 model with grouped keys and a sliding window reaches SDPA through the
+    grouped path where SDPA has a fused kernel for it, with the unpatched model's logits."""
+    from fusebox.patch import llm
+
+    module, q, k, v, mask = _grouped_attention_inputs("cuda", torch.bfloat16)
+    fused_kernel = torch._fused_sdp_choice(
+        q, k, v, llm._additive_mask(mask, q.dtype), 0.0, False, scale=0.125,
+        enable_gqa=True) != int(torch.nn.attention.SDPBackend.MATH)
+    calls = []
+    original = llm._grouped_masked_sdpa
+
+    def counted(*a, **kw):
+        calls.append(1)
+        return original(*a, **kw)
+    monkeypatch.setattr(llm, "_grouped_masked_sdpa", counted)
+    model = tiny_llm("mistral", head_dim=64, dtype=torch.bfloat16, device="cuda")
+    ids = token_ids(device="cuda")
+    ref = logits(model, ids)
+    fusebox.patch(model)
+    out = logits(model, ids)
+    assert len(calls) == (2 if fused_kernel else 0)
+    assert not out.isnan().any() and rel_err(out, ref) < 2e-2
 
 
 # --------------------------------------------------------------------------- report, unpatch
@@ -451,12 +587,12 @@ def test_inference_mode(family):
 
 # the fused operators each family's compiled graph must hold
 COMPILED_OPS = {"llama": {"rms_norm", "rotary", "gated_act"},
-                "gemma3": {"rms_norm", "rotary", "gated_act"},
+                "gemma3": {"rms_norm", "rotary", "gated_act", "fused_norm"},
                 "gpt_oss": {"rms_norm", "rotary"},
                 "qwen3_moe": {"rms_norm", "rotary", "gated_act"},
                 "glm4_moe": {"rms_norm", "rotary", "gated_act"},
                 "mixtral": {"rms_norm", "rotary"},
-                "olmo2": {"rms_norm", "rotary", "gated_act"},
+                "olmo2": {"rms_norm", "rotary", "gated_act", "fused_norm"},
                 "smollm3": {"rms_norm", "rotary", "gated_act"},
                 "phi3": {"rms_norm", "rotary", "gated_act_packed"},
                 "falcon-40b": {"rotary", "layer_norm"}}

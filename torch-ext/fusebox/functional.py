@@ -60,6 +60,21 @@ def fused_add_rms_norm(
     return ops.fused_add_rms_norm(x, residual, weight, float(eps), float(weight_offset))
 
 
+def rms_norm_add(
+    x: Tensor,
+    residual: Tensor,
+    weight: Optional[Tensor] = None,
+    eps: float = 1e-6,
+    weight_offset: float = 0.0,
+) -> Tensor:
+    """``residual + rms_norm(x, weight)``: the residual add of a post-norm layer (OLMo-2's
+    branches, Gemma2/3's post-feedforward norm) in one pass, rounded once to x's dtype.
+    ``residual`` broadcasts against x as ``shift`` does in :func:`adaln`."""
+    out, _ = ops.fused_norm(x, None, None, None, residual, weight, None, "rms", float(eps),
+                            float(weight_offset), None)
+    return out
+
+
 def layer_norm(
     x: Tensor,
     weight: Optional[Tensor] = None,

@@ -125,6 +125,23 @@ def rotary_form(fn, half_tables: bool = False):
     return None
 
 
+def rotary_rounds_to_input(fn, form: str, half_tables: bool = False) -> bool:
+    """Whether ``fn`` (of ``form``), given 16-bit q and k with fp32 tables, rotates in fp32
+    and returns q's and k's dtype, as OLMo-2's does: then the fused op, which computes in fp32
+    and writes q's dtype, takes fp32 tables as they come. (Llama's returns the promoted fp32.)"""
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 3, 8, generator=gen).to(torch.bfloat16) for _ in range(2))
+    cos, sin = (torch.randn(1, 3, 4 if half_tables else 8, generator=gen) for _ in range(2))
+    try:
+        q_out, k_out = fn(q, k, cos, sin)
+    except Exception:  # noqa: BLE001 - any failure means "no"
+        return False
+    c, s = rotary_tables(form, cos, sin, half_tables)
+    return all(out.dtype == x.dtype and torch.equal(
+        out, _turned(x.float(), c[:, None], s[:, None], form != "half").to(x.dtype))
+        for x, out in ((q, q_out), (k, k_out)))
+
+
 def probe_rotary(fn):
     """(form, half_tables) of an ``apply_rotary_pos_emb``: its form with full-width tables, or
     failing that with tables of half the head; (None, ...) when neither is one rope runs.

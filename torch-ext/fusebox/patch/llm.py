@@ -16,7 +16,12 @@ What is replaced, module by module (every other module keeps its forward):
   exactly as the original does;
 - the decoder layer of the known families: the residual add and the norm after it become one
   ``fused_add_rms_norm`` (pre-norm layers: attention add + ``post_attention_layernorm``;
-  Gemma2/3 sandwich layers: attention add + ``pre_feedforward_layernorm``);
+  Gemma2/3 sandwich layers: attention add + ``pre_feedforward_layernorm``), and a norm with the
+  residual add after it one ``rms_norm_add`` (Gemma2/3's ``post_feedforward_layernorm``,
+  OLMo-2/3's post-norm layers);
+- grouped keys under a mask (sliding windows, padding) reach SDPA as the cache holds them, with
+  ``enable_gqa`` and the additive mask formed once per forward, where SDPA has a fused kernel
+  for that (transformers repeats them over the query heads first);
 - an attention or decoder layer of another family whose forward reads, word for word, as one
   of the known families' gets that family's fused forward;
 - Falcon (rotary, not ALiBi): its ``LayerNorm`` modules -> ``layer_norm``, and the rotary of q/k
@@ -46,7 +51,7 @@ from typing import Callable, Dict, Optional, Tuple
 import torch
 
 from .. import functional as F
-from ..layers import probe_rotary, rotary_tables
+from ..layers import probe_rotary, rotary_rounds_to_input, rotary_tables
 from ._common import (
     derived_once,
     has_hooks,
@@ -85,7 +90,8 @@ _ATTENTION_REFERENCES = (("llama", "LlamaAttention"), ("mistral", "MistralAttent
                          ("qwen2", "Qwen2Attention"), ("qwen3", "Qwen3Attention"),
                          ("gemma2", "Gemma2Attention"), ("gemma3", "Gemma3Attention"))
 _LAYER_REFERENCES = (("llama", "LlamaDecoderLayer"), ("mixtral", "MixtralDecoderLayer"),
-                     ("gemma2", "Gemma2DecoderLayer"), ("gpt_oss", "GptOssDecoderLayer"))
+                     ("gemma2", "Gemma2DecoderLayer"), ("gpt_oss", "GptOssDecoderLayer"),
+                     ("olmo2", "Olmo2DecoderLayer"))
 
 
 @functools.lru_cache(maxsize=None)
@@ -167,6 +173,14 @@ def _add_norm(norm: torch.nn.Module, style: Optional[NormStyle], x: torch.Tensor
         return F.fused_add_rms_norm(x, residual, norm.weight, style.eps, style.weight_offset)
     h = residual + x
     return norm(h), h
+
+
+def _norm_add(norm: torch.nn.Module, style: Optional[NormStyle], x: torch.Tensor,
+              residual: torch.Tensor) -> torch.Tensor:
+    """``residual + norm(x)`` (a post-norm layer's residual add), one fused op where possible."""
+    if x.dtype == residual.dtype and x.shape == residual.shape and _weight_readable(norm, style, x):
+        return F.rms_norm_add(x, residual, norm.weight, style.eps, style.weight_offset)
+    return residual + norm(x)
 
 
 # --------------------------------------------------------------------------- LayerNorm
@@ -306,7 +320,57 @@ _ATTENTION_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_
                      "past_key_values", "kwargs")
 
 
-def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool,
+def _sdpa_interface() -> Optional[Callable]:
+    try:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    except ImportError:
+        return None
+    return sdpa_attention_forward
+
+
+def _grouped_masked_sdpa_applies(module, interface, query, key, value, attention_mask,
+                                 kwargs) -> bool:
+    """Whether ``_grouped_masked_sdpa`` can stand in for transformers' SDPA call: grouped
+    keys with a mask (a sliding window, padding), in eager code on a GPU, where SDPA has a
+    fused kernel for the grouped heads (cuDNN's on Hopper). transformers repeats the keys and
+    values over the query heads there, since SDPA's grouped path used to take masks only in its
+    math kernel: two strided copies of the keys' size a layer (Gemma3-4B at 2048 tokens:
+    12.8 us each), and SDPA turns the bool mask into an additive one in every layer (12.3 us)."""
+    if (attention_mask is None or getattr(module, "num_key_value_groups", 1) <= 1
+            or torch.compiler.is_compiling() or not query.is_cuda
+            or interface is not _sdpa_interface() or kwargs.get("position_bias") is not None
+            or kwargs.get("output_attentions") or module.training):
+        return False
+    # SDPA's own choice for these inputs, once per mask tensor and layout (the layers of a
+    # forward share the mask): any fused kernel beats the repeat, the math one does not.
+    layout = (query.shape, key.shape, value.shape, query.stride(), key.stride(), value.stride(),
+              query.dtype, getattr(module, "scaling", None))
+    return derived_once(attention_mask, f"grouped sdpa {layout}", lambda: torch._fused_sdp_choice(
+        query, key, value, _additive_mask(attention_mask, query.dtype), 0.0, False,
+        scale=getattr(module, "scaling", None), enable_gqa=True) != int(torch.nn.attention.SDPBackend.MATH))
+
+
+def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A bool mask as the additive one SDPA forms from it (0 where attended, -inf elsewhere),
+    formed once per mask for the layers that share it; other masks as they are."""
+    if mask.dtype != torch.bool:
+        return mask
+    return derived_once(mask, f"additive {dtype}", lambda: torch.zeros(
+        mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf")))
+
+
+def _grouped_masked_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                         **kwargs):
+    """transformers' SDPA attention for a mask and grouped keys (see
+    ``_grouped_masked_sdpa_applies``), the keys and values as the cache holds them: the same
+    result (SDPA computes the grouped heads as repeated ones), without the repeat."""
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=_additive_mask(attention_mask, query.dtype),
+        dropout_p=dropout, scale=scaling, enable_gqa=True)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, fp32_tables: bool,
                             q_style: Optional[NormStyle], k_style: Optional[NormStyle],
                             eager: Callable) -> Callable:
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -315,9 +379,13 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool,
                 past_key_values=None, **kwargs):
         cos, sin = position_embeddings
         projection = self.qkv_proj if spec.fused_qkv else self.q_proj
-        # transformers rotates in the dtype of q*cos: the fused op writes q's dtype
+        # transformers rotates in the dtype of q*cos: the fused op writes q's dtype, which is
+        # what the model returns for tables of q's dtype, or of fp32 where it rounds the
+        # rotated values back to q's dtype (fp32_tables: OLMo-2)
+        tables_as_model = cos.dtype == hidden_states.dtype or (
+            fp32_tables and cos.dtype == torch.float32)
         if not _fusable(hidden_states, projection.weight, cos, sin) or cos.dtype != sin.dtype \
-                or cos.dtype != hidden_states.dtype:
+                or not tables_as_model:
             return original_forward(self)(hidden_states, position_embeddings, attention_mask,
                                           past_key_values, **kwargs)
         if half_tables or form == "interleaved, first half":
@@ -361,6 +429,9 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool,
 
         attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager)
+        if _grouped_masked_sdpa_applies(self, attention_interface, query, key, value,
+                                        attention_mask, kwargs):
+            attention_interface = _grouped_masked_sdpa
         attn_output, attn_weights = attention_interface(
             self, query, key, value, attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
@@ -454,10 +525,13 @@ def _falcon_attention_patch(module) -> Tuple[Optional[Callable], str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _rotary_form(module_name: str) -> Tuple[Optional[str], bool]:
-    """(form, half_tables) of the ``apply_rotary_pos_emb`` next to an attention class
-    (``layers.probe_rotary``); form None when rope runs none of its rotations."""
-    return probe_rotary(getattr(sys.modules[module_name], "apply_rotary_pos_emb", None))
+def _rotary_form(module_name: str) -> Tuple[Optional[str], bool, bool]:
+    """(form, half_tables, fp32_tables) of the ``apply_rotary_pos_emb`` next to an attention
+    class (``layers.probe_rotary``, ``layers.rotary_rounds_to_input``); form None when rope
+    runs none of its rotations."""
+    fn = getattr(sys.modules[module_name], "apply_rotary_pos_emb", None)
+    form, half_tables = probe_rotary(fn)
+    return form, half_tables, form is not None and rotary_rounds_to_input(fn, form, half_tables)
 
 
 def _attention_patch(module) -> Tuple[Optional[Callable], str]:
@@ -469,7 +543,7 @@ def _attention_patch(module) -> Tuple[Optional[Callable], str]:
         spec, reads_as = ATTENTION[reference], f" (forward as {reference}'s)"
     if _params(type(module).forward) != _ATTENTION_PARAMS:
         return None, "forward signature differs from the supported transformers versions"
-    form, half_tables = _rotary_form(type(module).__module__)
+    form, half_tables, fp32_tables = _rotary_form(type(module).__module__)
     if form is None:
         return None, "apply_rotary_pos_emb is none of the rotations fusebox runs"
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
@@ -482,7 +556,7 @@ def _attention_patch(module) -> Tuple[Optional[Callable], str]:
         q_style, k_style = norm_style(module.q_norm), norm_style(module.k_norm)
         if q_style is None or k_style is None or q_style != k_style:
             return None, "q_norm/k_norm formula not recognized"
-    return _make_attention_forward(spec, form, half_tables, q_style, k_style, eager), (
+    return _make_attention_forward(spec, form, half_tables, fp32_tables, q_style, k_style, eager), (
         ("qk_norm_rope" if spec.qk_norm else "rope") + reads_as)
 
 
@@ -547,35 +621,65 @@ def _make_rotary_first_layer_forward(style: NormStyle, sandwich: bool) -> Callab
             position_embeddings=position_embeddings, attention_mask=attention_mask,
             position_ids=position_ids, past_key_values=past_key_values, **kwargs)
         out = self.mlp(normed)
-        return hidden_states + (self.post_feedforward_layernorm(out) if sandwich else out)
+        if sandwich:
+            return _norm_add(self.post_feedforward_layernorm, style, out, hidden_states)
+        return hidden_states + out
+    return forward
+
+
+def _make_postnorm_layer_forward(style: NormStyle) -> Callable:
+    """OLMo-2/3's post-norm layer, ``h = x + norm1(attn(x)); out = h + norm2(mlp(h))``, each
+    norm and the residual add after it one ``rms_norm_add``."""
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                use_cache=False, position_embeddings=None, **kwargs):
+        if not _fusable(hidden_states, self.post_attention_layernorm.weight):
+            return original_forward(self)(hidden_states, attention_mask, position_ids,
+                                          past_key_values, use_cache, position_embeddings,
+                                          **kwargs)
+        attn_out, _ = self.self_attn(
+            hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, use_cache=use_cache,
+            position_embeddings=position_embeddings, **kwargs)
+        hidden_states = _norm_add(self.post_attention_layernorm, style, attn_out, hidden_states)
+        return _norm_add(self.post_feedforward_layernorm, style, self.mlp(hidden_states),
+                         hidden_states)
     return forward
 
 
 @dataclass(frozen=True)
 class LayerTemplate:
     params: Tuple[str, ...]
-    fused_norm: str                       # the norm that absorbs the attention residual add
+    norms: Tuple[str, ...]                # the norms the fused forward computes (one formula)
     make: Callable[[NormStyle], Callable]
+    what: str                             # the report's line
 
 
 _PRENORM_PARAMS = ("self", "hidden_states", "attention_mask", "position_ids", "past_key_values",
                    "use_cache", "position_embeddings", "kwargs")
-_PRENORM = LayerTemplate(_PRENORM_PARAMS, "post_attention_layernorm", _make_prenorm_layer_forward)
+_PRENORM_WHAT = "fused_add_rms_norm (attention residual + post_attention_layernorm)"
+_PRENORM = LayerTemplate(_PRENORM_PARAMS, ("post_attention_layernorm",),
+                         _make_prenorm_layer_forward, _PRENORM_WHAT)
 _PRENORM_MLP_TUPLE = LayerTemplate(
-    _PRENORM_PARAMS, "post_attention_layernorm",
-    functools.partial(_make_prenorm_layer_forward, mlp_returns_tuple=True))
+    _PRENORM_PARAMS, ("post_attention_layernorm",),
+    functools.partial(_make_prenorm_layer_forward, mlp_returns_tuple=True), _PRENORM_WHAT)
 _PRENORM_RESIDUAL_DROPOUT = LayerTemplate(
-    _PRENORM_PARAMS, "post_attention_layernorm",
+    _PRENORM_PARAMS, ("post_attention_layernorm",),
     functools.partial(_make_prenorm_layer_forward,
-                      dropouts=("resid_attn_dropout", "resid_mlp_dropout")))
+                      dropouts=("resid_attn_dropout", "resid_mlp_dropout")), _PRENORM_WHAT)
+_POSTNORM = LayerTemplate(
+    _PRENORM_PARAMS, ("post_attention_layernorm", "post_feedforward_layernorm"),
+    _make_postnorm_layer_forward,
+    "rms_norm_add (post_attention_layernorm + residual, post_feedforward_layernorm + residual)")
 _ROTARY_FIRST_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_mask",
                         "position_ids", "past_key_values", "kwargs")
 _PRENORM_ROTARY_FIRST = LayerTemplate(
-    _ROTARY_FIRST_PARAMS, "post_attention_layernorm",
-    functools.partial(_make_rotary_first_layer_forward, sandwich=False))
+    _ROTARY_FIRST_PARAMS, ("post_attention_layernorm",),
+    functools.partial(_make_rotary_first_layer_forward, sandwich=False), _PRENORM_WHAT)
 _SANDWICH = LayerTemplate(
-    _ROTARY_FIRST_PARAMS, "pre_feedforward_layernorm",
-    functools.partial(_make_rotary_first_layer_forward, sandwich=True))
+    _ROTARY_FIRST_PARAMS, ("pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    functools.partial(_make_rotary_first_layer_forward, sandwich=True),
+    "fused_add_rms_norm (attention residual + pre_feedforward_layernorm), "
+    "rms_norm_add (post_feedforward_layernorm + residual)")
 
 # The MoE layers add their expert block's output as the dense layers add their MLP's.
 DECODER_LAYERS: Dict[str, LayerTemplate] = {
@@ -593,6 +697,8 @@ DECODER_LAYERS: Dict[str, LayerTemplate] = {
     "GemmaDecoderLayer": _PRENORM,
     "Gemma2DecoderLayer": _SANDWICH,
     "Gemma3DecoderLayer": _SANDWICH,
+    "Olmo2DecoderLayer": _POSTNORM,
+    "Olmo3DecoderLayer": _POSTNORM,
 }
 
 
@@ -605,11 +711,13 @@ def _layer_patch(module) -> Tuple[Optional[Callable], str]:
         template, reads_as = DECODER_LAYERS[reference], f" (forward as {reference}'s)"
     if _params(type(module).forward) != template.params:
         return None, "forward signature differs from the supported transformers versions"
-    style = norm_style(getattr(module, template.fused_norm))
-    if style is None:
-        return None, f"{template.fused_norm} formula not recognized"
-    return template.make(style), (f"fused_add_rms_norm (attention residual + "
-                                  f"{template.fused_norm}){reads_as}")
+    styles = [norm_style(getattr(module, name)) for name in template.norms]
+    for name, style in zip(template.norms, styles):
+        if style is None:
+            return None, f"{name} formula not recognized"
+    if any(style != styles[0] for style in styles):
+        return None, f"{' and '.join(template.norms)} differ in formula or eps"
+    return template.make(styles[0]), template.what + reads_as
 
 
 # --------------------------------------------------------------------------- entry point
@@ -621,10 +729,6 @@ SPECIAL_CLASSES: Dict[str, Callable[[torch.nn.Module], Tuple[Optional[Callable],
     "FalconMLP": lambda m: (None, "not gated: up, activation (one launch already), down"),
     "FalconDecoderLayer": lambda m: (
         None, "residual adds kept as written (LayerNorm model, parallel attention + MLP)"),
-    "Olmo2DecoderLayer": lambda m: (
-        None, "post-norm layer: its norms apply to the branches before the residual adds"),
-    "Olmo3DecoderLayer": lambda m: (
-        None, "post-norm layer: its norms apply to the branches before the residual adds"),
 }
 
 
@@ -683,6 +787,6 @@ def patch(model: torch.nn.Module, report, **options) -> None:
         patched += 1
     if not patched:
         report.note(f"{type(model).__name__}: no module fusebox recognizes; model left untouched")
-    elif not any(e.what.startswith("fused_add_rms_norm") for e in report.patched):
+    elif not any(e.what.startswith(("fused_add_rms_norm", "rms_norm_add")) for e in report.patched):
         report.note("decoder layers keep their residual adds (see why above); norms, MLPs "
                     "and attention patched where recognized")

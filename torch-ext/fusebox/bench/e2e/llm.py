@@ -47,6 +47,7 @@ MODELS = {
     "gemma3-4b": "google/gemma-3-4b-it text model: 34 layers, 2560 wide, sandwich norms, q/k norm",
     "falcon-7b": "tiiuae/falcon-7b: 32 layers, 4544 wide, multi-query 71/1, LayerNorm, parallel MLP",
     "smollm3-3b": "HuggingFaceTB/SmolLM3-3B: 36 layers, 2048 wide, GQA 16/4, every 4th layer NoPE",
+    "olmo2-7b": "allenai/OLMo-2-1124-7B: 32 layers, 4096 wide, q/k norms across heads, post-norm",
     TINY: "2-layer Qwen3-style model, 128 wide (functional check; runs on CPU)",
 }
 
@@ -90,6 +91,12 @@ CONFIGS: Dict[str, dict] = {
         rope_theta=5_000_000.0, vocab_size=128256, max_position_embeddings=65536,
         no_rope_layer_interval=4, use_sliding_window=False, tie_word_embeddings=True,
         bos_token_id=128000, eos_token_id=128012, pad_token_id=128004, initializer_range=0.02),
+    "olmo2-7b": dict(
+        model_type="olmo2", hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, hidden_act="silu", rms_norm_eps=1e-6,
+        rope_theta=500_000.0, rope_scaling=None, vocab_size=100352, max_position_embeddings=4096,
+        attention_bias=False, tie_word_embeddings=False, bos_token_id=None,
+        eos_token_id=100257, pad_token_id=100277, initializer_range=0.02),
     TINY: dict(
         model_type="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, hidden_act="silu",
