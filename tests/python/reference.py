@@ -73,6 +73,11 @@ def fused_add_rms_norm(x, residual, weight=None, eps=1e-6, weight_offset=0.0):
     return rms_norm(h, weight, eps, weight_offset), h
 
 
+def rms_norm_add(x, residual, weight=None, eps=1e-6, weight_offset=0.0):
+    """residual + rms_norm(x), nothing rounded in between."""
+    return f64(residual) + rms_norm(x, weight, eps, weight_offset)
+
+
 def gated_residual_norm(x, branch, gate=None, scale=None, shift=None, weight=None, bias=None,
                         norm_type="layer", eps=1e-6, weight_offset=0.0):
     """Returns (out, h): h rounded to x's dtype, out computed from the rounded h."""

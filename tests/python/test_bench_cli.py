@@ -125,6 +125,8 @@ def test_suite_counts():
     # LLM rows 1..32768 x widths 2048/3072/4096
     assert per[("rms_norm", "llm", "bf16")] == 18
     assert per[("fused_add_rms_norm", "llm", "fp16")] == 18
+    # post-norm adds: Gemma3-4B's and OLMo-2 7B's widths at 2048 and 8192 tokens
+    assert per[("rms_norm_add", "llm", "bf16")] == 4
     # FFN rows 1..8192 x 11008/12288/14336
     assert per[("swiglu", "llm", "bf16")] == 15
     # seeds: 8 Qwen shapes + 7 LTX shapes without weight, under their own labels
@@ -167,6 +169,9 @@ def test_bytes_hand_computed():
     # fused add: x, residual, w in; y, h out
     assert _nb("fused_add_rms_norm", dict(shape=(2048, 4096), eps=1e-6)) == \
         4 * 2048 * 4096 * 2 + 4096 * 2
+    # norm then residual add: x, residual, w in; out
+    assert _nb("rms_norm_add", dict(shape=(2048, 2560), eps=1e-6)) == \
+        3 * 2048 * 2560 * 2 + 2560 * 2
     # half-split rope, 8192 tokens, 32 + 8 heads of 128, cos/sin [1, S, 128] bf16
     assert _nb("rope", dict(B=1, S=8192, hq=32, hk=8, d=128, theta=1e6)) == \
         2 * 8192 * 40 * 128 * 2 + 2 * 8192 * 128 * 2

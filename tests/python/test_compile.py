@@ -32,7 +32,7 @@ def test_compile_norms(device, gen):
         normed, h = fusebox.fused_add_rms_norm(x, res, w)
         return (fusebox.rms_norm(x, w), fusebox.rms_norm(x, None, out_dtype=torch.float32),
                 normed, h, fusebox.layer_norm(h, w, b), fusebox.rmsnorm(x, w),
-                fusebox.rmsnorm_residual(x, res, w))
+                fusebox.rmsnorm_residual(x, res, w), fusebox.rms_norm_add(x, res, w))
 
     x = randn(gen, (3, 7, 768), BF16, device)[:, :, :700]  # strided rows
     res = randn(gen, (3, 7, 700), BF16, device)

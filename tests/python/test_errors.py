@@ -114,6 +114,18 @@ def test_residual_shape_mismatch(gen, device):
                                    randn(gen, (5, 64), F32, device))
 
 
+@pytest.mark.parametrize("residual", [(4, 7, 64), (2, 4, 6, 64), torch.float64, torch.int32, 1.0])
+def test_rms_norm_add_residual_invalid(x, gen, device, residual):
+    if isinstance(residual, tuple):
+        bad, expected = randn(gen, residual, BF16, device), "broadcast"
+    elif isinstance(residual, torch.dtype):
+        bad, expected = randn(gen, x.shape, F32, device).to(residual), DTYPE_NAMES[residual]
+    else:
+        bad, expected = residual, SUPPORTED
+    with raises(arg("residual"), expected):
+        fusebox.rms_norm_add(x, bad, weight(gen, 64, BF16, device))
+
+
 @pytest.mark.parametrize("name,shape", [("scale", (4, 3, 64)), ("scale", (4, 1, 32)),
                                         ("shift", (3, 1, 64)), ("shift", (4, 6, 63))])
 def test_adaln_modulation_not_broadcastable(x, gen, device, name, shape):

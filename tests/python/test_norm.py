@@ -255,6 +255,33 @@ def test_fused_add_rms_norm_large(device, gen, dtypes):
                     weight(gen, 16384, pd, device))
 
 
+# --------------------------------------------------------------------------- rms_norm_add
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("width", WIDTHS)
+@pytest.mark.parametrize("rows", ODD_ROWS)
+def test_rms_norm_add(device, gen, dtypes, width, rows):
+    xd, pd = dtypes
+    x = randn(gen, (rows, width), xd, device, scale=3.0)
+    res = randn(gen, (rows, width), xd, device)
+    w = weight(gen, width, pd, device)
+    out = call(fusebox.rms_norm_add, x, res, w)
+    assert_close(out, ref.rms_norm_add(x, res, w), xd)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("x_layout", LAYOUTS)
+@pytest.mark.parametrize("res_layout", LAYOUTS)
+def test_rms_norm_add_layouts(device, gen, dtypes, x_layout, res_layout):
+    xd, pd = dtypes
+    x = make_input(gen, x_layout, (3, 5, 2560), xd, device)
+    res = make_input(gen, res_layout, (3, 5, 2560), xd, device)
+    w = small(gen, (2560,), pd, device)
+    out = call(fusebox.rms_norm_add, x, res, w, eps=1e-5, weight_offset=1.0)   # Gemma's (1 + w)
+    assert_close(out, ref.rms_norm_add(x, res, w, 1e-5, 1.0), xd)
+
+
 # --------------------------------------------------------------------------- layer_norm
 
 

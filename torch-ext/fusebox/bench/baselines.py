@@ -30,6 +30,15 @@ def llama_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * h.to(dtype)
 
 
+def t5_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """transformers ``Olmo2RMSNorm`` (T5's formula): fp32 statistics, the weight applied in
+    fp32, one cast to the input dtype."""
+    dtype = x.dtype
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight * h).to(dtype)
+
+
 def diffusers_rms_norm(x: Tensor, eps: float) -> Tensor:
     """diffusers ``RMSNorm(elementwise_affine=False)`` forward (weight is None): the product
     with the fp32 rsqrt promotes to fp32, then the result is cast back."""

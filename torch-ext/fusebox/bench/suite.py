@@ -193,6 +193,20 @@ def _add_rms_torch(t, p):
     return F.rms_norm(h, (h.shape[-1],), t["w"], p["eps"]), h
 
 
+# =========================================================================== rms_norm_add
+
+
+def _norm_add_shapes():
+    # post-norm residual adds at prefill: Gemma3-4B (2560 wide), OLMo-2 7B (4096)
+    return [("llm", f"{rows}x{d}", dict(shape=(rows, d), eps=1e-6), (rows, d) == (2048, 4096))
+            for d in (2560, 4096) for rows in (2048, 8192)]
+
+
+def _norm_add_bytes(p, dt):
+    e, d = _esize(dt), p["shape"][-1]
+    return 3 * _numel(p["shape"]) * e + d * e
+
+
 # =========================================================================== layer_norm
 
 
@@ -561,6 +575,16 @@ _OPS = [
         liger=lambda lk, t, p: lk.liger_fused_add_rms_norm(t["x"], t["residual"], t["w"],
                                                            p["eps"]),
         liger_doc="liger_fused_add_rms_norm",
+    ),
+    OpSpec(
+        name="rms_norm_add", title="RMSNorm, then the residual add: residual + rms_norm(x)",
+        shapes=_norm_add_shapes, build=_add_rms_build, nbytes=_norm_add_bytes,
+        reads=("x", "residual", "w"),
+        fusebox=lambda fb, t, p: fb.rms_norm_add(t["x"], t["residual"], t["w"], p["eps"]),
+        eager=lambda t, p: t["residual"] + B.t5_rms_norm(t["x"], t["w"], p["eps"]),
+        eager_doc="residual + Olmo2RMSNorm(x)",
+        torch=lambda t, p: t["residual"] + F.rms_norm(t["x"], (t["x"].shape[-1],), t["w"], p["eps"]),
+        torch_doc="residual + F.rms_norm(x)",
     ),
     OpSpec(
         name="layer_norm", title="LayerNorm with weight and bias",
