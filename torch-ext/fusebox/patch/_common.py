@@ -16,7 +16,7 @@ import inspect
 import re
 import types
 import weakref
-from typing import Callable, Iterator, List, Optional, Tuple, TypeVar
+from typing import Callable, Hashable, Iterator, List, Optional, Tuple, TypeVar
 
 import torch
 
@@ -154,11 +154,12 @@ def needs_autograd(*tensors: Optional[torch.Tensor]) -> bool:
 
 T = TypeVar("T")
 # (source tensor, its version, what was derived, the value); the few most recent
-_DERIVED: List[Tuple[weakref.ref, int, str, object]] = []
+_DERIVED: List[Tuple[weakref.ref, int, Hashable, object]] = []
 
 
-def derived_once(source: torch.Tensor, kind: str, make: Callable[[], T]) -> T:
-    """``make()``, formed once per ``source`` tensor and ``kind`` in eager calls. The layers of
+def derived_once(source: torch.Tensor, kind: Hashable, make: Callable[[], T]) -> T:
+    """``make()``, formed once per ``source`` tensor and ``kind`` (a string, or a tuple that
+    also holds the shapes the value depends on) in eager calls. The layers of
     one forward get the same rotary tables, so tables derived from them (another layout, both
     halves written out) are formed by the first layer and reused by the rest; a new forward
     brings new tensors. Under ``torch.compile`` the value is formed in the graph."""

@@ -343,9 +343,9 @@ def _grouped_masked_sdpa_applies(module, interface, query, key, value, attention
         return False
     # SDPA's own choice for these inputs, once per mask tensor and layout (the layers of a
     # forward share the mask): any fused kernel beats the repeat, the math one does not.
-    layout = (query.shape, key.shape, value.shape, query.stride(), key.stride(), value.stride(),
-              query.dtype, getattr(module, "scaling", None))
-    return derived_once(attention_mask, f"grouped sdpa {layout}", lambda: torch._fused_sdp_choice(
+    layout = ("grouped sdpa", query.shape, key.shape, value.shape, query.stride(), key.stride(),
+              value.stride(), query.dtype, getattr(module, "scaling", None))
+    return derived_once(attention_mask, layout, lambda: torch._fused_sdp_choice(
         query, key, value, _additive_mask(attention_mask, query.dtype), 0.0, False,
         scale=getattr(module, "scaling", None), enable_gqa=True) != int(torch.nn.attention.SDPBackend.MATH))
 
