@@ -320,6 +320,7 @@ _ATTENTION_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_
                      "past_key_values", "kwargs")
 
 
+@functools.lru_cache(maxsize=None)
 def _sdpa_interface() -> Optional[Callable]:
     try:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -345,9 +346,20 @@ def _grouped_masked_sdpa_applies(module, interface, query, key, value, attention
     # forward share the mask): any fused kernel beats the repeat, the math one does not.
     layout = ("grouped sdpa", query.shape, key.shape, value.shape, query.stride(), key.stride(),
               value.stride(), query.dtype, getattr(module, "scaling", None))
-    return derived_once(attention_mask, layout, lambda: torch._fused_sdp_choice(
-        query, key, value, _additive_mask(attention_mask, query.dtype), 0.0, False,
-        scale=getattr(module, "scaling", None), enable_gqa=True) != int(torch.nn.attention.SDPBackend.MATH))
+    return derived_once(attention_mask, layout, lambda: _fused_grouped_kernel(
+        query, key, value, _additive_mask(attention_mask, query.dtype),
+        getattr(module, "scaling", None)))
+
+
+def _fused_grouped_kernel(query, key, value, mask, scale) -> bool:
+    """Whether SDPA picks a fused kernel (not its math one) for grouped heads under ``mask``; no
+    where this torch cannot say."""
+    try:
+        choice = torch._fused_sdp_choice(query, key, value, mask, 0.0, False, scale=scale,
+                                         enable_gqa=True)
+        return choice != int(torch.nn.attention.SDPBackend.MATH)
+    except (AttributeError, RuntimeError, TypeError):
+        return False
 
 
 def _additive_mask(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
