@@ -254,6 +254,18 @@ def test_grouped_masked_sdpa_matches_transformers(device, dtype):
     assert rel_err(out, ref) < (1e-6 if dtype == torch.float32 else 1e-2)
 
 
+def test_grouped_sdpa_choice_unknown_keeps_transformers_path(monkeypatch):
+    """A torch that cannot say which SDPA kernel grouped heads would get keeps the repeat."""
+    from fusebox.patch import llm
+
+    module, q, k, v, mask = _grouped_attention_inputs("cpu", torch.float32)
+
+    def no_choice(*a, **k):
+        raise AttributeError("_fused_sdp_choice")
+    monkeypatch.setattr(torch, "_fused_sdp_choice", no_choice)
+    assert llm._fused_grouped_kernel(q, k, v, mask, 0.125) is False
+
+
 def test_additive_mask_formed_once_per_mask():
     from fusebox.patch import llm
 
