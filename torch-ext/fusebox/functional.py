@@ -22,7 +22,8 @@ Tensor = torch.Tensor
 
 _ACTIVATIONS = ("silu", "gelu_tanh", "gelu")
 _NORMS = ("rms", "layer")
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# the dtypes every operator takes (the patches fuse only these)
+FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
@@ -72,7 +73,7 @@ def rms_norm_add(
     branches, Gemma2/3's post-feedforward norm) in one pass, rounded once to x's dtype.
     ``residual`` broadcasts against x as ``shift`` does in :func:`adaln`."""
     # (the operator knows the residual as its shift: its own messages would name that)
-    if not isinstance(residual, Tensor) or residual.dtype not in _FLOAT_DTYPES:
+    if not isinstance(residual, Tensor) or residual.dtype not in FUSED_DTYPES:
         raise TypeError("fusebox: residual must be a float32, float16 or bfloat16 tensor; got "
                         f"{getattr(residual, 'dtype', type(residual).__name__)}")
     if isinstance(x, Tensor) and (residual.dim() > x.dim() or any(

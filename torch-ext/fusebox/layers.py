@@ -33,15 +33,13 @@ import torch
 
 from . import functional as F
 
-_FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, t5: bool) -> torch.Tensor:
     """transformers' ``weight * norm(x).to(x.dtype)`` (Llama): the output takes the wider of
     x's and the weight's dtype; with ``t5``, ``(weight * norm(x)).to(x.dtype)`` (GPT-OSS,
     OLMo-2): the weight applied in fp32, the output in x's dtype."""
     out_dtype = x.dtype if t5 else torch.promote_types(x.dtype, weight.dtype)
-    if x.dtype in _FUSED_DTYPES and weight.dtype in _FUSED_DTYPES:
+    if x.dtype in F.FUSED_DTYPES and weight.dtype in F.FUSED_DTYPES:
         # the output dtype is x's or float32 for every pair of these
         return F.rms_norm(x, weight, eps, 0.0, out_dtype)
     x32 = x.float()

@@ -61,7 +61,7 @@ from ._common import (
     source_text,
 )
 
-FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FUSED_DTYPES = F.FUSED_DTYPES
 
 
 def _is_transformers_class(cls) -> bool:

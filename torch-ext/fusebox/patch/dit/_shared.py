@@ -26,7 +26,7 @@ from ... import functional as fb
 from .._common import derived_once, has_hooks, needs_autograd, replace_forward
 
 Tensor = torch.Tensor
-FUSED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FUSED_DTYPES = fb.FUSED_DTYPES
 FUSED_DEVICES = ("cpu", "cuda")
 UNDO_ATTR = "_fusebox_undo"              # called by fusebox.unpatch
 FUSED_INTO_ATTR = "_fusebox_fused_into"  # a module whose work a patched parent now does
