@@ -5,6 +5,7 @@ diagnostic aid; `fusebox bench e2e` is the benchmark.
     python scripts/profile_e2e.py --model ltx-video [--top 30] [--compiled]
     python scripts/profile_e2e.py --model qwen3-8b --decode 1   # one decode step, also compiled
     python scripts/profile_e2e.py --model qwen3-8b --generate 16   # greedy generate, dynamic cache
+    python scripts/profile_e2e.py --model gemma3-4b --graphs 1   # generate under CUDA graphs
     python scripts/profile_e2e.py --model ltx-video --timeline  # where the GPU waits, patched
     python scripts/profile_e2e.py --model gemma3-4b --timeline --compiled  # and under compile
 """
@@ -198,6 +199,134 @@ def generate_profile(fusebox, model, batch: int, device, steps: int = 16, prompt
         run("patched")
 
 
+def _record_guard_times(times: list) -> None:
+    """Make dynamo time each new compiled frame's guards warm (200 checks of the frame's own
+    locals, microseconds a check) into ``times``; dynamo itself times one cold check."""
+    import time
+
+    import torch._dynamo.guards as guards
+
+    def warm_check_us(root, scope, _iters):
+        for _ in range(20):
+            root.check(scope)
+        start = time.perf_counter()
+        for _ in range(200):
+            root.check(scope)
+        times.append((time.perf_counter() - start) / 200 * 1e6)
+        return times[-1]
+
+    guards.profile_guard_manager = warm_check_us
+
+
+def graphs_profile(fusebox, model, batch: int, device, steps: int = 32, prompt_tokens: int = 32,
+                   rounds: int = 1) -> None:
+    """Greedy ``generate`` under CUDA graphs (a static cache, the step compiled with
+    ``mode="reduce-overhead"``, as the benchmark's graph variants), unpatched and patched in
+    alternating rounds. Per decode step: the wall time (synchronized), the host time of the
+    compiled call (call to return, the GPU still running), the warm guard check of each compiled
+    frame; from one profiled run, the GPU's busy time a step and the runtime calls a step makes."""
+    import json
+    import statistics
+    import tempfile
+    import time
+
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import LogitsProcessor, LogitsProcessorList, StaticCache
+    from transformers.generation import CompileConfig
+
+    guard_us: list = []
+    _record_guard_times(guard_us)
+    prompt = torch.randint(0, model.config.vocab_size, (batch, prompt_tokens), device=device)
+    config = CompileConfig(fullgraph=True, mode="reduce-overhead")
+    stamps, calls = [], []
+
+    class StepClock(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+            return scores
+
+    def gen():
+        return model.generate(
+            prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=steps + 1,
+            min_new_tokens=steps + 1, do_sample=False, pad_token_id=0, compile_config=config,
+            logits_processor=LogitsProcessorList([StepClock()]),
+            past_key_values=StaticCache(config=model.config, max_cache_len=prompt_tokens + steps + 2))
+
+    def timed_call(compiled):
+        def call(*args, **kwargs):
+            start = time.perf_counter()
+            out = compiled(*args, **kwargs)
+            calls.append((start, time.perf_counter()))
+            return out
+        return call
+
+    def run(label):
+        fusebox.unpatch(model)
+        if label == "patched":
+            fusebox.patch(model)
+        model.__dict__.pop("_compiled_call", None)
+        torch._dynamo.reset()
+        guard_us.clear()
+        for _ in range(2):      # compiles, records the graphs, replays
+            gen()
+        model._compiled_call = timed_call(model._compiled_call)
+        wall, host, tail = [], [], []
+        for _ in range(3):
+            stamps.clear()
+            calls.clear()
+            gen()
+            wall += [(b - a) * 1e3 for a, b in zip(stamps[1:], stamps[2:])]
+            host += [(b - a) * 1e3 for a, b in calls[1:]]
+            tail += [(s - b) * 1e3 for (_, b), s in zip(calls[1:], stamps[2:])]
+        print(f"== {label}: decode step (batch {batch}) {statistics.median(wall):.3f} ms wall "
+              f"(min {min(wall):.3f}); compiled call on the host {statistics.median(host):.3f} ms, "
+              f"return to synchronized {statistics.median(tail):.3f} ms; warm guard check of each "
+              f"compiled frame {', '.join(f'{t:.0f}' for t in guard_us)} us")
+        stamps.clear()
+        calls.clear()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            gen()
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            with open(f.name) as trace:
+                events = json.load(trace)["traceEvents"]
+        windows = [(a, b) for (a, _), b in zip(calls[1:], stamps[2:])]   # perf_counter seconds
+        kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                         key=lambda e: e["ts"])
+        runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
+        # Profiler times are microseconds on its own clock: place the steps by the compiled
+        # calls' CPU events ("Torch-Compiled Region") instead of perf_counter.
+        regions = sorted((e for e in events if e.get("cat") == "cpu_op"
+                          and e.get("name", "").startswith("Torch-Compiled Region")),
+                         key=lambda e: e["ts"])
+        print(f"   profiled run: {len(regions)} compiled-region events, {len(windows)} steps timed")
+        if len(regions) >= 3:
+            steps_ts = [(r["ts"], n["ts"]) for r, n in zip(regions[1:], regions[2:])]
+            busy, counts = [], defaultdict(int)
+            for a, b in steps_ts:
+                end, total = a, 0.0
+                for k in kernels:
+                    if a <= k["ts"] < b:
+                        total += max(0.0, k["ts"] + k["dur"] - max(k["ts"], end))
+                        end = max(end, k["ts"] + k["dur"])
+                busy.append(total / 1e3)
+                for e in runtime:
+                    if a <= e["ts"] < b:
+                        counts[e["name"]] += 1
+            span = statistics.median((b - a) / 1e3 for a, b in steps_ts)
+            print(f"   profiled step {span:.3f} ms, GPU busy {statistics.median(busy):.3f} ms; "
+                  f"runtime calls a step: " + ", ".join(
+                      f"{n} {c / len(steps_ts):.1f}" for n, c in sorted(counts.items(), key=lambda kv: -kv[1])[:8]))
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
+                                        max_name_column_width=60))
+
+    with torch.no_grad():
+        for _ in range(rounds):
+            run("unpatched")
+            run("patched")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="ltx-video")
@@ -210,6 +339,9 @@ def main() -> None:
     ap.add_argument("--generate", type=int, default=0, metavar="BATCH",
                     help="LLMs: time and profile greedy generate at this batch on a dynamic cache, "
                          "unpatched and patched")
+    ap.add_argument("--graphs", type=int, default=0, metavar="BATCH",
+                    help="LLMs: greedy generate at this batch under CUDA graphs (static cache, "
+                         "reduce-overhead), unpatched and patched: where a step's time goes")
     ap.add_argument("--timeline", action="store_true",
                     help="the GPU's idle time in one patched forward (with --compiled, also the "
                          "compiled ones), split into waiting for the host "
@@ -234,6 +366,9 @@ def main() -> None:
         ids = torch.randint(0, model.config.vocab_size, (1, args.tokens), device=device)
         call = lambda: model(ids, use_cache=False, logits_to_keep=1)  # noqa: E731
         regional = lambda: family._compiled_layers(model)  # noqa: E731
+    if args.graphs:
+        graphs_profile(fusebox, model, args.graphs, device)
+        return
     if args.generate:
         generate_profile(fusebox, model, args.generate, device)
         return

@@ -44,9 +44,8 @@ import importlib
 import inspect
 import math
 import sys
-import dataclasses
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -112,8 +111,12 @@ def _forward_reads_as(cls, references: Tuple[Tuple[str, str], ...]) -> Optional[
 # --------------------------------------------------------------------------- RMSNorm
 
 
-@dataclass(frozen=True)
-class NormStyle:
+# The values a fused forward holds (NormStyle, AttentionSpec, strings, flags) are immutable
+# tuples of constants, so that torch.compile's guards on a patched module stay as cheap as on an
+# unpatched one: dynamo skips the guards of a module whose attributes hold only such values while
+# its ``__dict__`` is unchanged, and adds a Python identity check per module for each other object
+# that several modules share. Callables the forwards share are reached through module globals.
+class NormStyle(NamedTuple):
     """How a transformers RMSNorm rounds and weights its output."""
     eps: float
     weight_offset: float        # 1.0 for Gemma's (1 + weight)
@@ -266,11 +269,12 @@ def _make_packed_mlp_forward(activation: str) -> Callable:
 # --------------------------------------------------------------------------- attention
 
 
-@dataclass(frozen=True)
-class AttentionSpec:
+class AttentionSpec(NamedTuple):
     """What a family's attention forward does beyond Llama's."""
     qk_norm: bool = False                                   # per-head q_norm / k_norm
-    extra: Callable[[torch.nn.Module], dict] = lambda m: {}  # extra attention-interface kwargs
+    # extra attention-interface kwargs: (name, the module attribute it reads, or the attribute of
+    # one of the module's attributes, "config.sliding_window"; None where the last is missing)
+    extra: Tuple[Tuple[str, str], ...] = ()
     # q_norm / k_norm span all heads of a token, applied to the projections (OLMo-2)
     qk_norm_across: bool = False
     # the layer rotates q and k only where this attribute is true (SmolLM3's NoPE layers)
@@ -281,15 +285,20 @@ class AttentionSpec:
     qk_norm_flag: Optional[str] = None
 
 
-def _sliding(m):
-    return {"sliding_window": m.sliding_window}
+def _extra_kwargs(module: torch.nn.Module, extra: Tuple[Tuple[str, str], ...]) -> dict:
+    out = {}
+    for name, path in extra:
+        owner, _, attr = path.rpartition(".")    # "config.sliding_window": the config's
+        out[name] = getattr(getattr(module, owner) if owner else module, attr, None)
+    return out
 
 
+_SLIDING = (("sliding_window", "sliding_window"),)
+_CONFIG_SLIDING = (("sliding_window", "config.sliding_window"),)
 _LLAMA_ATTENTION = AttentionSpec()
-_MISTRAL_ATTENTION = AttentionSpec(
-    extra=lambda m: {"sliding_window": getattr(m.config, "sliding_window", None)})
-_QWEN2_ATTENTION = AttentionSpec(extra=_sliding)
-_QWEN3_ATTENTION = AttentionSpec(qk_norm=True, extra=_sliding)
+_MISTRAL_ATTENTION = AttentionSpec(extra=_CONFIG_SLIDING)
+_QWEN2_ATTENTION = AttentionSpec(extra=_SLIDING)
+_QWEN3_ATTENTION = AttentionSpec(qk_norm=True, extra=_SLIDING)
 
 # The attention classes fused, by name (their forward signature and rotary formula are checked
 # too). The MoE families' attention reads as their dense family's, word for word.
@@ -303,21 +312,27 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "MinistralAttention": _QWEN2_ATTENTION,
     "Qwen3Attention": _QWEN3_ATTENTION,
     "Qwen3MoeAttention": _QWEN3_ATTENTION,
-    "GptOssAttention": AttentionSpec(
-        extra=lambda m: {"sliding_window": m.sliding_window, "s_aux": m.sinks}),
+    "GptOssAttention": AttentionSpec(extra=_SLIDING + (("s_aux", "sinks"),)),
     "Olmo2Attention": AttentionSpec(qk_norm=True, qk_norm_across=True),
-    "Olmo3Attention": AttentionSpec(qk_norm=True, qk_norm_across=True, extra=_sliding),
-    "SmolLM3Attention": AttentionSpec(extra=_sliding, rope_flag="use_rope"),
+    "Olmo3Attention": AttentionSpec(qk_norm=True, qk_norm_across=True, extra=_SLIDING),
+    "SmolLM3Attention": AttentionSpec(extra=_SLIDING, rope_flag="use_rope"),
     "Glm4MoeAttention": AttentionSpec(qk_norm=True, qk_norm_flag="use_qk_norm"),
-    "Phi3Attention": AttentionSpec(
-        fused_qkv=True,
-        extra=lambda m: {"sliding_window": getattr(m.config, "sliding_window", None)}),
+    "Phi3Attention": AttentionSpec(fused_qkv=True, extra=_CONFIG_SLIDING),
     "Gemma2Attention": AttentionSpec(
-        extra=lambda m: {"sliding_window": m.sliding_window, "softcap": m.attn_logit_softcapping}),
-    "Gemma3Attention": AttentionSpec(qk_norm=True, extra=_sliding),
+        extra=_SLIDING + (("softcap", "attn_logit_softcapping"),)),
+    "Gemma3Attention": AttentionSpec(qk_norm=True, extra=_SLIDING),
 }
 _ATTENTION_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_mask",
                      "past_key_values", "kwargs")
+# (transformers' attention registry, the module's eager_attention_forward) by the module name of
+# each patched attention class
+_ATTENTION_INTERFACES: Dict[str, Tuple[object, Callable]] = {}
+
+
+def _attention_interface(module: torch.nn.Module, family: str) -> Callable:
+    """The attention function the module's config names, as the model's own forward finds it."""
+    registry, eager = _ATTENTION_INTERFACES[family]
+    return registry.get_interface(module.config._attn_implementation, eager)
 
 
 @functools.lru_cache(maxsize=None)
@@ -384,13 +399,17 @@ def _grouped_masked_sdpa(module, query, key, value, attention_mask, dropout=0.0,
 
 def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, fp32_tables: bool,
                             q_style: Optional[NormStyle], k_style: Optional[NormStyle],
-                            eager: Callable) -> Callable:
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+                            family: str) -> Callable:
+    """The fused attention forward; ``family`` is the module of the class (the key of its
+    attention interfaces in ``_ATTENTION_INTERFACES``)."""
+    # the spec's fields one by one: a spec shared by all layers would cost an identity guard each
+    fused_qkv, rope_flag, qk_norm_across, extra = (spec.fused_qkv, spec.rope_flag,
+                                                   spec.qk_norm_across, spec.extra)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
         cos, sin = position_embeddings
-        projection = self.qkv_proj if spec.fused_qkv else self.q_proj
+        projection = self.qkv_proj if fused_qkv else self.q_proj
         # transformers rotates in the dtype of q*cos: the fused op writes q's dtype, which is
         # what the model returns for tables of q's dtype, or of fp32 where it rounds the
         # rotated values back to q's dtype (fp32_tables: OLMo-2)
@@ -408,7 +427,7 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
         hidden_shape = (*input_shape, -1, self.head_dim)
         # q and k stay [B, S, H, D] for the rotary op; the per-head norm is the same before
         # or after the transpose
-        if spec.fused_qkv:
+        if fused_qkv:
             qkv = self.qkv_proj(hidden_states)
             q_width = self.config.num_attention_heads * self.head_dim
             kv_width = self.num_key_value_heads * self.head_dim
@@ -419,15 +438,15 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
             query = self.q_proj(hidden_states).view(hidden_shape)
             key = self.k_proj(hidden_states).view(hidden_shape)
             value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        rotate = spec.rope_flag is None or getattr(self, spec.rope_flag)
+        rotate = rope_flag is None or getattr(self, rope_flag)
         if q_style is not None and rotate and _weight_readable(self.q_norm, q_style, query) \
                 and _weight_readable(self.k_norm, k_style, key):
             query, key = F.qk_norm_rope(
                 query, key, self.q_norm.weight, self.k_norm.weight, cos, sin, eps=q_style.eps,
-                across_heads=spec.qk_norm_across, interleaved=interleaved,
+                across_heads=qk_norm_across, interleaved=interleaved,
                 weight_offset=q_style.weight_offset)
         else:
-            if q_style is not None and spec.qk_norm_across:
+            if q_style is not None and qk_norm_across:
                 query = self.q_norm(query.flatten(-2)).view(hidden_shape)
                 key = self.k_norm(key.flatten(-2)).view(hidden_shape)
             elif q_style is not None:
@@ -439,8 +458,7 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
 
-        attention_interface = ALL_ATTENTION_FUNCTIONS.get_interface(
-            self.config._attn_implementation, eager)
+        attention_interface = _attention_interface(self, family)
         if _grouped_masked_sdpa_applies(self, attention_interface, query, key, value,
                                         attention_mask, kwargs):
             attention_interface = _grouped_masked_sdpa
@@ -448,7 +466,7 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
             self, query, key, value, attention_mask,
             dropout=0.0 if not self.training else self.attention_dropout,
             scaling=self.scaling,
-            **spec.extra(self),
+            **_extra_kwargs(self, extra),
             **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
@@ -561,14 +579,18 @@ def _attention_patch(module) -> Tuple[Optional[Callable], str]:
     eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
     if eager is None:
         return None, "no eager_attention_forward next to the class"
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    _ATTENTION_INTERFACES[type(module).__module__] = (ALL_ATTENTION_FUNCTIONS, eager)
     if spec.qk_norm_flag is not None and not getattr(module, spec.qk_norm_flag):
-        spec = dataclasses.replace(spec, qk_norm=False)
+        spec = spec._replace(qk_norm=False)
     q_style = k_style = None
     if spec.qk_norm:
         q_style, k_style = norm_style(module.q_norm), norm_style(module.k_norm)
         if q_style is None or k_style is None or q_style != k_style:
             return None, "q_norm/k_norm formula not recognized"
-    return _make_attention_forward(spec, form, half_tables, fp32_tables, q_style, k_style, eager), (
+    return _make_attention_forward(spec, form, half_tables, fp32_tables, q_style, k_style,
+                                   type(module).__module__), (
         ("qk_norm_rope" if spec.qk_norm else "rope") + reads_as)
 
 
