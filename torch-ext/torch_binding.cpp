@@ -125,11 +125,19 @@ void check_out_dtype(std::optional<at::ScalarType> out_dtype, const Tensor& x) {
 
 // ---------------------------------------------------------------- norms
 
+// What error messages call the branch and shift operands of norm_impl (the functions that pass
+// a residual as one of them name it "residual").
+struct OperandNames {
+  const char* branch = "branch";
+  const char* shift = "shift";
+};
+
 std::tuple<Tensor, Tensor> norm_impl(const Tensor& x, const OptTensor& branch, const OptTensor& gate,
                                      const OptTensor& scale, const OptTensor& shift,
                                      const OptTensor& weight, const OptTensor& bias,
                                      const std::string& norm_type, double eps, double weight_offset,
-                                     std::optional<at::ScalarType> out_dtype, const char* branch_name,
+                                     std::optional<at::ScalarType> out_dtype,
+                                     const OperandNames& names = {},
                                      const OptTensor& gate_table = std::nullopt,
                                      const OptTensor& scale_table = std::nullopt,
                                      const OptTensor& shift_table = std::nullopt) {
@@ -138,16 +146,17 @@ std::tuple<Tensor, Tensor> norm_impl(const Tensor& x, const OptTensor& branch, c
                     "fusebox: gate needs branch (h = x + gate * branch)");
   const OptTensor gate_b = broadcast_to(gate, x, "gate");
   const OptTensor scale_b = broadcast_to(scale, x, "scale");
-  const OptTensor shift_b = broadcast_to(shift, x, "shift");
+  const OptTensor shift_b = broadcast_to(shift, x, names.shift);
   Tensor out = empty_like_shape(x, out_dtype);
   Tensor h = branch.has_value() ? empty_like_shape(x) : at::empty({0}, x.options());
   fusebox::NormArgs a;
   a.x = view(x, "x");
-  a.branch = view(branch, branch_name);
-  a.branch_name = branch_name;
+  a.branch = view(branch, names.branch);
+  a.branch_name = names.branch;
   a.gate = view(gate_b, "gate");
   a.scale = view(scale_b, "scale");
-  a.shift = view(shift_b, "shift");
+  a.shift = view(shift_b, names.shift);
+  a.shift_name = names.shift;
   a.weight = view(weight, "weight");
   a.bias = view(bias, "bias");
   a.gate_table = view(gate_table, "gate_table");
@@ -169,25 +178,33 @@ std::tuple<Tensor, Tensor> fused_norm(const Tensor& x, const OptTensor& branch, 
                                       std::optional<at::ScalarType> out_dtype, const OptTensor& gate_table,
                                       const OptTensor& scale_table, const OptTensor& shift_table) {
   return norm_impl(x, branch, gate, scale, shift, weight, bias, norm_type, eps, weight_offset, out_dtype,
-                   "branch", gate_table, scale_table, shift_table);
+                   {}, gate_table, scale_table, shift_table);
 }
 
 Tensor rms_norm(const Tensor& x, const OptTensor& weight, double eps, double weight_offset,
                 std::optional<at::ScalarType> out_dtype) {
   return std::get<0>(norm_impl(x, std::nullopt, std::nullopt, std::nullopt, std::nullopt, weight,
-                               std::nullopt, "rms", eps, weight_offset, out_dtype, "branch"));
+                               std::nullopt, "rms", eps, weight_offset, out_dtype));
 }
 
 Tensor layer_norm(const Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps,
                   std::optional<at::ScalarType> out_dtype) {
   return std::get<0>(norm_impl(x, std::nullopt, std::nullopt, std::nullopt, std::nullopt, weight,
-                               bias, "layer", eps, 0.0, out_dtype, "branch"));
+                               bias, "layer", eps, 0.0, out_dtype));
 }
 
 std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& x, const Tensor& residual,
                                               const OptTensor& weight, double eps, double weight_offset) {
   return norm_impl(x, residual, std::nullopt, std::nullopt, std::nullopt, weight, std::nullopt, "rms",
-                   eps, weight_offset, std::nullopt, "residual");
+                   eps, weight_offset, std::nullopt, {"residual", "shift"});
+}
+
+// residual + rms_norm(x): the residual is the norm's per-token shift
+Tensor rms_norm_add(const Tensor& x, const Tensor& residual, const OptTensor& weight, double eps,
+                    double weight_offset) {
+  return std::get<0>(norm_impl(x, std::nullopt, std::nullopt, std::nullopt, residual, weight,
+                               std::nullopt, "rms", eps, weight_offset, std::nullopt,
+                               {"branch", "residual"}));
 }
 
 Tensor gated_residual(const Tensor& x, const Tensor& branch, const OptTensor& gate,
@@ -361,6 +378,7 @@ TORCH_LIBRARY(fusebox, m) {
   m.def("rms_norm(Tensor x, Tensor? weight, float eps, float weight_offset, ScalarType? out_dtype) -> Tensor", tags);
   m.def("layer_norm(Tensor x, Tensor? weight, Tensor? bias, float eps, ScalarType? out_dtype) -> Tensor", tags);
   m.def("fused_add_rms_norm(Tensor x, Tensor residual, Tensor? weight, float eps, float weight_offset) -> (Tensor, Tensor)", tags);
+  m.def("rms_norm_add(Tensor x, Tensor residual, Tensor? weight, float eps, float weight_offset) -> Tensor", tags);
   m.def("fused_norm(Tensor x, Tensor? branch, Tensor? gate, Tensor? scale, Tensor? shift, Tensor? weight, "
         "Tensor? bias, str norm_type, float eps, float weight_offset, ScalarType? out_dtype, "
         "Tensor? gate_table=None, Tensor? scale_table=None, Tensor? shift_table=None) -> (Tensor, Tensor)", tags);
@@ -377,6 +395,7 @@ TORCH_LIBRARY(fusebox, m) {
   m.impl("rms_norm", &rms_norm);                         \
   m.impl("layer_norm", &layer_norm);                     \
   m.impl("fused_add_rms_norm", &fused_add_rms_norm);     \
+  m.impl("rms_norm_add", &rms_norm_add);                 \
   m.impl("fused_norm", &fused_norm);                     \
   m.impl("gated_residual", &gated_residual);             \
   m.impl("rotary", &rotary);                             \

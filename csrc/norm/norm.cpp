@@ -81,13 +81,13 @@ void norm(const NormArgs& a, cudaStream_t stream) {
   check_row_operand(a.residual_out, "residual_out", a.x, false);
   check_row_operand(a.gate, "gate", a.x, true);
   check_row_operand(a.scale, "scale", a.x, true);
-  check_row_operand(a.shift, "shift", a.x, true);
+  check_row_operand(a.shift, a.shift_name, a.x, true);
   if (a.weight.defined()) detail::check_vector(a.weight, "weight", width, "x's last dimension", a.x.dtype);
   if (a.bias.defined()) detail::check_vector(a.bias, "bias", width, "x's last dimension", a.x.dtype);
   check_split_modulation(a, width);
   detail::check_same_device({{&a.x, "x"}, {&a.branch, a.branch_name}, {&a.gate, "gate"},
                              {&a.weight, "weight"}, {&a.bias, "bias"}, {&a.scale, "scale"},
-                             {&a.shift, "shift"}, {&a.gate_table, "gate_table"},
+                             {&a.shift, a.shift_name}, {&a.gate_table, "gate_table"},
                              {&a.scale_table, "scale_table"}, {&a.shift_table, "shift_table"},
                              {&a.out, "out"}, {&a.residual_out, "residual_out"}});
 
@@ -132,6 +132,20 @@ void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const T
   a.eps = eps;
   a.weight_offset = weight_offset;
   a.branch_name = "residual";
+  norm(a, stream);
+}
+
+void rms_norm_add(const TensorView& x, const TensorView& residual, const TensorView& weight,
+                  const TensorView& out, float eps, float weight_offset, cudaStream_t stream) {
+  NormArgs a;
+  a.x = x;
+  a.shift = residual;
+  a.weight = weight;
+  a.out = out;
+  a.norm = NormType::kRMS;
+  a.eps = eps;
+  a.weight_offset = weight_offset;
+  a.shift_name = "residual";
   norm(a, stream);
 }
 

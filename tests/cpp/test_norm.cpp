@@ -81,6 +81,27 @@ TEST(NormCpu, FusedAddRoundsResidualBeforeNormalizing) {
   EXPECT_LT(rel_error(out, ref), 8e-3);
 }
 
+TEST(NormCpu, RmsNormAddRoundsOnce) {
+  // out = residual + rms_norm(x) * weight, the sum taken in fp32 and rounded once
+  std::mt19937 rng(5);
+  const int64_t rows = 3, width = 45;
+  HostTensor x(DType::kBFloat16, {rows, width}), res(DType::kBFloat16, {rows, width}),
+      w(DType::kBFloat16, {width}), out(DType::kBFloat16, {rows, width}), ref(DType::kFloat32, {rows, width});
+  x.fill_random(rng);
+  res.fill_random(rng);
+  w.fill_random(rng);
+  out.fill(NAN);
+  fusebox::rms_norm_add(x.view, res.view, w.view, out.view, 1e-6f, 1.0f);
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (int64_t d = 0; d < width; ++d) ss += double(x.at(r * width + d)) * x.at(r * width + d);
+    const double rstd = 1.0 / std::sqrt(ss / width + 1e-6);
+    for (int64_t d = 0; d < width; ++d)
+      ref.set(r * width + d, float(res.at(r * width + d) + x.at(r * width + d) * rstd * (1.0 + w.at(d))));
+  }
+  EXPECT_LT(rel_error(out, ref), 8e-3);
+}
+
 TEST(NormCpu, GatedResidualAdaLnWithBroadcastModulation) {
   // x [B, S, D]; gate/scale/shift are per-sample [B, 1, D] chunks of a [B, 6, D] table,
   // seen through stride-0 broadcast over S.

@@ -14,6 +14,15 @@ TEST(Validation, NormDtypeMix) {
                {"residual", "float16", "bfloat16"});
 }
 
+TEST(Validation, RmsNormAddNamesResidual) {
+  HostTensor x(DType::kBFloat16, {2, 8}), r(DType::kFloat16, {2, 8}), out(DType::kBFloat16, {2, 8});
+  expect_error([&] { fusebox::rms_norm_add(x.view, r.view, TensorView{}, out.view, 1e-6f); },
+               {"residual", "float16"});
+  HostTensor wide(DType::kBFloat16, {2, 9});
+  expect_error([&] { fusebox::rms_norm_add(x.view, wide.view, TensorView{}, out.view, 1e-6f); },
+               {"residual", "[2, 9]"});
+}
+
 TEST(Validation, NonUnitLastStride) {
   HostTensor x(DType::kFloat32, {2, 8}, {16, 2}), out(DType::kFloat32, {2, 8});
   expect_error([&] { fusebox::rms_norm(x.view, TensorView{}, out.view, 1e-6f); }, {"x", "stride 2"});

@@ -121,7 +121,7 @@ def test_rms_norm_add_residual_invalid(x, gen, device, residual):
     elif isinstance(residual, torch.dtype):
         bad, expected = randn(gen, x.shape, F32, device).to(residual), DTYPE_NAMES[residual]
     else:
-        bad, expected = residual, SUPPORTED
+        bad, expected = residual, "Tensor"
     with raises(arg("residual"), expected):
         fusebox.rms_norm_add(x, bad, weight(gen, 64, BF16, device))
 

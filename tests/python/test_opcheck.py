@@ -8,7 +8,7 @@ import torch
 import fusebox  # noqa: F401  (loads the library, registers the fake implementations)
 from helpers import BF16, F32, make_input, modulation, qk_pair, rope_tables, small, weight
 
-OPS = ["rms_norm", "layer_norm", "fused_add_rms_norm", "fused_norm", "gated_residual", "rotary",
+OPS = ["rms_norm", "layer_norm", "fused_add_rms_norm", "rms_norm_add", "fused_norm", "gated_residual", "rotary",
        "gated_act", "gated_act_packed", "act"]
 
 
@@ -29,6 +29,10 @@ def op_cases(name, gen, device, layout):
     if name == "fused_add_rms_norm":
         return [("w", (x_(shape), x_(shape), w, 1e-6, 1.0)),
                 ("no_w", (x_(shape), x_(shape), None, 1e-6, 0.0))]
+    if name == "rms_norm_add":
+        (residual,) = modulation(gen, "sample_chunk", shape, 1, BF16, device)   # broadcast rows
+        return [("w", (x_(shape), x_(shape), w, 1e-6, 1.0)),
+                ("no_w_broadcast", (x_(shape), residual, None, 1e-5, 0.0))]
     if name == "fused_norm":
         gate, scale, shift = modulation(gen, "token_chunk", shape, 3, F32, device)
         # split modulation: [D] fp32 table rows plus per-token parts in x's dtype

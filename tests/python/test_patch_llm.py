@@ -599,12 +599,12 @@ def test_inference_mode(family):
 
 # the fused operators each family's compiled graph must hold
 COMPILED_OPS = {"llama": {"rms_norm", "rotary", "gated_act"},
-                "gemma3": {"rms_norm", "rotary", "gated_act", "fused_norm"},
+                "gemma3": {"rms_norm", "rotary", "gated_act", "rms_norm_add"},
                 "gpt_oss": {"rms_norm", "rotary"},
                 "qwen3_moe": {"rms_norm", "rotary", "gated_act"},
                 "glm4_moe": {"rms_norm", "rotary", "gated_act"},
                 "mixtral": {"rms_norm", "rotary"},
-                "olmo2": {"rms_norm", "rotary", "gated_act", "fused_norm"},
+                "olmo2": {"rms_norm", "rotary", "gated_act", "rms_norm_add"},
                 "smollm3": {"rms_norm", "rotary", "gated_act"},
                 "phi3": {"rms_norm", "rotary", "gated_act_packed"},
                 "falcon-40b": {"rotary", "layer_norm"}}

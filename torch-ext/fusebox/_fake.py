@@ -46,6 +46,11 @@ def _fused_add_rms_norm(x, residual, weight, eps, weight_offset):
     return _like(x), _like(x)
 
 
+@register_fake("fusebox::rms_norm_add")
+def _rms_norm_add(x, residual, weight, eps, weight_offset):
+    return _like(x)
+
+
 @register_fake("fusebox::fused_norm")
 def _fused_norm(x, branch, gate, scale, shift, weight, bias, norm_type, eps, weight_offset,
                 out_dtype, gate_table=None, scale_table=None, shift_table=None):

@@ -72,19 +72,7 @@ def rms_norm_add(
     """``residual + rms_norm(x, weight)``: the residual add of a post-norm layer (OLMo-2's
     branches, Gemma2/3's post-feedforward norm) in one pass, rounded once to x's dtype.
     ``residual`` broadcasts against x as ``shift`` does in :func:`adaln`."""
-    # (the operator knows the residual as its shift: its own messages would name that)
-    if not isinstance(residual, Tensor) or residual.dtype not in FUSED_DTYPES:
-        raise TypeError("fusebox: residual must be a float32, float16 or bfloat16 tensor; got "
-                        f"{getattr(residual, 'dtype', type(residual).__name__)}")
-    if isinstance(x, Tensor) and (residual.dim() > x.dim() or any(
-            r not in (1, n) for r, n in zip(reversed(residual.shape), reversed(x.shape)))):
-        raise ValueError(f"fusebox: residual of shape {list(residual.shape)} cannot broadcast "
-                         f"to x's shape {list(x.shape)}")
-    if isinstance(x, Tensor) and residual.device != x.device:
-        raise ValueError(f"fusebox: residual is on {residual.device}, x on {x.device}")
-    out, _ = ops.fused_norm(x, None, None, None, residual, weight, None, "rms", float(eps),
-                            float(weight_offset), None)
-    return out
+    return ops.rms_norm_add(x, residual, weight, float(eps), float(weight_offset))
 
 
 def layer_norm(

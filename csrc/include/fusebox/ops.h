@@ -53,6 +53,7 @@ struct NormArgs {
   float eps = 1e-6f;
   float weight_offset = 0.0f;
   const char* branch_name = "branch";  // how error messages call `branch` ("residual", ...)
+  const char* shift_name = "shift";    // and `shift` ("residual" in rms_norm_add)
 };
 void norm(const NormArgs& args, cudaStream_t stream = nullptr);
 
@@ -62,6 +63,11 @@ void rms_norm(const TensorView& x, const TensorView& weight, const TensorView& o
 void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight,
                         const TensorView& out, const TensorView& residual_out, float eps,
                         float weight_offset = 0.0f, cudaStream_t stream = nullptr);
+// out = residual + rms_norm(x) * weight, rounded once (a post-norm layer's residual add);
+// residual broadcasts to x as shift does.
+void rms_norm_add(const TensorView& x, const TensorView& residual, const TensorView& weight,
+                  const TensorView& out, float eps, float weight_offset = 0.0f,
+                  cudaStream_t stream = nullptr);
 void layer_norm(const TensorView& x, const TensorView& weight, const TensorView& bias,
                 const TensorView& out, float eps, cudaStream_t stream = nullptr);
 
