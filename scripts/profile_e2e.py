@@ -257,7 +257,8 @@ def graphs_profile(fusebox, model, batch: int, device, steps: int = 32, prompt_t
     ``mode="reduce-overhead"``, as the benchmark's graph variants), unpatched and patched in
     alternating rounds. Per decode step: the wall time (synchronized), the host time of the
     compiled call (call to return, the GPU still running), the warm guard check of each compiled
-    frame; from one profiled run, the GPU's busy time a step and the runtime calls a step makes."""
+    frame; the host and wall time of replaying each recorded graph alone; from one profiled run,
+    the GPU's busy time a step and the runtime calls a step makes."""
     import json
     import statistics
     import tempfile
