@@ -107,8 +107,11 @@ void norm(const NormArgs& a, cudaStream_t stream) {
   cuda::norm_cuda(a, layout, strides, vec, stream);
 }
 
-void rms_norm(const TensorView& x, const TensorView& weight, const TensorView& out, float eps,
-              float weight_offset, cudaStream_t stream) {
+namespace {
+
+// The RMS norm of x into out, weighted: what the convenience forms below add operands to.
+NormArgs rms_args(const TensorView& x, const TensorView& weight, const TensorView& out, float eps,
+                  float weight_offset) {
   NormArgs a;
   a.x = x;
   a.weight = weight;
@@ -116,35 +119,30 @@ void rms_norm(const TensorView& x, const TensorView& weight, const TensorView& o
   a.norm = NormType::kRMS;
   a.eps = eps;
   a.weight_offset = weight_offset;
-  norm(a, stream);
+  return a;
+}
+
+}  // namespace
+
+void rms_norm(const TensorView& x, const TensorView& weight, const TensorView& out, float eps,
+              float weight_offset, cudaStream_t stream) {
+  norm(rms_args(x, weight, out, eps, weight_offset), stream);
 }
 
 void fused_add_rms_norm(const TensorView& x, const TensorView& residual, const TensorView& weight,
                         const TensorView& out, const TensorView& residual_out, float eps,
                         float weight_offset, cudaStream_t stream) {
-  NormArgs a;
-  a.x = x;
-  a.branch = residual;
-  a.weight = weight;
-  a.out = out;
+  NormArgs a = rms_args(x, weight, out, eps, weight_offset);
+  a.branch = residual;           // h = x + residual, normalized
   a.residual_out = residual_out;
-  a.norm = NormType::kRMS;
-  a.eps = eps;
-  a.weight_offset = weight_offset;
   a.branch_name = "residual";
   norm(a, stream);
 }
 
 void rms_norm_add(const TensorView& x, const TensorView& residual, const TensorView& weight,
                   const TensorView& out, float eps, float weight_offset, cudaStream_t stream) {
-  NormArgs a;
-  a.x = x;
-  a.shift = residual;
-  a.weight = weight;
-  a.out = out;
-  a.norm = NormType::kRMS;
-  a.eps = eps;
-  a.weight_offset = weight_offset;
+  NormArgs a = rms_args(x, weight, out, eps, weight_offset);
+  a.shift = residual;            // out = rms_norm(x) + residual
   a.shift_name = "residual";
   norm(a, stream);
 }
