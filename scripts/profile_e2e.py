@@ -321,16 +321,14 @@ def graphs_profile(fusebox, model, batch: int, device, steps: int = 32, prompt_t
         if replays:
             print("   the step's graphs replayed alone: " + ", ".join(
                 f"host {h:.0f} us, wall {w:.0f} us" for h, w in replays))
-        stamps.clear()
-        calls.clear()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             gen()
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             prof.export_chrome_trace(f.name)
             with open(f.name) as trace:
                 events = json.load(trace)["traceEvents"]
-        windows = [(a, b) for (a, _), b in zip(calls[1:], stamps[2:])]   # perf_counter seconds
-        kernels = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+        kernels = sorted((e for e in events
+                          if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                          key=lambda e: e["ts"])
         runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
         # Profiler times are microseconds on its own clock: place the steps by the compiled
@@ -338,7 +336,7 @@ def graphs_profile(fusebox, model, batch: int, device, steps: int = 32, prompt_t
         regions = sorted((e for e in events if e.get("cat") == "cpu_op"
                           and e.get("name", "").startswith("Torch-Compiled Region")),
                          key=lambda e: e["ts"])
-        print(f"   profiled run: {len(regions)} compiled-region events, {len(windows)} steps timed")
+        print(f"   profiled run: {len(regions)} compiled-region events")
         if len(regions) >= 3:
             steps_ts = [(r["ts"], n["ts"]) for r, n in zip(regions[1:], regions[2:])]
             busy, counts = [], defaultdict(int)
@@ -353,9 +351,10 @@ def graphs_profile(fusebox, model, batch: int, device, steps: int = 32, prompt_t
                     if a <= e["ts"] < b:
                         counts[e["name"]] += 1
             span = statistics.median((b - a) / 1e3 for a, b in steps_ts)
+            top = sorted(counts.items(), key=lambda kv: -kv[1])[:8]
             print(f"   profiled step {span:.3f} ms, GPU busy {statistics.median(busy):.3f} ms; "
-                  f"runtime calls a step: " + ", ".join(
-                      f"{n} {c / len(steps_ts):.1f}" for n, c in sorted(counts.items(), key=lambda kv: -kv[1])[:8]))
+                  "runtime calls a step: "
+                  + ", ".join(f"{n} {c / len(steps_ts):.1f}" for n, c in top))
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
                                         max_name_column_width=60))
 

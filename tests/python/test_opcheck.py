@@ -8,8 +8,8 @@ import torch
 import fusebox  # noqa: F401  (loads the library, registers the fake implementations)
 from helpers import BF16, F32, make_input, modulation, qk_pair, rope_tables, small, weight
 
-OPS = ["rms_norm", "layer_norm", "fused_add_rms_norm", "rms_norm_add", "fused_norm", "gated_residual", "rotary",
-       "gated_act", "gated_act_packed", "act"]
+OPS = ["rms_norm", "layer_norm", "fused_add_rms_norm", "rms_norm_add", "fused_norm",
+       "gated_residual", "rotary", "gated_act", "gated_act_packed", "act"]
 
 
 def op_cases(name, gen, device, layout):
