@@ -218,47 +218,16 @@ def _record_guard_times(times: list) -> None:
     guards.profile_guard_manager = warm_check_us
 
 
-def _tree_graph_replays(repeats: int = 30) -> list:
-    """(host us, wall us) medians of replaying each CUDA graph torch.compile's cudagraph trees
-    recorded, outside the tree's own bookkeeping; [] where those internals are not reachable."""
-    import statistics
-    import time
-
-    try:
-        from torch._inductor import cudagraph_trees
-
-        manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager
-        stack = [node for nodes in manager.roots.values() for node in nodes]
-    except (AttributeError, ImportError, RuntimeError):
-        return []
-    out = []
-    while stack:
-        node = stack.pop()
-        stack += [child for children in node.children.values() for child in children]
-        graph = getattr(node, "graph", None)
-        if graph is None:
-            continue
-        host, wall = [], []
-        for _ in range(repeats):
-            torch.cuda.synchronize()
-            start = time.perf_counter()
-            graph.replay()
-            launched = time.perf_counter()
-            torch.cuda.synchronize()
-            host.append((launched - start) * 1e6)
-            wall.append((time.perf_counter() - start) * 1e6)
-        out.append((statistics.median(host), statistics.median(wall)))
-    return out
-
-
 def graphs_profile(fusebox, model, batch: int, device, steps: int = 32, prompt_tokens: int = 32,
-                   rounds: int = 1) -> None:
+                   rounds: int = 1, gc_freeze: bool = False, order=None) -> None:
     """Greedy ``generate`` under CUDA graphs (a static cache, the step compiled with
     ``mode="reduce-overhead"``, as the benchmark's graph variants), unpatched and patched in
-    alternating rounds. Per decode step: the wall time (synchronized), the host time of the
-    compiled call (call to return, the GPU still running), the warm guard check of each compiled
-    frame; the host and wall time of replaying each recorded graph alone; from one profiled run,
-    the GPU's busy time a step and the runtime calls a step makes."""
+    rounds of alternating order. Per decode step: the wall time (synchronized), the host time of
+    the compiled call (call to return, the GPU still running), the warm guard check of each
+    compiled frame, the garbage collector's pauses; in the first round, from one profiled run, the GPU's busy time a step and the
+    runtime calls a step makes (the profiler's tracing lengthens cudaGraphLaunch several-fold:
+    `scripts/graph_census.py` times the launch alone)."""
+    import gc
     import json
     import statistics
     import tempfile
@@ -287,6 +256,44 @@ def graphs_profile(fusebox, model, batch: int, device, steps: int = 32, prompt_t
             logits_processor=LogitsProcessorList([StepClock()]),
             past_key_values=StaticCache(config=model.config, max_cache_len=prompt_tokens + steps + 2))
 
+    # Host time of the layers under the compiled call, unprofiled: dynamo's frame calls inductor's
+    # compiled graph, whose cudagraph tree manager runs the recorded node, which replays its graph.
+    from torch._inductor import cudagraph_trees, output_code
+
+    layers = [("inductor call", output_code.CompiledFxGraph, "__call__"),
+              ("tree manager", cudagraph_trees.CUDAGraphTreeManager, "run"),
+              ("node run", cudagraph_trees.CUDAGraphNode, "run"),
+              ("input check", cudagraph_trees.CUDAGraphNode, "check_static_inputs_are_stable"),
+              ("replay", cudagraph_trees.CUDAGraphNode, "run_graph"),
+              ("outputs", cudagraph_trees.CUDAGraphNode, "reconstruct_outputs")]
+    layer_ms: dict = defaultdict(list)
+    timing = [False]
+    originals = []
+
+    def clock(label, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            out = fn(*args, **kwargs)
+            if timing[0]:
+                layer_ms[label].append((time.perf_counter() - start) * 1e3)
+            return out
+        return timed
+
+    for label, owner, name in layers:
+        originals.append((owner, name, owner.__dict__[name]))
+        setattr(owner, name, clock(label, owner.__dict__[name]))
+
+    collections: dict = {}   # generation -> [collections, ms] while the steps are timed
+    gc_start = [0.0]
+
+    def gc_clock(phase, info):
+        if phase == "start":
+            gc_start[0] = time.perf_counter()
+        else:
+            entry = collections.setdefault(info["generation"], [0, 0.0])
+            entry[0] += 1
+            entry[1] += (time.perf_counter() - gc_start[0]) * 1e3
+
     def timed_call(compiled):
         def call(*args, **kwargs):
             start = time.perf_counter()
@@ -295,7 +302,7 @@ def graphs_profile(fusebox, model, batch: int, device, steps: int = 32, prompt_t
             return out
         return call
 
-    def run(label):
+    def run(label, trace):
         fusebox.unpatch(model)
         if label == "patched":
             fusebox.patch(model)
@@ -305,6 +312,14 @@ def graphs_profile(fusebox, model, batch: int, device, steps: int = 32, prompt_t
         for _ in range(2):      # compiles, records the graphs, replays
             gen()
         model._compiled_call = timed_call(model._compiled_call)
+        if gc_freeze:
+            gc.collect()
+            gc.freeze()
+        objects = len(gc.get_objects())
+        collections.clear()
+        gc.callbacks.append(gc_clock)
+        layer_ms.clear()
+        timing[0] = True
         wall, host, tail = [], [], []
         for _ in range(3):
             stamps.clear()
@@ -313,20 +328,29 @@ def graphs_profile(fusebox, model, batch: int, device, steps: int = 32, prompt_t
             wall += [(b - a) * 1e3 for a, b in zip(stamps[1:], stamps[2:])]
             host += [(b - a) * 1e3 for a, b in calls[1:]]
             tail += [(s - b) * 1e3 for (_, b), s in zip(calls[1:], stamps[2:])]
+        timing[0] = False
+        gc.callbacks.remove(gc_clock)
+        gc.unfreeze()
+        steps_timed = 3 * (steps + 1)
         print(f"== {label}: decode step (batch {batch}) {statistics.median(wall):.3f} ms wall "
               f"(min {min(wall):.3f}); compiled call on the host {statistics.median(host):.3f} ms, "
               f"return to synchronized {statistics.median(tail):.3f} ms; warm guard check of each "
               f"compiled frame {', '.join(f'{t:.0f}' for t in guard_us)} us")
-        replays = _tree_graph_replays()
-        if replays:
-            print("   the step's graphs replayed alone: " + ", ".join(
-                f"host {h:.0f} us, wall {w:.0f} us" for h, w in replays))
+        print("   host time under the compiled call, median a step: " + ", ".join(
+            f"{label} {statistics.median(layer_ms[label]):.3f} ms" for label, _, _ in layers
+            if layer_ms[label]))
+        print(f"   Python's garbage collector: {objects} objects tracked"
+              f"{' (frozen)' if gc_freeze else ''}; "
+              + ", ".join(f"generation {g}: {n} collections, {ms / steps_timed:.3f} ms a step"
+                          for g, (n, ms) in sorted(collections.items())))
+        if not trace:
+            return
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             gen()
         with tempfile.NamedTemporaryFile(suffix=".json") as f:
             prof.export_chrome_trace(f.name)
-            with open(f.name) as trace:
-                events = json.load(trace)["traceEvents"]
+            with open(f.name) as trace_file:
+                events = json.load(trace_file)["traceEvents"]
         kernels = sorted((e for e in events
                           if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
                          key=lambda e: e["ts"])
@@ -359,9 +383,14 @@ def graphs_profile(fusebox, model, batch: int, device, steps: int = 32, prompt_t
                                         max_name_column_width=60))
 
     with torch.no_grad():
-        for _ in range(rounds):
-            run("unpatched")
-            run("patched")
+        # a process's later compiles may find its host slower: each round swaps the order
+        if order is None:
+            order = [label for i in range(rounds)
+                     for label in (("unpatched", "patched") if i % 2 == 0 else ("patched", "unpatched"))]
+        for i, label in enumerate(order):
+            run(label, trace=i < 2)
+    for owner, name, fn in originals:
+        setattr(owner, name, fn)
 
 
 def main() -> None:
@@ -379,6 +408,14 @@ def main() -> None:
     ap.add_argument("--graphs", type=int, default=0, metavar="BATCH",
                     help="LLMs: greedy generate at this batch under CUDA graphs (static cache, "
                          "reduce-overhead), unpatched and patched: where a step's time goes")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="--graphs: rounds of unpatched and patched, the order swapped each round")
+    ap.add_argument("--order", default=None, metavar="LABELS",
+                    help="--graphs: the runs in this order instead of --rounds (e.g. "
+                         "patched,unpatched,unpatched)")
+    ap.add_argument("--gc-freeze", action="store_true",
+                    help="--graphs: move the objects alive after warm-up out of the garbage "
+                         "collector's reach (gc.freeze) while the steps are timed")
     ap.add_argument("--timeline", action="store_true",
                     help="the GPU's idle time in one patched forward (with --compiled, also the "
                          "compiled ones), split into waiting for the host "
@@ -404,7 +441,8 @@ def main() -> None:
         call = lambda: model(ids, use_cache=False, logits_to_keep=1)  # noqa: E731
         regional = lambda: family._compiled_layers(model)  # noqa: E731
     if args.graphs:
-        graphs_profile(fusebox, model, args.graphs, device)
+        graphs_profile(fusebox, model, args.graphs, device, rounds=args.rounds, gc_freeze=args.gc_freeze,
+                       order=args.order.split(",") if args.order else None)
         return
     if args.generate:
         generate_profile(fusebox, model, args.generate, device)

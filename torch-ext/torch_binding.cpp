@@ -132,7 +132,8 @@ struct OperandNames {
   const char* shift = "shift";
 };
 
-std::tuple<Tensor, Tensor> norm_impl(const Tensor& x, const OptTensor& branch, const OptTensor& gate,
+// Returns the norm's output and, where a branch is given, the updated residual h = x + gate * branch.
+std::pair<Tensor, OptTensor> norm_impl(const Tensor& x, const OptTensor& branch, const OptTensor& gate,
                                      const OptTensor& scale, const OptTensor& shift,
                                      const OptTensor& weight, const OptTensor& bias,
                                      const std::string& norm_type, double eps, double weight_offset,
@@ -148,7 +149,8 @@ std::tuple<Tensor, Tensor> norm_impl(const Tensor& x, const OptTensor& branch, c
   const OptTensor scale_b = broadcast_to(scale, x, "scale");
   const OptTensor shift_b = broadcast_to(shift, x, names.shift);
   Tensor out = empty_like_shape(x, out_dtype);
-  Tensor h = branch.has_value() ? empty_like_shape(x) : at::empty({0}, x.options());
+  OptTensor h;
+  if (branch.has_value()) h = empty_like_shape(x);
   fusebox::NormArgs a;
   a.x = view(x, "x");
   a.branch = view(branch, names.branch);
@@ -163,7 +165,7 @@ std::tuple<Tensor, Tensor> norm_impl(const Tensor& x, const OptTensor& branch, c
   a.scale_table = view(scale_table, "scale_table");
   a.shift_table = view(shift_table, "shift_table");
   a.out = view(out, "out");
-  if (branch.has_value()) a.residual_out = view(h, "residual_out");
+  a.residual_out = view(h, "residual_out");
   a.norm = parse_norm(norm_type, false);
   a.eps = float(eps);
   a.weight_offset = float(weight_offset);
@@ -177,34 +179,36 @@ std::tuple<Tensor, Tensor> fused_norm(const Tensor& x, const OptTensor& branch, 
                                       const std::string& norm_type, double eps, double weight_offset,
                                       std::optional<at::ScalarType> out_dtype, const OptTensor& gate_table,
                                       const OptTensor& scale_table, const OptTensor& shift_table) {
-  return norm_impl(x, branch, gate, scale, shift, weight, bias, norm_type, eps, weight_offset, out_dtype,
-                   {}, gate_table, scale_table, shift_table);
+  auto [out, h] = norm_impl(x, branch, gate, scale, shift, weight, bias, norm_type, eps, weight_offset,
+                            out_dtype, {}, gate_table, scale_table, shift_table);
+  // the schema returns two tensors; without a branch the second is empty
+  return {out, h.has_value() ? *h : at::empty({0}, x.options())};
 }
 
 Tensor rms_norm(const Tensor& x, const OptTensor& weight, double eps, double weight_offset,
                 std::optional<at::ScalarType> out_dtype) {
-  return std::get<0>(norm_impl(x, std::nullopt, std::nullopt, std::nullopt, std::nullopt, weight,
-                               std::nullopt, "rms", eps, weight_offset, out_dtype));
+  return norm_impl(x, std::nullopt, std::nullopt, std::nullopt, std::nullopt, weight, std::nullopt, "rms",
+                   eps, weight_offset, out_dtype).first;
 }
 
 Tensor layer_norm(const Tensor& x, const OptTensor& weight, const OptTensor& bias, double eps,
                   std::optional<at::ScalarType> out_dtype) {
-  return std::get<0>(norm_impl(x, std::nullopt, std::nullopt, std::nullopt, std::nullopt, weight,
-                               bias, "layer", eps, 0.0, out_dtype));
+  return norm_impl(x, std::nullopt, std::nullopt, std::nullopt, std::nullopt, weight, bias, "layer", eps,
+                   0.0, out_dtype).first;
 }
 
 std::tuple<Tensor, Tensor> fused_add_rms_norm(const Tensor& x, const Tensor& residual,
                                               const OptTensor& weight, double eps, double weight_offset) {
-  return norm_impl(x, residual, std::nullopt, std::nullopt, std::nullopt, weight, std::nullopt, "rms",
-                   eps, weight_offset, std::nullopt, {"residual", "shift"});
+  auto [out, h] = norm_impl(x, residual, std::nullopt, std::nullopt, std::nullopt, weight, std::nullopt,
+                            "rms", eps, weight_offset, std::nullopt, {"residual", "shift"});
+  return {out, *h};
 }
 
 // residual + rms_norm(x): the residual is the norm's per-token shift
 Tensor rms_norm_add(const Tensor& x, const Tensor& residual, const OptTensor& weight, double eps,
                     double weight_offset) {
-  return std::get<0>(norm_impl(x, std::nullopt, std::nullopt, std::nullopt, residual, weight,
-                               std::nullopt, "rms", eps, weight_offset, std::nullopt,
-                               {"branch", "residual"}));
+  return norm_impl(x, std::nullopt, std::nullopt, std::nullopt, residual, weight, std::nullopt, "rms", eps,
+                   weight_offset, std::nullopt, {"branch", "residual"}).first;
 }
 
 Tensor gated_residual(const Tensor& x, const Tensor& branch, const OptTensor& gate,
