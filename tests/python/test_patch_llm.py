@@ -704,3 +704,21 @@ def test_e2e_bench_tiny_on_cpu(tmp_path):
         assert 0 < v["prefill_min_ms"] <= v["prefill_ms"]
     assert rec["variants"]["patched"]["decode_tok_s_b1"] > 0
     assert rec["summary"]["patched_vs_eager_rel_diff"] < 1e-4
+
+
+def test_e2e_variant_in_own_process():
+    """The CUDA-graph variants run in a child ``fusebox bench e2e``: its result comes back whole,
+    and a child that fails says why."""
+    import argparse
+
+    from fusebox.bench.e2e import llm
+
+    args = argparse.Namespace(dtype="fp32", device="cpu", quick=True)
+    result = llm.run_in_own_process("tiny-llm", "patched", args)
+    assert result["process"] == "own"
+    assert not result.get("error"), result
+    assert 0 < result["prefill_min_ms"] <= result["prefill_ms"]
+    assert result["decode_tok_s_b1"] > 0
+    assert result["rel_diff_vs_fp32"] < 1e-4
+    with pytest.raises(RuntimeError, match="wrote no result"):
+        llm.run_in_own_process("tiny-llm", "no-such-variant", args)

@@ -52,6 +52,9 @@ def build_parser(models: Dict[str, object]) -> argparse.ArgumentParser:
     p.add_argument("--attention-backend", default=None, metavar="NAME",
                    help="diffusers models: the attention backend every variant runs "
                         "(model.set_attention_backend, e.g. _native_cudnn; default: diffusers' own)")
+    p.add_argument("--same-process", action="store_true",
+                   help="LLMs: time the CUDA-graph variants in this process too (by default each "
+                        "runs in a process of its own)")
     p.add_argument("--pipeline", action="store_true",
                    help="diffusers models: also run the full pipeline and write its output file")
     return p
