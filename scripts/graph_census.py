@@ -23,7 +23,7 @@ from collections import Counter, defaultdict
 
 import torch
 
-cuda = ctypes.CDLL("libcuda.so.1")
+cuda = None  # the CUDA driver library, loaded by main()
 NODE_TYPES = {0: "kernel", 1: "memcpy", 2: "memset", 3: "host", 4: "graph", 5: "empty",
               6: "wait_event", 7: "event_record", 8: "ext_sem_signal", 9: "ext_sem_wait",
               10: "mem_alloc", 11: "mem_free", 12: "batch_mem_op", 13: "conditional"}
@@ -96,14 +96,20 @@ def library(name: str) -> str:
     return "other"
 
 
-def edges_of(graph) -> tuple[Counter, int]:
-    """Edge types, and the nodes with several dependencies or dependents."""
+def edge_list(graph) -> tuple:
+    """(sources, destinations, edge data) of every edge of ``graph``."""
     e = ctypes.c_size_t(0)
     check(cuda.cuGraphGetEdges_v2(graph, None, None, None, ctypes.byref(e)), "cuGraphGetEdges")
     src = (ctypes.c_void_p * e.value)()
     dst = (ctypes.c_void_p * e.value)()
     data = (EdgeData * e.value)()
     check(cuda.cuGraphGetEdges_v2(graph, src, dst, data, ctypes.byref(e)), "cuGraphGetEdges")
+    return src, dst, data
+
+
+def edges_of(graph) -> tuple[Counter, int]:
+    """Edge types, and the nodes with several dependencies or dependents."""
+    src, dst, data = edge_list(graph)
     types = Counter("programmatic" if d.type else "default" for d in data)
     fan_in, fan_out = Counter(dst), Counter(src)
     branching = sum(1 for c in fan_in.values() if c > 1) + sum(1 for c in fan_out.values() if c > 1)
@@ -185,13 +191,7 @@ def swapped(graph, libs: set, keep_param_bytes: bool, empties) -> ctypes.c_void_
 
 def with_plain_edges(graph) -> None:
     """Turns the programmatic-launch edges of ``graph`` into plain dependencies, in place."""
-    e = ctypes.c_size_t(0)
-    check(cuda.cuGraphGetEdges_v2(graph, None, None, None, ctypes.byref(e)), "cuGraphGetEdges")
-    src = (ctypes.c_void_p * e.value)()
-    dst = (ctypes.c_void_p * e.value)()
-    data = (EdgeData * e.value)()
-    check(cuda.cuGraphGetEdges_v2(graph, src, dst, data, ctypes.byref(e)), "cuGraphGetEdges")
-    for a, b, d in zip(src, dst, data):
+    for a, b, d in zip(*edge_list(graph)):
         if not d.type:
             continue
         a, b = ctypes.c_void_p(a), ctypes.c_void_p(b)
@@ -282,7 +282,7 @@ def host_profile(label: str, generate, top: int) -> None:
 
 
 def main() -> None:
-    import fusebox
+    global cuda
     from fusebox.bench.e2e import llm
     from transformers import StaticCache
     from transformers.generation import CompileConfig
@@ -292,6 +292,7 @@ def main() -> None:
     parser.add_argument("--cprofile", type=int, default=25, metavar="N",
                         help="also print the N Python functions of most own time in generate (0: off)")
     args = parser.parse_args()
+    cuda = ctypes.CDLL("libcuda.so.1")
 
     class KeptGraph(torch.cuda.CUDAGraph):
         """A CUDA graph that keeps its cudaGraph_t, instantiated as soon as it is recorded."""
@@ -321,12 +322,7 @@ def main() -> None:
                        past_key_values=StaticCache(config=model.config, max_cache_len=56))
 
     for label in ("unpatched", "patched"):
-        fusebox.unpatch(model)
-        if label == "patched":
-            fusebox.patch(model)
-        model.__dict__.pop("_compiled_call", None)
-        torch._dynamo.reset()
-        cudagraph_trees.reset_cudagraph_trees()
+        llm._set_variant(model, label)   # torch._dynamo.reset() clears the cudagraph trees too
         for _ in range(2):
             generate()
         manager = cudagraph_trees.get_container(torch.cuda.current_device()).tree_manager

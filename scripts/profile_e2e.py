@@ -218,14 +218,16 @@ def _record_guard_times(times: list) -> None:
     guards.profile_guard_manager = warm_check_us
 
 
-def graphs_profile(fusebox, model, batch: int, device, steps: int = 32, prompt_tokens: int = 32,
+def graphs_profile(model, batch: int, device, steps: int = 32, prompt_tokens: int = 32,
                    rounds: int = 1, gc_freeze: bool = False, order=None) -> None:
     """Greedy ``generate`` under CUDA graphs (a static cache, the step compiled with
     ``mode="reduce-overhead"``, as the benchmark's graph variants), unpatched and patched in
-    rounds of alternating order. Per decode step: the wall time (synchronized), the host time of
-    the compiled call (call to return, the GPU still running), the warm guard check of each
-    compiled frame, the garbage collector's pauses; in the first round, from one profiled run, the GPU's busy time a step and the
-    runtime calls a step makes (the profiler's tracing lengthens cudaGraphLaunch several-fold:
+    rounds of alternating order (or in ``order``). Per decode step: the wall time (synchronized),
+    the host time of the compiled call (call to return, the GPU still running) and of the layers
+    under it (inductor's call, the cudagraph tree manager, the node's run, the graph's replay),
+    the warm guard check of each compiled frame, the garbage collector's pauses; for the first two
+    runs, from one profiled generate, the GPU's busy time a step and the runtime calls a step
+    makes (the profiler's tracing lengthens cudaGraphLaunch several-fold:
     `scripts/graph_census.py` times the launch alone)."""
     import gc
     import json
@@ -233,6 +235,7 @@ def graphs_profile(fusebox, model, batch: int, device, steps: int = 32, prompt_t
     import tempfile
     import time
 
+    from fusebox.bench.e2e import llm
     from torch.profiler import ProfilerActivity, profile
     from transformers import LogitsProcessor, LogitsProcessorList, StaticCache
     from transformers.generation import CompileConfig
@@ -303,11 +306,7 @@ def graphs_profile(fusebox, model, batch: int, device, steps: int = 32, prompt_t
         return call
 
     def run(label, trace):
-        fusebox.unpatch(model)
-        if label == "patched":
-            fusebox.patch(model)
-        model.__dict__.pop("_compiled_call", None)
-        torch._dynamo.reset()
+        llm._set_variant(model, label)
         guard_us.clear()
         for _ in range(2):      # compiles, records the graphs, replays
             gen()
@@ -441,7 +440,7 @@ def main() -> None:
         call = lambda: model(ids, use_cache=False, logits_to_keep=1)  # noqa: E731
         regional = lambda: family._compiled_layers(model)  # noqa: E731
     if args.graphs:
-        graphs_profile(fusebox, model, args.graphs, device, rounds=args.rounds, gc_freeze=args.gc_freeze,
+        graphs_profile(model, args.graphs, device, rounds=args.rounds, gc_freeze=args.gc_freeze,
                        order=args.order.split(",") if args.order else None)
         return
     if args.generate:
