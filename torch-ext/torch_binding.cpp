@@ -134,14 +134,14 @@ struct OperandNames {
 
 // Returns the norm's output and, where a branch is given, the updated residual h = x + gate * branch.
 std::pair<Tensor, OptTensor> norm_impl(const Tensor& x, const OptTensor& branch, const OptTensor& gate,
-                                     const OptTensor& scale, const OptTensor& shift,
-                                     const OptTensor& weight, const OptTensor& bias,
-                                     const std::string& norm_type, double eps, double weight_offset,
-                                     std::optional<at::ScalarType> out_dtype,
-                                     const OperandNames& names = {},
-                                     const OptTensor& gate_table = std::nullopt,
-                                     const OptTensor& scale_table = std::nullopt,
-                                     const OptTensor& shift_table = std::nullopt) {
+                                       const OptTensor& scale, const OptTensor& shift,
+                                       const OptTensor& weight, const OptTensor& bias,
+                                       const std::string& norm_type, double eps, double weight_offset,
+                                       std::optional<at::ScalarType> out_dtype,
+                                       const OperandNames& names = {},
+                                       const OptTensor& gate_table = std::nullopt,
+                                       const OptTensor& scale_table = std::nullopt,
+                                       const OptTensor& shift_table = std::nullopt) {
   check_out_dtype(out_dtype, x);
   TORCH_CHECK_VALUE(branch.has_value() || !gate.has_value(),
                     "fusebox: gate needs branch (h = x + gate * branch)");
