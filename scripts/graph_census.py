@@ -233,7 +233,7 @@ def census(label: str, tree_nodes: list, empties) -> None:
         trials = [(unsafe, False, False), (unsafe, False, True), (unsafe | {"fusebox"}, False, False),
                   (unsafe | {"cublas"}, False, False), (present, False, False), (present, False, True),
                   (present, True, False)]
-        for swap, keep, plain in trials:
+        for swap, keep, plain in dict.fromkeys((frozenset(w), k, p) for w, k, p in trials):
             real = sorted(present - swap)
             what = ("real: " + "+".join(real)) if real else "every kernel empty"
             what += "" if not keep else ", the empty kernels of 4096 parameter bytes"

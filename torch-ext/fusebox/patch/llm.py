@@ -285,12 +285,16 @@ class AttentionSpec(NamedTuple):
     qk_norm_flag: Optional[str] = None
 
 
-def _extra_kwargs(module: torch.nn.Module, extra: Tuple[Tuple[str, str], ...]) -> dict:
-    out = {}
-    for name, path in extra:
-        owner, _, attr = path.rpartition(".")    # "config.sliding_window": the config's
-        out[name] = getattr(getattr(module, owner) if owner else module, attr, None)
-    return out
+def _split_extra(extra: Tuple[Tuple[str, str], ...]) -> Tuple[Tuple[str, str, str], ...]:
+    """(kwarg, owner attribute or "", attribute) of each extra kwarg: "config.sliding_window" is
+    the config's, "sliding_window" the module's own."""
+    return tuple((name, *path.rpartition(".")[::2]) for name, path in extra)
+
+
+def _extra_kwargs(module: torch.nn.Module, extra: Tuple[Tuple[str, str, str], ...]) -> dict:
+    """The extra attention-interface kwargs, from ``_split_extra``'s triples."""
+    return {name: getattr(getattr(module, owner) if owner else module, attr, None)
+            for name, owner, attr in extra}
 
 
 _SLIDING = (("sliding_window", "sliding_window"),)
@@ -404,7 +408,7 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
     attention interfaces in ``_ATTENTION_INTERFACES``)."""
     # the spec's fields one by one: a spec shared by all layers would cost an identity guard each
     fused_qkv, rope_flag, qk_norm_across, extra = (spec.fused_qkv, spec.rope_flag,
-                                                   spec.qk_norm_across, spec.extra)
+                                                   spec.qk_norm_across, _split_extra(spec.extra))
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
