@@ -5,6 +5,7 @@ the folder already holds)."""
 from __future__ import annotations
 
 import datetime
+import gc
 import json
 import os
 import statistics
@@ -48,6 +49,31 @@ def progress(variant: str, rec: Optional[dict] = None) -> None:
     else:
         figures = [f"{k} {v:.4g}" for k, v in rec.items() if k in PROGRESS_KEYS and isinstance(v, (int, float))]
         print(f"  {variant}: {', '.join(figures) or 'done'}", flush=True)
+
+
+def error_text(e: BaseException) -> str:
+    first = str(e).splitlines()[0][:300] if str(e) else ""
+    return f"{type(e).__name__}: {first}"
+
+
+def release(device) -> None:
+    """Frees what the last variant left on the device."""
+    gc.collect()
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_guarded(variant: str, device, call: Callable[[], tuple]) -> tuple:
+    """``call()``'s (record, output) between two progress lines; a failure becomes the variant's
+    error record, since one failing variant must not end the run."""
+    progress(variant)
+    try:
+        rec, out = call()
+    except Exception as e:  # noqa: BLE001
+        rec, out = {"error": error_text(e)}, None
+    progress(variant, rec)
+    release(device)
+    return rec, out
 
 
 def peak_memory_mb(fn: Callable[[], object], device) -> Optional[float]:

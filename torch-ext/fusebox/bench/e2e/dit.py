@@ -531,7 +531,7 @@ def _time_compiled(model, inputs, mode, device, quick, rec):
         except Exception as e:  # noqa: BLE001  (a graph break under fullgraph: retry without)
             if not fullgraph or not mode:
                 raise
-            rec["fullgraph_error"] = _error(e)
+            rec["fullgraph_error"] = common.error_text(e)
             torch._dynamo.reset()
     raise AssertionError("unreachable")
 
@@ -562,11 +562,6 @@ def _run_variant(model, inputs, variant, spec, device, quick, eager_out):
     finally:
         if patched:
             fusebox.unpatch(model)
-
-
-def _error(e: BaseException) -> str:
-    first = str(e).splitlines()[0][:300] if str(e) else ""
-    return f"{type(e).__name__}: {first}"
 
 
 def _variants(args) -> List[str]:
@@ -742,23 +737,17 @@ def run(name: str, args) -> dict:
     rec["summary"]["params_b"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 3)
     eager_out = None
     for variant in _variants(args):
-        common.progress(variant)
-        try:
-            vrec, out = _run_variant(model, inputs, variant, spec, device, args.quick, eager_out)
-            if variant == "eager":
-                eager_out = out
-        except Exception as e:  # noqa: BLE001  (one failing variant must not end the run)
-            vrec = {"error": _error(e)}
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        rec["variants"][variant] = vrec
-        common.progress(variant, vrec)
+        rec["variants"][variant], out = common.run_guarded(
+            variant, device,
+            lambda: _run_variant(model, inputs, variant, spec, device, args.quick, eager_out))
+        if variant == "eager":
+            eager_out = out
     torch._dynamo.reset()
     if eager_out is not None and dtype != torch.float32:
         try:
             rec["summary"].update(bf16_spread(model, inputs, eager_out, device))
         except Exception as e:  # noqa: BLE001
-            rec["summary"]["bf16_spread_error"] = _error(e)
+            rec["summary"]["bf16_spread_error"] = common.error_text(e)
     eager = rec["variants"].get("eager", {})
     for variant, v in rec["variants"].items():
         if variant != "eager" and v.get("step_ms") and eager.get("step_ms"):

@@ -32,7 +32,6 @@ Variants:
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import statistics
@@ -275,34 +274,32 @@ def run(name: str, args) -> dict:
     work = workload(name, args)
     variants = _variants(args, device)
     own_process = device.type == "cuda" and not getattr(args, "same_process", False)
-    model = build_model(name, device, dtype)
-    ids = _tokens(1, work["prefill_tokens"], model.config.vocab_size, device, seed=1)
-    ref_logits = None
-    if any(not v.endswith("graphs") for v in variants):   # the graph variants time decode alone
-        with torch.inference_mode():
-            ref_logits = _last_logits(model, ids)
-    model.to(dtype)
+    elsewhere = [v for v in variants if own_process and v.endswith("graphs")]
+    here = [v for v in variants if v not in elsewhere]
 
-    record = {"model": name, "description": MODELS[name], "variants": {}, "summary": {},
-              "workload": {k: v for k, v in work.items() if k not in ("iters", "warmup")},
-              "dtype": args.dtype, "device": str(device)}
+    record = {"model": name, "description": MODELS[name], "variants": dict.fromkeys(variants),
+              "summary": {}, "dtype": args.dtype, "device": str(device),
+              "workload": {k: v for k, v in work.items() if k not in ("iters", "warmup")}}
     logits = {}
-    for variant in variants:
-        common.progress(variant)
-        try:
-            if own_process and variant.endswith("graphs"):
-                result, logits[variant] = run_in_own_process(name, variant, args), None
-            else:
-                result, logits[variant] = run_variant(model, variant, work, device, ids,
-                                                      ref_logits, args.quick)
-        except Exception as error:  # noqa: BLE001  (one failing variant must not end the run)
-            result = {"error": f"{type(error).__name__}: {error}"[:500]}
-        record["variants"][variant] = result
-        common.progress(variant, result)
-        gc.collect()
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-    _set_variant(model, "eager")
+    if here:
+        model = build_model(name, device, dtype)
+        ids = _tokens(1, work["prefill_tokens"], model.config.vocab_size, device, seed=1)
+        ref_logits = None
+        if any(not v.endswith("graphs") for v in here):   # the graph variants time decode alone
+            with torch.inference_mode():
+                ref_logits = _last_logits(model, ids)
+        model.to(dtype)
+        for variant in here:
+            record["variants"][variant], logits[variant] = common.run_guarded(
+                variant, device,
+                lambda: run_variant(model, variant, work, device, ids, ref_logits, args.quick))
+        _set_variant(model, "eager")
+        del model, ids, ref_logits
+        common.release(device)
+    # each child builds its own model, so this process holds none while they run
+    for variant in elsewhere:
+        record["variants"][variant], logits[variant] = common.run_guarded(
+            variant, device, lambda: (run_in_own_process(name, variant, args), None))
     record["summary"] = summarize(record["variants"], logits)
     if getattr(args, "attention_backend", None):
         record["summary"]["attention_backend"] = "not applied (a diffusers option)"
