@@ -403,7 +403,8 @@ struct TuningKnobs {
                                       // with fp32 modulation; 8 without a residual)
   std::optional<int> norm_row_iters;  // FUSEBOX_NORM_ROW_ITERS: row groups per block (1-8)
   std::optional<int> norm_stage;      // FUSEBOX_NORM_STAGE: small operands through shared memory
-  std::optional<int> rope_items;      // FUSEBOX_ROPE_ITEMS: heads per lane group (1, 2 or 4)
+  std::optional<int> rope_items;      // FUSEBOX_ROPE_ITEMS: heads per lane group (1, 2 or 4); units a
+                                      // thread of rows across heads up to 512 units (1 or 4)
   std::optional<int> rope_early;      // FUSEBOX_ROPE_EARLY=0: wide rows load rotation factors after the sum
   std::optional<int> act_flat;        // FUSEBOX_ACT_FLAT: packed rows as one long row (0 or 1)
   std::optional<int> norm_flat;       // FUSEBOX_NORM_FLAT=0: norm rows never take their flat twin

@@ -136,7 +136,8 @@ def test_suite_counts():
     labels = {c.label for c in cases if c.op == "adaln"}
     assert any("rms token" in s for s in labels) and any("layer token" in s for s in labels)
     assert any("rms sample" in s for s in labels) and any("layer sample" in s for s in labels)
-    assert sum(1 for c in cases if c.op == "qk_norm_rope" and c.dtype == "bf16") == 10
+    # Qwen3 and OLMo-2 at 5 token counts, FLUX, LTX-Video x2, Wan x2
+    assert sum(1 for c in cases if c.op == "qk_norm_rope" and c.dtype == "bf16") == 15
     assert len(cases) == 2 * len(suite.select(suite.OP_NAMES, suite.GROUPS, ["bf16"]))
     # group filter: only the seeds' shapes, now without deduplication against llm
     seeds = suite.select(["rms_norm"], ["seeds"], ["bf16"])
@@ -178,6 +179,10 @@ def test_bytes_hand_computed():
     # LTX qk-norm + rope across heads: q,k in/out bf16, fp32 tables [2,2688,2048], 2 weights
     assert _nb("qk_norm_rope", dict(kind="ltx", B=2, S=2688, W=2048, eps=1e-5)) == \
         2 * 2 * 2 * 2688 * 2048 * 2 + 2 * 2 * 2688 * 2048 * 4 + 2 * 2048 * 2
+    # OLMo-2: q and k [1, S, 32, 128] in and out, fp32 cos + sin [1, S, 128], two 4096 weights
+    assert _nb("qk_norm_rope", dict(kind="olmo2", B=1, S=16, hq=32, hk=32, d=128, eps=1e-6,
+                                    theta=5e5)) == \
+        2 * 16 * 64 * 128 * 2 + 2 * 16 * 128 * 4 + 2 * 4096 * 2
     # rope_3d computes its table: q and k only
     assert _nb("rope_3d", dict(B=1, S=32760, grid=(21, 30, 52), hq=40, hk=40, d=128)) == \
         2 * 32760 * 80 * 128 * 2

@@ -291,14 +291,16 @@ def test_qk_norm_rope(device, gen, dtypes, layout, across, interleaved, with_wei
 @pytest.mark.parametrize("dtypes", DTYPE_CASES)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
 @pytest.mark.parametrize("heads,d,r", [(7, 80, 80), (13, 80, 48), (12, 128, 128), (40, 128, 128)])
-def test_qk_norm_rope_across_heads_wide(device, gen, dtypes, interleaved, heads, d, r):
-    # Rows of many heads: each thread walks several units, whose head and channel change from
-    # item to item by a thread count that is not always a whole number of heads. 12 heads of
-    # 128 (Wan 1.3B) take the early-rotation rows in 128-thread blocks and 40 (Wan 14B) in
-    # 160-thread ones, each with launch bounds of their own for 16-bit interleaved units.
+@pytest.mark.parametrize("tokens", [3, 2048], ids=["decode", "prefill"])
+def test_qk_norm_rope_across_heads_wide(device, gen, dtypes, interleaved, heads, d, r, tokens):
+    # Rows of many heads. On CUDA a decode-sized call gives each unit a lane of its own; past
+    # half the GPU's resident threads each thread walks several units, whose head and channel
+    # change from item to item by a thread count that is not always a whole number of heads.
+    # 12 heads of 128 (Wan 1.3B) take the early-rotation rows in 128-thread blocks and 40 (Wan
+    # 14B) in 160-thread ones, each with launch bounds of their own for 16-bit interleaved units.
     xd, pd = dtypes
-    q, k = qk_pair(gen, "bshd", 1, 3, heads, heads - 2, d, xd, device, strided=True)
-    cos, sin = rope_tables(gen, "S", "bshd", 1, 3, r, interleaved, pd, device)
+    q, k = qk_pair(gen, "bshd", 1, tokens, heads, heads - 2, d, xd, device, strided=True)
+    cos, sin = rope_tables(gen, "S", "bshd", 1, tokens, r, interleaved, pd, device)
     qw, kw = norm_weights(gen, "bshd", True, q, k, pd, device)
     check_qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6, True, interleaved, False)
 

@@ -453,6 +453,9 @@ def _qknr_shapes():
     out = [("llm", f"qwen3 {s} tok 32+8x128",
             dict(kind="qwen3", B=1, S=s, hq=32, hk=8, d=128, eps=1e-6, theta=1e6),
             s == 2048) for s in ROPE_TOKENS]
+    out += [("llm", f"olmo2 {s} tok 32+32x128 across",
+             dict(kind="olmo2", B=1, S=s, hq=32, hk=32, d=128, eps=1e-6, theta=5e5), s == 1)
+            for s in ROPE_TOKENS]
     b, s, _ = DIT["flux"][0]
     out.append(("dit", f"flux {b}x{s}x24x128", dict(kind="flux", B=b, S=s, hq=24, hk=24,
                                                      d=128, eps=1e-6), False))
@@ -473,6 +476,12 @@ def _qknr_build(p, dt, dev, r):
         t = _rope_build(p, dt, dev, r)
         t["qw"], t["kw"] = r((p["d"],), dt, 0.1, 1.0), r((p["d"],), dt, 0.1, 1.0)
         return t
+    if kind == "olmo2":     # its rotary tables stay fp32
+        b, s, d = p["B"], p["S"], p["d"]
+        cos, sin = B.half_split_table(b, s, d, p["theta"], torch.float32, dev)
+        width = p["hq"] * d
+        return {"q": r((b, s, p["hq"], d), dt), "k": r((b, s, p["hk"], d), dt), "cos": cos,
+                "sin": sin, "qw": r((width,), dt, 0.1, 1.0), "kw": r((width,), dt, 0.1, 1.0)}
     if kind == "ltx":
         t = _irope_build(p, dt, dev, r)
         t["qw"], t["kw"] = r((p["W"],), dt, 0.1, 1.0), r((p["W"],), dt, 0.1, 1.0)
@@ -494,6 +503,8 @@ def _qknr_bytes(p, dt):
     kind = p["kind"]
     if kind == "qwen3":
         return _rope_bytes(p, dt) + 2 * p["d"] * e
+    if kind == "olmo2":
+        return _qk_bytes(p, dt) + 2 * p["B"] * p["S"] * p["d"] * 4 + 2 * p["hq"] * p["d"] * e
     if kind == "ltx":
         return _irope_bytes(p, dt) + 2 * p["W"] * e
     if kind == "flux":
@@ -509,6 +520,8 @@ def _qknr_eager(t, p):
         kn = B.llama_rms_norm(k, t["kw"], eps).transpose(1, 2)
         qo, ko = B.hf_apply_rotary_pos_emb(qn, kn, t["cos"], t["sin"])
         return qo.transpose(1, 2), ko.transpose(1, 2)
+    if kind == "olmo2":
+        return _olmo2_qk_norm_rope(t, B.t5_rms_norm, eps)
     # nn.RMSNorm forward is F.rms_norm (per head for Flux, across heads for LTX/Wan)
     qn = F.rms_norm(q, (q.shape[-1],), t["qw"], eps)
     kn = F.rms_norm(k, (k.shape[-1],), t["kw"], eps)
@@ -521,7 +534,20 @@ def _qknr_eager(t, p):
             B.diffusers_apply_rotary_emb(kn, t["cos"], t["sin"]))
 
 
+def _olmo2_qk_norm_rope(t, norm, eps):
+    """Olmo2Attention: q_norm/k_norm over all heads of the projection, then rotate_half rope
+    with fp32 tables (the math in fp32), cast back."""
+    q, k = t["q"], t["k"]
+    qn = norm(q.flatten(2), t["qw"], eps).view(q.shape).transpose(1, 2)
+    kn = norm(k.flatten(2), t["kw"], eps).view(k.shape).transpose(1, 2)
+    qo, ko = B.hf_apply_rotary_pos_emb(qn, kn, t["cos"], t["sin"])
+    return qo.to(q.dtype).transpose(1, 2), ko.to(k.dtype).transpose(1, 2)
+
+
 def _qknr_torch(t, p):
+    if p["kind"] == "olmo2":
+        return _olmo2_qk_norm_rope(
+            t, lambda x, w, eps: F.rms_norm(x, (x.shape[-1],), w, eps), p["eps"])
     if p["kind"] != "qwen3":
         raise NotImplementedError("eager already uses F.rms_norm")
     eps = p["eps"]
@@ -548,7 +574,8 @@ def _qknr_fusebox(fb, t, p):
         return fb.qk_norm_rope(q, k, t["qw"], t["kw"], t["cos"], t["sin"], eps=p["eps"],
                                across_heads=True, interleaved=True)
     return fb.qk_norm_rope(t["q"], t["k"], t["qw"], t["kw"], t["cos"], t["sin"], eps=p["eps"],
-                           across_heads=(kind == "ltx"), interleaved=(kind != "qwen3"))
+                           across_heads=kind in ("ltx", "olmo2"),
+                           interleaved=kind not in ("qwen3", "olmo2"))
 
 
 # =========================================================================== the registry
@@ -685,9 +712,10 @@ _OPS = [
         shapes=_qknr_shapes, build=_qknr_build, nbytes=_qknr_bytes,
         reads=("q", "k", "qw", "kw", "cos", "sin"),
         fusebox=_qknr_fusebox, eager=_qknr_eager,
-        eager_doc="Qwen3: q_norm/k_norm per head + rotate_half rope; Flux: nn.RMSNorm per head + "
+        eager_doc="Qwen3: q_norm/k_norm per head + rotate_half rope; OLMo-2: across heads + "
+                  "rotate_half rope from fp32 tables; Flux: nn.RMSNorm per head + "
                   "interleaved fp32 rope; LTX/Wan: nn.RMSNorm across heads + their rope",
-        torch=_qknr_torch, torch_doc="F.rms_norm + HF rope (Qwen3)",
+        torch=_qknr_torch, torch_doc="F.rms_norm + HF rope (Qwen3, OLMo-2)",
         liger=_qknr_liger, liger_doc="liger_rms_norm x2 + liger_rope (Qwen3)",
     ),
 ]
