@@ -1113,8 +1113,8 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   // Two-vector units: at most 4 of them per thread. Decode-sized calls take a lane per unit
   // where that needs at most a quarter of the GPU's resident threads: the norm weights then
   // load with the data rather than after the sum. OLMo-2's q/k (32 heads of 128, half-split,
-  // fp32 table), bf16, H100 side by side ([h100_r29] tune/): 1 token 9.02 -> 5.92 us, 16 tokens
-  // 8.83 -> 6.16; 256 tokens (half the resident threads) ran 10.24 with 4 units, 10.59 with 1.
+  // fp32 table), bf16, H200 side by side ([h200_c87c93d] tune/): 1 token 8.83 -> 5.57 us, 16
+  // tokens 8.66 -> 5.81; 256 tokens (half the resident threads) ran 9.57 with 4 units, 9.97 with 1.
   int items = paired ? 2 : units <= 32 ? 1 : units <= 4 * kMaxThreads ? 4 : 8;
   if (items == 4 && units <= kMaxThreads) {
     const bool decode_sized = rows * ((units + 31) / 32 * 32) <= device_limits().resident_threads() / 4;
