@@ -5,6 +5,8 @@ hooks, fall back under autograd, compile without graph breaks, and unpatch exact
 import copy
 import json
 
+import weakref
+
 import pytest
 import torch
 
@@ -722,3 +724,38 @@ def test_e2e_variant_in_own_process():
     assert result["rel_diff_vs_fp32"] < 1e-4
     with pytest.raises(RuntimeError, match="wrote no result"):
         llm.run_in_own_process("tiny-llm", "no-such-variant", args)
+
+
+@pytest.mark.parametrize("variants", ["eager,patched", "patched"])
+def test_e2e_parent_holds_no_model_while_a_child_runs(monkeypatch, variants):
+    """Variants run in a child come after the ones run here, whose model is gone by then; the
+    record keeps the order asked for, and a parent with nothing to run here builds no model."""
+    import argparse
+
+    from fusebox.bench.e2e import llm
+
+    built, alive_at_child = [], []
+    real_build, real_child = llm.build_model, llm.run_in_own_process
+
+    def build(*a, **k):
+        model = real_build(*a, **k)
+        built.append(weakref.ref(model))
+        return model
+
+    def child(*a, **k):
+        alive_at_child.append(sum(ref() is not None for ref in built))
+        return real_child(*a, **k)
+
+    monkeypatch.setattr(llm, "build_model", build)
+    monkeypatch.setattr(llm, "run_in_own_process", child)
+    monkeypatch.setattr(llm, "_runs_in_own_process", lambda v, a, d: v == "patched")
+    args = argparse.Namespace(dtype="fp32", device="cpu", quick=True, variants=variants)
+    record = llm.run("tiny-llm", args)
+    assert list(record["variants"]) == variants.split(",")
+    assert record["variants"]["patched"]["process"] == "own"
+    assert record["variants"]["patched"]["decode_tok_s_b1"] > 0
+    assert len(built) == (1 if "eager" in variants else 0)
+    assert alive_at_child == [0]
+    if "eager" in variants:
+        assert "process" not in record["variants"]["eager"]
+        assert record["summary"]["prefill_ms speedup patched vs eager"] > 0

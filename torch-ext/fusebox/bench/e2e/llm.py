@@ -273,8 +273,7 @@ def run(name: str, args) -> dict:
     dtype = DTYPES[args.dtype]
     work = workload(name, args)
     variants = _variants(args, device)
-    own_process = device.type == "cuda" and not getattr(args, "same_process", False)
-    elsewhere = [v for v in variants if own_process and v.endswith("graphs")]
+    elsewhere = [v for v in variants if _runs_in_own_process(v, args, device)]
     here = [v for v in variants if v not in elsewhere]
 
     record = {"model": name, "description": MODELS[name], "variants": dict.fromkeys(variants),
@@ -304,6 +303,12 @@ def run(name: str, args) -> dict:
     if getattr(args, "attention_backend", None):
         record["summary"]["attention_backend"] = "not applied (a diffusers option)"
     return record
+
+
+def _runs_in_own_process(variant: str, args, device) -> bool:
+    """The CUDA-graph variants, on CUDA, unless ``--same-process``."""
+    return (variant.endswith("graphs") and device.type == "cuda"
+            and not getattr(args, "same_process", False))
 
 
 def run_in_own_process(name: str, variant: str, args) -> dict:
