@@ -4,7 +4,6 @@ hooks, fall back under autograd, compile without graph breaks, and unpatch exact
 
 import copy
 import json
-
 import weakref
 
 import pytest

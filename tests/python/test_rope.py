@@ -294,7 +294,7 @@ def test_qk_norm_rope(device, gen, dtypes, layout, across, interleaved, with_wei
 @pytest.mark.parametrize("tokens", [3, 2048], ids=["decode", "prefill"])
 def test_qk_norm_rope_across_heads_wide(device, gen, dtypes, interleaved, heads, d, r, tokens):
     # Rows of many heads. On CUDA a decode-sized call gives each unit a lane of its own; past
-    # half the GPU's resident threads each thread walks several units, whose head and channel
+    # a quarter of the GPU's resident threads each thread walks several units, whose head and channel
     # change from item to item by a thread count that is not always a whole number of heads.
     # 12 heads of 128 (Wan 1.3B) take the early-rotation rows in 128-thread blocks and 40 (Wan
     # 14B) in 160-thread ones, each with launch bounds of their own for 16-bit interleaved units.

@@ -753,8 +753,7 @@ def run(name: str, args) -> dict:
         if variant != "eager" and v.get("step_ms") and eager.get("step_ms"):
             v["speedup_vs_eager"] = eager["step_ms"] / v["step_ms"]
     del model
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    common.release(device)
     if args.pipeline:
         run_pipeline(name, args, rec)
     return rec
