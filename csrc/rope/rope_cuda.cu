@@ -818,7 +818,8 @@ ParamPtr param(const TensorView& t) {
 // grid reads no table.
 template <bool HEADS, typename T, int VEC, int ITEMS>
 void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool table_f32, const GridPairs* grid_pairs,
-                 dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool early_rotation = false) {
+                 dim3 grid, dim3 block, size_t smem, cudaStream_t stream, bool early_rotation = false,
+                 bool bounded_lanes = false) {
   auto go = [&](auto il, auto nm, auto gr, auto tab) {
     constexpr bool I = decltype(il)::value, N = decltype(nm)::value, G = decltype(gr)::value;
     using TAB = decltype(tab);
@@ -869,8 +870,16 @@ void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool tabl
             : launch(rope_rows_kernel<T, TAB, VEC, 2, I, N, G, false, true>, grid, block, smem, stream, a, gp);
       else
         FUSEBOX_CHECK(false, "paired rotary rows take a norm, a table and one-vector units");
-    } else
+    } else {
+      // bounded_lanes: lane-per-unit rows of 16-bit two-vector units with their norm (OLMo-2's
+      // q/k across heads: 256 lanes a row) bounded to four 256-thread blocks an SM, 64 registers
+      // (36 bytes of spills) where ptxas gives 79, so that 256 tokens' 512 rows run as one wave
+      if constexpr (ITEMS == 1 && sizeof(T) == 2 && VEC > 1 && N && !G && UnitLayout<I, VEC>::kTwoVectors)
+        if (bounded_lanes && block.x <= 256)
+          return launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, false, false, 256, 4>, grid, block, smem,
+                        stream, a, gp);
       launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a, gp);
+    }
   };
   auto with_src = [&](auto il, auto nm) {
     if (grid_pairs)
@@ -1110,16 +1119,22 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   FUSEBOX_CHECK(rows < (int64_t(1) << 31), "too many rows: ", rows);
   a.rows = uint32_t(rows);
 
-  // Two-vector units: at most 4 of them per thread. Decode-sized calls take a lane per unit
-  // where that needs at most a quarter of the GPU's resident threads: the norm weights then
-  // load with the data rather than after the sum. OLMo-2's q/k (32 heads of 128, half-split,
-  // fp32 table), bf16, H200 side by side ([h200_c87c93d] tune/): 1 token 8.83 -> 5.57 us, 16
-  // tokens 8.66 -> 5.81; 256 tokens (half the resident threads) ran 9.57 with 4 units, 9.97 with 1.
+  // Two-vector units: at most 4 of them per thread. Calls whose rows fit one wave with a lane
+  // per unit take that plan: the norm weights then load with the data rather than after the
+  // sum, and a thread's path is a quarter as long. One wave: a quarter of the GPU's resident
+  // threads (79 registers a lane); up to half for 16-bit two-vector units with a norm, in a
+  // kernel bounded to 64 registers (launch_rope's bounded_lanes), which is slower where the
+  // unbounded one fits. OLMo-2's q/k (32 heads of 128, half-split, fp32 table), bf16, H200
+  // side by side ([h200_c87c93d] tune/): 1 token 8.83 -> 5.57 us, 16 tokens 8.66 -> 5.81;
+  // bounded, 256 tokens 9.78 -> 8.98 (1 token 5.68 -> 6.14 bounded; [h200_r30] tune/).
   int items = paired ? 2 : units <= 32 ? 1 : units <= 4 * kMaxThreads ? 4 : 8;
+  bool bounded_lanes = false;
   if (items == 4 && units <= kMaxThreads) {
-    const bool decode_sized = rows * ((units + 31) / 32 * 32) <= device_limits().resident_threads() / 4;
+    const int64_t lanes = rows * ((units + 31) / 32 * 32), resident = device_limits().resident_threads();
+    const bool boundable = norm && two_vectors && args.q.dtype != DType::kFloat32 && units <= 256;
+    bounded_lanes = boundable && lanes > resident / 4 && lanes <= resident / 2;
     const int forced = tuning_knobs().rope_items.value_or(0);
-    items = forced == 1 || forced == 4 ? forced : decode_sized ? 1 : 4;
+    items = forced == 1 || forced == 4 ? forced : lanes <= resident / 4 || bounded_lanes ? 1 : 4;
   }
   // (a two-vector unit covers 2 * vec channels: the limit in channels is for a wholly rotary row)
   FUSEBOX_CHECK(units <= int64_t(two_vectors ? 4 : 8) * kMaxThreads, "one row of the rotary kernel (",
@@ -1145,7 +1160,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
       constexpr int V = decltype(v)::value;
       auto go = [&](auto n) {
         launch_rope<false, T, V, decltype(n)::value>(a, interleaved, norm, table_f32, grid_pairs, grid, block, smem,
-                                                     stream, early_rotation);
+                                                     stream, early_rotation, bounded_lanes);
       };
       switch (items) {
         case 1: go(std::integral_constant<int, 1>{}); break;

@@ -74,6 +74,15 @@ for dtype in (BF16, F16, F32):
                          dtype, name="qk_norm_rope q")
             assert_close(k_out, ref.qk_norm_rope(k, kw, cos, sin, 1e-6, False, interleaved),
                          dtype, name="qk_norm_rope k")
+        if heads == kv_heads:  # one norm across every head of q (of k): OLMo-2, LTX-Video
+            qw_all, kw_all = weight(gen, heads * 128, dtype, "cuda"), weight(gen, heads * 128, dtype, "cuda")
+            for interleaved in (False, True):
+                q_out, k_out = call(fusebox.qk_norm_rope, q, k, qw_all, kw_all, cos, sin, eps=1e-6,
+                                    across_heads=True, interleaved=interleaved)
+                assert_close(q_out, ref.qk_norm_rope(q, qw_all, cos, sin, 1e-6, True, interleaved),
+                             dtype, name="qk_norm_rope q across heads")
+                assert_close(k_out, ref.qk_norm_rope(k, kw_all, cos, sin, 1e-6, True, interleaved),
+                             dtype, name="qk_norm_rope k across heads")
         if dtype != F32:  # fp32 tables with 16-bit data: twice the bytes per rotation factor
             cos32, sin32 = cos.float(), sin.float()
             for interleaved in (False, True):

@@ -290,12 +290,15 @@ def test_qk_norm_rope(device, gen, dtypes, layout, across, interleaved, with_wei
 
 @pytest.mark.parametrize("dtypes", DTYPE_CASES)
 @pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
-@pytest.mark.parametrize("heads,d,r", [(7, 80, 80), (13, 80, 48), (12, 128, 128), (40, 128, 128)])
-@pytest.mark.parametrize("tokens", [3, 2048], ids=["decode", "prefill"])
+@pytest.mark.parametrize("heads,d,r", [(7, 80, 80), (13, 80, 48), (12, 128, 128), (32, 128, 128),
+                                       (40, 128, 128)])
+@pytest.mark.parametrize("tokens", [3, 200, 2048], ids=["decode", "mid", "prefill"])
 def test_qk_norm_rope_across_heads_wide(device, gen, dtypes, interleaved, heads, d, r, tokens):
-    # Rows of many heads. On CUDA a decode-sized call gives each unit a lane of its own; past
-    # a quarter of the GPU's resident threads each thread walks several units, whose head and channel
-    # change from item to item by a thread count that is not always a whole number of heads.
+    # Rows of many heads. On CUDA a call whose rows fit one wave gives each unit a lane of its
+    # own (OLMo-2's 32 half-split heads of 128 in 16-bit at 200 tokens: a kernel bounded to 64
+    # registers, its rows between a quarter and half of the GPU's resident threads); past that
+    # each thread walks several units, whose head and channel change from item to item by a
+    # thread count that is not always a whole number of heads.
     # 12 heads of 128 (Wan 1.3B) take the early-rotation rows in 128-thread blocks and 40 (Wan
     # 14B) in 160-thread ones, each with launch bounds of their own for 16-bit interleaved units.
     xd, pd = dtypes
