@@ -283,19 +283,20 @@ __device__ __forceinline__ GridTable stage_grid_table(const RopeKernelArgs& a, c
 // they would otherwise cost registers during it. EARLY_ROTATION: wide rows whose items are
 // the same unit of several heads (step_units 0) load that unit's rotation factors with the
 // data; it is a template parameter because holding them through the reduction costs the
-// other rows registers even when not taken.
+// other rows registers even when not taken. Rows of one unit a lane (ITEMS == 1) with
+// EARLY_ROTATION load the rotation factors with the data and the weights after the sum.
 // PAIRED (norm across heads, as many k heads as q heads): a row is a token's q and its k, and
 // each thread holds the same ITEMS units of both, so their rotation factors are read once for
 // the two (the rows of q and of k each read them otherwise); the two row sums share a barrier.
 // MAX_THREADS / MIN_BLOCKS: launch bounds (a MIN_BLOCKS of 0 states none), other than the
-// defaults only for the Wan rows of launch_rope.
+// defaults only for the rows of launch_rope that say why.
 template <typename T, typename TAB, int VEC, int ITEMS, bool INTERLEAVED, bool NORM, bool GRID, bool EARLY_ROTATION,
           bool PAIRED = false, int MAX_THREADS = kMaxThreads, int MIN_BLOCKS = 0>
 __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
     rope_rows_kernel(const RopeKernelArgs a, const GridParam<GRID> gp) {
   static_assert(!PAIRED || (NORM && ITEMS > 1), "paired rows are rows of a norm across heads");
-  constexpr bool kEarlyParams = ITEMS == 1;
-  constexpr bool kEarlyRotation = EARLY_ROTATION && !kEarlyParams;
+  constexpr bool kEarlyParams = ITEMS == 1 && !EARLY_ROTATION;
+  constexpr bool kEarlyRotation = EARLY_ROTATION;
   using L = UnitLayout<INTERLEAVED, VEC>;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   __shared__ float scratch[PAIRED ? 2 : 1][kMaxThreads / 32];
@@ -873,10 +874,12 @@ void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool tabl
     } else {
       // bounded_lanes: lane-per-unit rows of 16-bit two-vector units with their norm (OLMo-2's
       // q/k across heads: 256 lanes a row) bounded to four 256-thread blocks an SM, 64 registers
-      // (36 bytes of spills) where ptxas gives 79, so that 256 tokens' 512 rows run as one wave
+      // where ptxas gives 79, so that 256 tokens' 512 rows run as one wave. Their weights load
+      // after the sum (28 bytes of spills, 36 with every factor loaded with the data): OLMo-2
+      // 256 tokens bf16 8.70-8.78 -> 7.89-8.02 us ([h200_d2becb9] tune/tune_bounded_param_loads.txt)
       if constexpr (ITEMS == 1 && sizeof(T) == 2 && VEC > 1 && N && !G && UnitLayout<I, VEC>::kTwoVectors)
         if (bounded_lanes && block.x <= 256)
-          return launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, false, false, 256, 4>, grid, block, smem,
+          return launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, true, false, 256, 4>, grid, block, smem,
                         stream, a, gp);
       launch(rope_rows_kernel<T, TAB, VEC, ITEMS, I, N, G, false>, grid, block, smem, stream, a, gp);
     }
@@ -1126,7 +1129,8 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   // kernel bounded to 64 registers (launch_rope's bounded_lanes), which is slower where the
   // unbounded one fits. OLMo-2's q/k (32 heads of 128, half-split, fp32 table), bf16, H200
   // side by side ([h200_c87c93d] tune/): 1 token 8.83 -> 5.57 us, 16 tokens 8.66 -> 5.81;
-  // bounded, 256 tokens 9.78 -> 8.98 (1 token 5.68 -> 6.14 bounded; [h200_r30] tune/).
+  // bounded, 256 tokens 9.73-9.79 -> 8.77-8.83 (1 token 5.68 -> 6.14 had it been bounded
+  // there; [h200_d2becb9] tune/).
   int items = paired ? 2 : units <= 32 ? 1 : units <= 4 * kMaxThreads ? 4 : 8;
   bool bounded_lanes = false;
   if (items == 4 && units <= kMaxThreads) {
