@@ -1135,7 +1135,8 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   bool bounded_lanes = false;
   if (items == 4 && units <= kMaxThreads) {
     const int64_t lanes = rows * ((units + 31) / 32 * 32), resident = device_limits().resident_threads();
-    const bool boundable = norm && two_vectors && args.q.dtype != DType::kFloat32 && units <= 256;
+    const bool boundable =
+        norm && two_vectors && !args.use_grid && args.q.dtype != DType::kFloat32 && units <= 256;
     bounded_lanes = boundable && lanes > resident / 4 && lanes <= resident / 2;
     const int forced = tuning_knobs().rope_items.value_or(0);
     items = forced == 1 || forced == 4 ? forced : lanes <= resident / 4 || bounded_lanes ? 1 : 4;
