@@ -114,6 +114,18 @@ def test_activation(device, gen, dtypes, act, width, with_bias):
 
 
 @pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("rows", [1, 4, 5, 9, 203])
+@pytest.mark.parametrize("width", [24, 1000, 8200])
+def test_activation_bias_rows(device, gen, dtypes, rows, width):
+    """Biased rows at row counts around the plan's rows per block: narrow rows several a block,
+    rows of several column chunks."""
+    xd, pd = dtypes
+    x = randn(gen, (rows, width), xd, device, scale=2.0)
+    bias = small(gen, (width,), pd, device)
+    assert_close(call(fusebox.gelu_tanh, x, bias), ref.bias_act(x, bias, "gelu_tanh"), xd)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_activation_layouts(device, gen, dtypes, act, layout):
