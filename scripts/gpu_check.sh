@@ -7,7 +7,7 @@
 #      PYTEST_PATHS (the test stage's selection; default tests/python),
 #      TUNE_CASES / TUNE_SETTINGS / TUNE_DTYPES (the tune stage: scripts/tune.py --cases / --settings,
 #      once per dtype, default bf16),
-#      SANITIZE_TIMEOUT (seconds for the memcheck pytest run; default 420),
+#      SANITIZE_TIMEOUT / SANITIZE_CHUNK / SANITIZE_STRIDE (the memcheck pytest run: scripts/memcheck_ops.sh),
 #      FUSEBOX_CUDA_ARCHS (default: the GPU's), .whl/ wheels are installed to /tmp/site if present,
 #      .gtest/ (a GoogleTest source tree) is used when the machine has no GoogleTest package.
 set -uo pipefail
@@ -68,10 +68,8 @@ for stage in "${stages[@]}"; do
         >"$out/sanitizer_cpp.log" 2>&1
       rc=$?; record "memcheck: C++ CUDA tests" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(grep -E 'ERROR SUMMARY' "$out/sanitizer_cpp.log" | tail -1), $(( $(date +%s) - t0 )) s"
       t0=$(date +%s)
-      timeout "${SANITIZE_TIMEOUT:-420}" compute-sanitizer --tool memcheck --error-exitcode 9 --target-processes all \
-        "$py" -m pytest tests/python/test_norm.py tests/python/test_rope.py tests/python/test_activation.py \
-        -q -p no:cacheprovider -k cuda -m "not large" >"$out/sanitizer_py.log" 2>&1
-      rc=$?; record "memcheck: pytest CUDA op tests" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(grep -E 'ERROR SUMMARY' "$out/sanitizer_py.log" | tail -1); $(pytest_line "$out/sanitizer_py.log"), $(( $(date +%s) - t0 )) s"
+      line="$(PY="$py" scripts/memcheck_ops.sh "$out/sanitizer_py.log")"
+      rc=$?; record "memcheck: pytest CUDA op tests" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$line"
       ;;
     tune)
       t0=$(date +%s); rc=0; : >"$out/tune.txt"

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The CUDA op tests under compute-sanitizer memcheck, a few hundred tests a process: one
+# sanitized process over the whole suite grows its device memory until allocations fail
+# (after ~400-1500 tests on an H200 / H100), which then reads as test failures.
+# Usage: scripts/memcheck_ops.sh LOG   (appends every process's output to LOG; prints one summary line)
+# Env: PY (default python3), SANITIZE_CHUNK (tests a process; default 250),
+#      SANITIZE_STRIDE / SANITIZE_OFFSET (run every Nth case of each test function from the
+#      Kth, K < N; default 1 / 0: all),
+#      SANITIZE_TIMEOUT (seconds for all of it; no new process starts after it; default 420),
+#      SANITIZE_TESTS (default: the norm, rope and activation test files).
+set -uo pipefail
+log="${1:?usage: memcheck_ops.sh LOG}"
+py="${PY:-python3}"
+chunk="${SANITIZE_CHUNK:-250}"
+stride="${SANITIZE_STRIDE:-1}"
+offset="${SANITIZE_OFFSET:-0}"
+budget="${SANITIZE_TIMEOUT:-420}"
+# shellcheck disable=SC2206
+files=(${SANITIZE_TESTS:-tests/python/test_norm.py tests/python/test_rope.py tests/python/test_activation.py})
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+: >"$log"
+
+"$py" -m pytest "${files[@]}" -q -p no:cacheprovider -k cuda -m "not large" --collect-only 2>/dev/null \
+  | grep '::' | awk -v s="$stride" -v o="$offset" '{f = $0; sub(/\[.*/, "", f); if ((n[f]++) % s == o) print}' >"$work/ids"
+selected=$(wc -l <"$work/ids")
+split -l "$chunk" "$work/ids" "$work/chunk."
+
+start=$(date +%s); passed=0; failed=0; errors=0; processes=0; ran=0; rc=0
+for part in "$work"/chunk.*; do
+  left=$(( budget - ($(date +%s) - start) ))
+  [ "$left" -le 10 ] && break
+  mapfile -t ids <"$part"
+  timeout "$left" compute-sanitizer --tool memcheck --error-exitcode 9 --target-processes all \
+    "$py" -m pytest "${ids[@]}" -q -p no:cacheprovider -rf >"$work/out" 2>&1
+  status=$?
+  cat "$work/out" >>"$log"
+  processes=$((processes + 1)); ran=$((ran + ${#ids[@]}))
+  [ "$status" -ne 0 ] && rc=1
+  p=$(grep -oE '[0-9]+ passed' "$work/out" | tail -1 | cut -d' ' -f1)
+  f=$(grep -oE '[0-9]+ failed' "$work/out" | tail -1 | cut -d' ' -f1)
+  e=$(grep -oE 'ERROR SUMMARY: [0-9]+' "$work/out" | awk '{s += $3} END {print s + 0}')
+  passed=$((passed + ${p:-0})); failed=$((failed + ${f:-0})); errors=$((errors + e))
+done
+[ "$ran" -lt "$selected" ] && rc=1  # cut by the time budget
+[ "$passed" -eq 0 ] && rc=1  # nothing ran on a GPU
+echo "$passed passed, $failed failed, $errors memcheck errors; $ran of $selected tests (case ${offset} mod ${stride} of each CUDA op test) in $processes processes, $(( $(date +%s) - start )) s"
+exit "$rc"
