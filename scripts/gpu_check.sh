@@ -7,7 +7,8 @@
 #      PYTEST_PATHS (the test stage's selection; default tests/python),
 #      TUNE_CASES / TUNE_SETTINGS / TUNE_DTYPES (the tune stage: scripts/tune.py --cases / --settings,
 #      once per dtype, default bf16),
-#      SANITIZE_TIMEOUT / SANITIZE_CHUNK / SANITIZE_STRIDE (the memcheck pytest run: scripts/memcheck_ops.sh),
+#      SANITIZE_TIMEOUT / SANITIZE_CHUNK / SANITIZE_STRIDE / SANITIZE_OFFSET (the memcheck pytest
+#      run: scripts/memcheck_ops.sh),
 #      FUSEBOX_CUDA_ARCHS (default: the GPU's), .whl/ wheels are installed to /tmp/site if present,
 #      .gtest/ (a GoogleTest source tree) is used when the machine has no GoogleTest package.
 set -uo pipefail
