@@ -47,7 +47,7 @@ def main() -> int:
         print(json.dumps(measure(patterns, args.dtype)))
         return 0
     settings = [s.strip() for s in args.settings.split(";") if s.strip()]
-    results = {}
+    results = {}  # by position: a setting may repeat (alternating runs)
     for st in settings:
         env = dict(os.environ)
         if st != "default":
@@ -59,14 +59,14 @@ def main() -> int:
         if r.returncode != 0:
             print(f"[{st}] failed:\n{r.stderr[-2000:]}")
             continue
-        results[st] = json.loads(r.stdout.strip().splitlines()[-1])
+        results[(len(results), st)] = json.loads(r.stdout.strip().splitlines()[-1])
     if not results:
         return 1
     first = next(iter(results.values()))
     c = first["calibration"]
     print(f"copy {c['copy_tbps']:.2f} TB/s, launch {c['launch_us']:.2f} us")
     keys = list(first["cases"])
-    for i, s in enumerate(results):
+    for i, (_, s) in enumerate(results):
         print(f"[{i}] {s}")
     print(f"{'case':58s} {'MB':>8} {'floor':>7} " + " ".join(f"{f'[{i}]':>22}" for i in range(len(results))))
     for k in keys:
@@ -77,6 +77,12 @@ def main() -> int:
             v = r["cases"].get(k)
             cells.append(f"{v['us']:>14.2f} ({v['us'] / floor:4.2f}x)" if v else f"{'—':>22}")
         print(f"{k[:58]:58s} {nb / 1e6:8.2f} {floor:7.2f} " + " ".join(cells))
+    graphed = [k for k in keys if first["cases"][k].get("graph_us")]
+    if graphed:  # decode-sized cases: CUDA-graph replay per call, against the empty launch's
+        print(f"CUDA-graph replay us (empty launch {c.get('launch_graph_us') or float('nan'):.2f} us)")
+        for k in graphed:
+            cells = [f"{(r['cases'].get(k) or {}).get('graph_us') or float('nan'):>22.2f}" for r in results.values()]
+            print(f"{k[:58]:58s} {'':8} {'':7} " + " ".join(cells))
     return 0
 
 

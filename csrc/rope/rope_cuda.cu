@@ -689,10 +689,12 @@ struct ShortRopeArgs {
   uint32_t cos_ts, sin_ts;
   int Hq, head_threads;  // threads of the block that own a head: (Hq + Hk) << tpr_log2
   int tpr_log2, R;
+  int Hk;
   void *qo, *ko;
   uint32_t qo_ts, qo_hs, ko_ts, ko_hs;
   const void *qw, *kw;  // the norm's weights, of the data's dtype, or null
-  float eps, inv_head_dim, weight_offset;
+  float eps, weight_offset;
+  float inv_q_width, inv_k_width;  // 1 / the channels a norm spans: D, or H * D across heads
 };
 static_assert(offsetof(ShortRopeArgs, cos_ts) == 48, "the first loads' pointers fill the first line");
 
@@ -704,17 +706,25 @@ static_assert(offsetof(ShortRopeArgs, cos_ts) == 48, "the first loads' pointers 
 // a lane group), branches around pass-through channels and reads its arguments from three lines
 // of the constant bank before its first load, at SASS instruction 84 of the bf16 rotary against
 // this kernel's 36 (bench/results/2026-11-27_h200_4f8bf14/sass/rope_first_loads.txt).
-template <typename T, typename TAB, bool INTERLEAVED, bool NORM>
+//
+// ACROSS: the norm spans every head of q (of k) of the token, as OLMo-2's does: a block is the
+// heads of q (blockIdx.y 0) or of k (1) of a token, and its sum is block-wide. The rows kernel
+// takes the same rows with a general row split before its first load.
+template <typename T, typename TAB, bool INTERLEAVED, bool NORM, bool ACROSS = false>
 __global__ void __launch_bounds__(kMaxThreads) short_rope_kernel(const ShortRopeArgs a) {
+  static_assert(!ACROSS || NORM, "a norm across heads");
   constexpr int VEC = 16 / int(sizeof(T));
   using L = UnitLayout<INTERLEAVED, VEC>;
-  // Threads past the heads (the rest of the block's last warp) load the last lane's unit and
-  // store nothing: no branch around the loads. Their lane groups are whole, so their sums stay
-  // apart from the heads'.
-  const int t = min(int(threadIdx.x), a.head_threads - 1);
+  const bool k_block = ACROSS && blockIdx.y != 0;
+  // Threads past the heads (the rest of the block's last warp; across heads, the threads past
+  // the smaller tensor's heads) load the last lane's unit and store nothing: no branch around
+  // the loads. Their lane groups are whole, so their per-head sums stay apart from the heads';
+  // a sum across heads leaves them out.
+  const int owned = ACROSS ? (k_block ? a.Hk : a.Hq) << a.tpr_log2 : a.head_threads;
+  const int t = min(int(threadIdx.x), owned - 1);
   const int h = t >> a.tpr_log2, lane = t & ((1 << a.tpr_log2) - 1);
-  const bool is_k = h >= a.Hq;
-  const uint32_t head = uint32_t(is_k ? h - a.Hq : h), token = blockIdx.x;
+  const bool is_k = ACROSS ? k_block : h >= a.Hq;
+  const uint32_t head = uint32_t(!ACROSS && is_k ? h - a.Hq : h), token = blockIdx.x;
   // q's or k's operand as q's plus the differences (see pick: a choice between the two
   // arguments compiles to a constant-bank load indexed by a register)
   auto choose = [is_k](uint32_t for_q, uint32_t for_k) { return for_q + (is_k ? for_k - for_q : 0u); };
@@ -741,6 +751,7 @@ __global__ void __launch_bounds__(kMaxThreads) short_rope_kernel(const ShortRope
     s1 = load_pack<TAB, VEC>(sin + (sin_at + d1));
   }
   const T* w = reinterpret_cast<const T*>(address(a.qw, a.kw));
+  if (ACROSS && w) w += head * uint32_t(a.R);  // weights [H * D] (R == D)
   Pack<T, VEC> w0{}, w1{};
   if (NORM && w) {
     w0 = load_pack<T, VEC>(w + d0);
@@ -753,8 +764,14 @@ __global__ void __launch_bounds__(kMaxThreads) short_rope_kernel(const ShortRope
   if constexpr (NORM) {
     float sum[1] = {0.f};
     add_squares<L>(sum[0], v0, v1);
-    lane_group_sums(sum, 1 << a.tpr_log2);  // every lane of the warp takes part
-    const float rstd = rsqrtf(sum[0] * a.inv_head_dim + a.eps);
+    if constexpr (ACROSS) {
+      __shared__ float scratch[kMaxThreads / 32];
+      if (int(threadIdx.x) >= owned) sum[0] = 0.f;
+      row_sums(sum, int(blockDim.x), scratch, 0);
+    } else {
+      lane_group_sums(sum, 1 << a.tpr_log2);  // every lane of the warp takes part
+    }
+    const float rstd = rsqrtf(sum[0] * (ACROSS && is_k ? a.inv_k_width : a.inv_q_width) + a.eps);
     float wv0[VEC], wv1[VEC];
     unpack(w0, wv0);
     unpack(w1, wv1);
@@ -764,7 +781,7 @@ __global__ void __launch_bounds__(kMaxThreads) short_rope_kernel(const ShortRope
       v1[i] *= rstd * weight_factor(w, a.weight_offset, wv1[i]);
     }
   }
-  if (int(threadIdx.x) >= a.head_threads) return;
+  if (int(threadIdx.x) >= owned) return;
   UnitParams<VEC> r;
   unpack(c0, r.c0);
   unpack(s0, r.s0);
@@ -937,11 +954,40 @@ bool short_rope_args(const RopeKernelArgs& a, const RopeShape& sh, ShortRopeArgs
   k.qw = a.qw.ptr;
   k.kw = a.kw.ptr;
   k.eps = a.eps;
-  k.inv_head_dim = a.inv_head_dim;
+  k.Hk = a.Hk;
+  k.inv_q_width = a.across ? 1.f / float(sh.Hq * sh.D) : a.inv_head_dim;
+  k.inv_k_width = a.across ? 1.f / float(std::max<int64_t>(sh.Hk, 1) * sh.D) : a.inv_head_dim;
   k.weight_offset = a.weight_offset;
   const int64_t hk = std::max<int64_t>(sh.Hk, 1);
   return folds && fits(k.q_ts, k.q_hs, sh.Hq) && fits(k.qo_ts, k.qo_hs, sh.Hq) && fits(k.k_ts, k.k_hs, hk) &&
          fits(k.ko_ts, k.ko_hs, hk) && fits(k.cos_ts, 0, 1) && fits(k.sin_ts, 0, 1);
+}
+
+// Launches short_rope_kernel (ACROSS where `across`).
+void launch_short_rope(const ShortRopeArgs& k, DType dtype, bool interleaved, bool norm, bool across, bool table_f32,
+                       dim3 grid, dim3 block, cudaStream_t stream) {
+  dispatch_dtype(dtype, [&](auto t) {
+    using T = decltype(t);
+    auto go = [&](auto tab, auto il, auto nm, auto ac) {
+      launch(short_rope_kernel<T, decltype(tab), decltype(il)::value, decltype(nm)::value, decltype(ac)::value>, grid,
+             block, 0, stream, k);
+    };
+    auto with_norm = [&](auto tab, auto il) {
+      if (across)
+        go(tab, il, std::true_type{}, std::true_type{});
+      else if (norm)
+        go(tab, il, std::true_type{}, std::false_type{});
+      else
+        go(tab, il, std::false_type{}, std::false_type{});
+    };
+    auto with_style = [&](auto tab) {
+      interleaved ? with_norm(tab, std::true_type{}) : with_norm(tab, std::false_type{});
+    };
+    if (table_f32)
+      with_style(float{});
+    else
+      with_style(T{});
+  });
 }
 
 }  // namespace
@@ -1012,15 +1058,37 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   // Per-head kernel (tokens are rows; up to 4 heads per lane group) when a head fits one lane
   // group and the token's lane groups fit a block.
   const int head_tpr = next_pow2(a.units_per_head);
+  while ((1 << a.tpr_log2) < head_tpr) ++a.tpr_log2;
+  const int64_t tokens = sh.B * sh.S;
+  FUSEBOX_CHECK(tokens < (int64_t(1) << 31), "too many tokens: ", tokens);
   // Two-vector units (half-split pairs) hold twice the registers of one-vector ones.
   const bool two_vectors = !(interleaved && vec >= 2);
+  // What the short rotary kernel (see short_rope_kernel) takes: a table, wholly rotary heads of
+  // 2, 4, ... 32 whole vectors, norm weights (if any) of the data's dtype, operands whose batch
+  // and sequence strides fold into one (short_rope_args); per head, a token's heads filling a
+  // block of 128-512 threads.
+  bool weights_of_data = true;
+  for (const TensorView* w : {&args.q_weight, &args.k_weight})
+    weights_of_data = weights_of_data && (!w->defined() || w->dtype == args.q.dtype);
+  const bool short_heads = !args.use_grid && vec == full && a.R == a.D && a.units_per_head == head_tpr &&
+                           head_tpr <= 32 && (!norm || weights_of_data) &&
+                           tuning_knobs().rope_short.value_or(1) != 0;
+  ShortRopeArgs short_args{};
+  const bool short_per_head = short_heads && !a.across && head_tpr * heads >= 128 &&
+                              head_tpr * heads <= kMaxThreads && short_rope_args(a, sh, short_args);
   // Heads per lane group (H200 figures):
   // - 1 when a lane per unit needs at most half the GPU's resident threads (decode-sized calls:
   //   the shortest path from loads to stores; Qwen3 qk-norm + rope, 1 token 7.04 -> 5.95 us,
   //   256 tokens 7.17 -> 6.43);
-  // - with a per-head norm, 2 for two-vector units (Qwen3 2048 tokens: 22.6 us, 23.6 with 1,
-  //   24.7 with 4) and 4 for one-vector units (FLUX 4608 tokens: 42.0 us, 42.2 with 2 since
-  //   the heads' sums shuffle together; 44.5 against 57.3 before; [a4c6657] tune/3);
+  // - 1 at any size for two-vector units the short kernel takes: Qwen3's q/k with their norm,
+  //   bf16, 2048 tokens 17.5-17.6 -> 15.8-16.1 us, 8192 50.5-50.8 -> 49.6-49.8 (fp16 18.2-18.4
+  //   -> 15.7-15.9, 53.2-53.5 -> 49.7); the LLM rotary 2048 tokens 14.6 -> 14.4-14.5. The
+  //   per-head kernel with one head a lane group ran 21.1 and 14.4-15.2 there
+  //   (bench/results/2026-11-28_h200_*/tune/tune_heads_*.txt);
+  // - otherwise, with a per-head norm, 2 for two-vector units (Qwen3 2048 tokens: 22.6 us, 23.6
+  //   with 1, 24.7 with 4, before the short kernel) and 4 for one-vector units (FLUX 4608
+  //   tokens: 42.0 us, 42.2 with 2 since the heads' sums shuffle together; 44.5 against 57.3
+  //   before; [a4c6657] tune/3; 52.2 with 1 on c67e7d9);
   // - without a norm, 2 as well for two-vector units read from a table (LLM rotary, 32 + 8
   //   heads of 8 lanes: 2048 tokens 15.79 -> 15.20-15.25 us, 8192 47.0 -> 46.4-46.5; 20 lane
   //   groups fill 5 warps where 10 left 16 of 96 lanes idle; [h200_ac07c7e] tune/rope_items);
@@ -1028,7 +1096,8 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   //   32.7 us, 34.4 with 2; Wan rope_3d 40 heads 321 against 632).
   const int64_t lanes_one_head_each = sh.B * sh.S * heads * int64_t(head_tpr);
   int head_items = heads >= 4 ? (two_vectors && (norm || !args.use_grid) ? 2 : 4) : heads >= 2 ? 2 : 1;
-  if (lanes_one_head_each <= device_limits().resident_threads() / 2) head_items = 1;
+  if (lanes_one_head_each <= device_limits().resident_threads() / 2 || (two_vectors && short_per_head))
+    head_items = 1;
   while (head_items < 4 && head_tpr * ((heads + head_items - 1) / head_items) > kMaxThreads) head_items *= 2;
   const int forced_items = tuning_knobs().rope_items.value_or(0);
   if (forced_items == 1 || forced_items == 2 || forced_items == 4) head_items = forced_items;
@@ -1042,37 +1111,9 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   if (!a.across && head_fits && head_tpr * head_groups <= kMaxThreads) {
     a.tpr = head_tpr;
     const int items = head_items;
-    const int64_t tokens = sh.B * sh.S;
-    FUSEBOX_CHECK(tokens < (int64_t(1) << 31), "too many tokens: ", tokens);
-    while ((1 << a.tpr_log2) < a.tpr) ++a.tpr_log2;
-    // One head a lane group, a token's heads filling a block of 128 threads or more, a table,
-    // wholly rotary heads of 2, 4, ... 32 whole vectors, norm weights (if any) of the data's
-    // dtype: the short rotary kernel (see short_rope_kernel).
-    ShortRopeArgs short_args{};
-    bool weights_of_data = true;
-    for (const TensorView* w : {&args.q_weight, &args.k_weight})
-      weights_of_data = weights_of_data && (!w->defined() || w->dtype == args.q.dtype);
-    if (items == 1 && !args.use_grid && vec == full && a.R == a.D && a.units_per_head == head_tpr &&
-        head_tpr <= 32 && head_tpr * heads >= 128 && (!norm || weights_of_data) &&
-        short_rope_args(a, sh, short_args) && tuning_knobs().rope_short.value_or(1) != 0) {
-      const dim3 grid(static_cast<unsigned>(tokens)), block(static_cast<unsigned>((head_tpr * heads + 31) / 32 * 32));
-      dispatch_dtype(args.q.dtype, [&](auto t) {
-        using T = decltype(t);
-        auto go = [&](auto tab, auto il, auto nm) {
-          launch(short_rope_kernel<T, decltype(tab), decltype(il)::value, decltype(nm)::value>, grid, block, 0, stream,
-                 short_args);
-        };
-        auto with_norm = [&](auto tab, auto il) {
-          norm ? go(tab, il, std::true_type{}) : go(tab, il, std::false_type{});
-        };
-        auto with_style = [&](auto tab) {
-          interleaved ? with_norm(tab, std::true_type{}) : with_norm(tab, std::false_type{});
-        };
-        if (table_f32)
-          with_style(float{});
-        else
-          with_style(T{});
-      });
+    if (items == 1 && short_per_head) {
+      launch_short_rope(short_args, args.q.dtype, interleaved, norm, false, table_f32,
+                        dim3(unsigned(tokens)), dim3(unsigned((head_tpr * heads + 31) / 32 * 32)), stream);
       return;
     }
     a.rows = uint32_t(tokens);
@@ -1105,6 +1146,22 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
     return;
   }
 
+  // Rows of a norm across heads whose q heads and k heads each fill at most a block, up to half
+  // the resident threads: the short rotary kernel, a block a tensor. H200, bf16, OLMo-2's q/k
+  // against the rows kernel (bench/results/2026-11-28_h200_*/tune/): 1 token 5.57-5.68 -> 4.70-4.77
+  // us (CUDA-graph replay 2.27-2.30 -> 1.83-1.85), 16 tokens 5.86-5.92 -> 4.90-5.02 (2.37-2.41
+  // -> 1.83-1.90), 256 tokens 8.03 -> 7.65-7.68; at 2048 tokens level (27.9 against 27.7-27.8).
+  // One block a token for both tensors, with a sum of two segments, ran 5.30-5.52 us at 1 token.
+  const int across_threads = int(std::max(sh.Hq, sh.Hk)) * head_tpr;
+  const unsigned tensors = has_k ? 2 : 1;
+  if (a.across && short_heads && across_threads <= kMaxThreads &&
+      (tokens * tensors * across_threads <= device_limits().resident_threads() / 2 ||
+       tuning_knobs().rope_short.value_or(1) == 2) &&
+      short_rope_args(a, sh, short_args)) {
+    launch_short_rope(short_args, args.q.dtype, interleaved, norm, true, table_f32, dim3(unsigned(tokens), tensors),
+                      dim3(unsigned((across_threads + 31) / 32 * 32)), stream);
+    return;
+  }
   const int64_t units = int64_t(a.across ? std::max(a.Hq, a.Hk) : 1) * a.units_per_head;
   // Wide rows of a norm across heads, with as many k heads as q heads, of at most 128 threads:
   // paired rows (a token's q and k, 2 units of each a thread; see rope_rows_kernel). H200, side

@@ -74,15 +74,16 @@ for dtype in (BF16, F16, F32):
                          dtype, name="qk_norm_rope q")
             assert_close(k_out, ref.qk_norm_rope(k, kw, cos, sin, 1e-6, False, interleaved),
                          dtype, name="qk_norm_rope k")
-        if heads == kv_heads:  # one norm across every head of q (of k): OLMo-2, LTX-Video
-            qw_all, kw_all = weight(gen, heads * 128, dtype, "cuda"), weight(gen, heads * 128, dtype, "cuda")
-            for interleaved in (False, True):
-                q_out, k_out = call(fusebox.qk_norm_rope, q, k, qw_all, kw_all, cos, sin, eps=1e-6,
-                                    across_heads=True, interleaved=interleaved)
-                assert_close(q_out, ref.qk_norm_rope(q, qw_all, cos, sin, 1e-6, True, interleaved),
-                             dtype, name="qk_norm_rope q across heads")
-                assert_close(k_out, ref.qk_norm_rope(k, kw_all, cos, sin, 1e-6, True, interleaved),
-                             dtype, name="qk_norm_rope k across heads")
+        # one norm across every head of q (of k): OLMo-2, LTX-Video (decode-sized: the short
+        # kernel, a block a tensor, unless FUSEBOX_ROPE_SHORT=0), with GQA
+        qw_all, kw_all = weight(gen, heads * 128, dtype, "cuda"), weight(gen, kv_heads * 128, dtype, "cuda")
+        for interleaved in (False, True):
+            q_out, k_out = call(fusebox.qk_norm_rope, q, k, qw_all, kw_all, cos, sin, eps=1e-6,
+                                across_heads=True, interleaved=interleaved)
+            assert_close(q_out, ref.qk_norm_rope(q, qw_all, cos, sin, 1e-6, True, interleaved),
+                         dtype, name="qk_norm_rope q across heads")
+            assert_close(k_out, ref.qk_norm_rope(k, kw_all, cos, sin, 1e-6, True, interleaved),
+                         dtype, name="qk_norm_rope k across heads")
         if dtype != F32:  # fp32 tables with 16-bit data: twice the bytes per rotation factor
             cos32, sin32 = cos.float(), sin.float()
             for interleaved in (False, True):
@@ -95,6 +96,12 @@ for dtype in (BF16, F16, F32):
                              dtype, name="qk_norm_rope q, fp32 tables")
                 assert_close(k_out, ref.qk_norm_rope(k, kw, cos32, sin32, 1e-6, False, interleaved),
                              dtype, name="qk_norm_rope k, fp32 tables")
+                q_out, k_out = call(fusebox.qk_norm_rope, q, k, qw_all, kw_all, cos32, sin32, eps=1e-6,
+                                    across_heads=True, interleaved=interleaved)  # OLMo-2
+                assert_close(q_out, ref.qk_norm_rope(q, qw_all, cos32, sin32, 1e-6, True, interleaved),
+                             dtype, name="qk_norm_rope q across heads, fp32 tables")
+                assert_close(k_out, ref.qk_norm_rope(k, kw_all, cos32, sin32, 1e-6, True, interleaved),
+                             dtype, name="qk_norm_rope k across heads, fp32 tables")
     # activations: packed rows (one long row unless FUSEBOX_ACT_FLAT=0), a bias and a strided
     # input (the row plan either way), odd widths
     for rows, width in ((1, 11008), (37, 4104), (9, 1001)):
@@ -120,7 +127,7 @@ print("ok")
                                      "FUSEBOX_NORM_ITEMS=8", "FUSEBOX_ROPE_ITEMS=1",
                                      "FUSEBOX_ROPE_ITEMS=2", "FUSEBOX_ROPE_ITEMS=4",
                                      "FUSEBOX_ACT_FLAT=0", "FUSEBOX_ACT_FLAT=1", "FUSEBOX_NORM_FLAT=0",
-                                     "FUSEBOX_NORM_SHORT=0", "FUSEBOX_ROPE_SHORT=0"])
+                                     "FUSEBOX_NORM_SHORT=0", "FUSEBOX_ROPE_SHORT=0", "FUSEBOX_ROPE_SHORT=2"])
 def test_forced_launch_plans(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8
     applies to ops without a residual, NORM_ITEMS=3 to 16-bit rows with fp32 modulation; the

@@ -364,14 +364,17 @@ def test_qk_norm_rope_large(device, gen, dtypes, across, interleaved, heads):
     # Enough tokens that a lane group takes 2-4 heads on CUDA: per-head weights read per head
     # (half-split), a bf16 table's rotation factors held packed, q and k with as many heads
     # (FLUX) or not; then q without weights and k's with Gemma's offset (a lane group's heads
-    # may mix weighted and unweighted ones).
+    # may mix weighted and unweighted ones). Half-split heads with tables per batch take the
+    # short kernel at any size; one table for both batches (strides that do not fold into a
+    # token's) keeps them on the per-head kernel.
     xd, pd = dtypes
     s = (4 if heads[0] != heads[1] else 1) * big_rows(device)  # (48 heads: past a wave at 1031 tokens)
     q, k = qk_pair(gen, "bshd", 2, s, *heads, 128, xd, device, strided=True)
-    cos, sin = rope_tables(gen, "BS", "bshd", 2, s, 128, interleaved, pd, device)
     qw, kw = norm_weights(gen, "bshd", across, q, k, pd, device)
-    check_qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6, across, interleaved, False)
-    check_qk_norm_rope(q, k, None, kw, cos, sin, 1e-6, across, interleaved, False, weight_offset=1.0)
+    for kind in ("BS", "S"):
+        cos, sin = rope_tables(gen, kind, "bshd", 2, s, 128, interleaved, pd, device)
+        check_qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6, across, interleaved, False)
+        check_qk_norm_rope(q, k, None, kw, cos, sin, 1e-6, across, interleaved, False, weight_offset=1.0)
 
 
 # Decode-sized calls whose heads fill a block of 128+ threads take the short rotary kernel on
@@ -400,6 +403,32 @@ def test_rope_decode_sizes(device, gen, dtypes, layout, strided, b, s, heads, in
     check_qk_norm_rope(q, k, None, kw, cos, sin, 1e-6, False, interleaved, layout == "bhsd",
                        weight_offset=1.0)
     check_qk_norm_rope(q, None, qw, None, cos, sin, 1e-6, False, interleaved, layout == "bhsd")
+
+
+# Decode-sized calls of a norm across heads whose q heads and k heads each fill at most a
+# block take the short kernel on CUDA, a block per token and tensor with a block-wide sum:
+# OLMo-2's 32 + 32 heads, GQA (12 + 4; 13 + 5 and 16 + 6 heads, whose blocks end in partly used
+# warps and k's with threads past its heads), and q alone. 40 heads of 128 in fp32 (1280
+# lanes) take the rows kernel.
+ACROSS_DECODE_HEADS = [(32, 32, 128), (12, 4, 128), (16, 6, 64), (8, 0, 128), (13, 5, 128), (40, 8, 128)]
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("b,s", [(1, 1), (4, 1), (2, 3)])
+@pytest.mark.parametrize("heads", ACROSS_DECODE_HEADS, ids=lambda h: f"{h[0]}+{h[1]}x{h[2]}")
+@pytest.mark.parametrize("interleaved", [False, True], ids=["half", "interleaved"])
+def test_qk_norm_rope_across_heads_decode(device, gen, dtypes, layout, b, s, heads, interleaved):
+    xd, pd = dtypes
+    hq, hk, d = heads
+    q, k = qk_pair(gen, layout, b, s, hq, max(hk, 1), d, xd, device, strided=True)
+    k = k if hk else None
+    cos, sin = rope_tables(gen, "BS", layout, b, s, d, interleaved, pd, device)
+    qw = weight(gen, hq * d, xd, device)  # weights of the data's dtype (the short kernel's)
+    kw = weight(gen, hk * d, xd, device) if hk else None
+    heads_first = layout == "bhsd"
+    check_qk_norm_rope(q, k, qw, kw, cos, sin, 1e-6, True, interleaved, heads_first)
+    check_qk_norm_rope(q, k, None, kw, cos, sin, 1e-6, True, interleaved, heads_first, weight_offset=1.0)
 
 
 # --------------------------------------------------------------------------- real modules
