@@ -1084,7 +1084,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   //   bf16, 2048 tokens 17.5-17.6 -> 15.8-16.1 us, 8192 50.5-50.8 -> 49.6-49.8 (fp16 18.2-18.4
   //   -> 15.7-15.9, 53.2-53.5 -> 49.7); the LLM rotary 2048 tokens 14.6 -> 14.4-14.5. The
   //   per-head kernel with one head a lane group ran 21.1 and 14.4-15.2 there
-  //   (bench/results/2026-11-28_h200_*/tune/tune_heads_*.txt);
+  //   (bench/results/2026-11-28_h200_8e17b1d/tune/tune_heads_*.txt);
   // - otherwise, with a per-head norm, 2 for two-vector units (Qwen3 2048 tokens: 22.6 us, 23.6
   //   with 1, 24.7 with 4, before the short kernel) and 4 for one-vector units (FLUX 4608
   //   tokens: 42.0 us, 42.2 with 2 since the heads' sums shuffle together; 44.5 against 57.3
@@ -1148,10 +1148,11 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
 
   // Rows of a norm across heads whose q heads and k heads each fill at most a block, up to half
   // the resident threads: the short rotary kernel, a block a tensor. H200, bf16, OLMo-2's q/k
-  // against the rows kernel (bench/results/2026-11-28_h200_*/tune/): 1 token 5.57-5.68 -> 4.70-4.77
-  // us (CUDA-graph replay 2.27-2.30 -> 1.83-1.85), 16 tokens 5.86-5.92 -> 4.90-5.02 (2.37-2.41
-  // -> 1.83-1.90), 256 tokens 8.03 -> 7.65-7.68; at 2048 tokens level (27.9 against 27.7-27.8).
-  // One block a token for both tensors, with a sum of two segments, ran 5.30-5.52 us at 1 token.
+  // against the rows kernel (bench/results/2026-11-28_h200_8e17b1d/tune/): 1 token 5.57-5.68 ->
+  // 4.70-4.77 us (CUDA-graph replay 2.27-2.30 -> 1.83-1.85), 16 tokens 5.86-5.92 -> 4.90-5.02
+  // (2.37-2.41 -> 1.83-1.90), 256 tokens 8.03 -> 7.65-7.68; at 2048 tokens level (27.9 against
+  // 27.7-27.8). One block a token for both tensors, with a sum of two segments, ran 5.30-5.52 us
+  // at 1 token and replayed slower than the rows kernel (2.49-2.56 us).
   const int across_threads = int(std::max(sh.Hq, sh.Hk)) * head_tpr;
   const unsigned tensors = has_k ? 2 : 1;
   if (a.across && short_heads && across_threads <= kMaxThreads &&
