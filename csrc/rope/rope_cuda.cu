@@ -689,7 +689,7 @@ struct ShortRopeArgs {
   uint32_t cos_ts, sin_ts;
   int Hq, head_threads;  // threads of the block that own a head: (Hq + Hk) << tpr_log2
   int tpr_log2, R;
-  int Hk;
+  int Hk;  // across heads: k's heads (q's and k's blocks own Hq and Hk lane groups)
   void *qo, *ko;
   uint32_t qo_ts, qo_hs, ko_ts, ko_hs;
   const void *qw, *kw;  // the norm's weights, of the data's dtype, or null
@@ -1083,7 +1083,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   // - 1 at any size for two-vector units the short kernel takes: Qwen3's q/k with their norm,
   //   bf16, 2048 tokens 17.5-17.6 -> 15.8-16.1 us, 8192 50.5-50.8 -> 49.6-49.8 (fp16 18.2-18.4
   //   -> 15.7-15.9, 53.2-53.5 -> 49.7); the LLM rotary 2048 tokens 14.6 -> 14.4-14.5. The
-  //   per-head kernel with one head a lane group ran 21.1 and 14.4-15.2 there
+  //   per-head kernel with one head a lane group ran 21.1 (Qwen3) and 15.2 (rotary) there
   //   (bench/results/2026-11-28_h200_8e17b1d/tune/tune_heads_*.txt);
   // - otherwise, with a per-head norm, 2 for two-vector units (Qwen3 2048 tokens: 22.6 us, 23.6
   //   with 1, 24.7 with 4, before the short kernel) and 4 for one-vector units (FLUX 4608
@@ -1188,7 +1188,8 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   // unbounded one fits. OLMo-2's q/k (32 heads of 128, half-split, fp32 table), bf16, H200
   // side by side ([h200_c87c93d] tune/): 1 token 8.83 -> 5.57 us, 16 tokens 8.66 -> 5.81;
   // bounded, 256 tokens 9.73-9.79 -> 8.77-8.83 (1 token 5.68 -> 6.14 had it been bounded
-  // there; [h200_d2becb9] tune/).
+  // there; [h200_d2becb9] tune/). Since 8e17b1d those calls take the short kernel above where it
+  // applies; these plans keep the rest (norm weights of another dtype, strides that do not fold).
   int items = paired ? 2 : units <= 32 ? 1 : units <= 4 * kMaxThreads ? 4 : 8;
   bool bounded_lanes = false;
   if (items == 4 && units <= kMaxThreads) {

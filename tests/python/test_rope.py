@@ -295,8 +295,9 @@ def test_qk_norm_rope(device, gen, dtypes, layout, across, interleaved, with_wei
 @pytest.mark.parametrize("tokens", [3, 200, 2048], ids=["decode", "mid", "prefill"])
 def test_qk_norm_rope_across_heads_wide(device, gen, dtypes, interleaved, heads, d, r, tokens):
     # Rows of many heads. On CUDA a call whose rows fit one wave gives each unit a lane of its
-    # own (OLMo-2's 32 half-split heads of 128 in 16-bit at 200 tokens: a kernel bounded to 64
-    # registers, its rows between a quarter and half of the GPU's resident threads); past that
+    # own (OLMo-2's 32 half-split heads of 128 in 16-bit at 200 tokens with fp32 weights: a
+    # kernel bounded to 64 registers, its rows between a quarter and half of the GPU's resident
+    # threads; with weights of the data's dtype, the short kernel, a block a tensor); past that
     # each thread walks several units, whose head and channel change from item to item by a
     # thread count that is not always a whole number of heads.
     # 12 heads of 128 (Wan 1.3B) take the early-rotation rows in 128-thread blocks and 40 (Wan
@@ -408,7 +409,7 @@ def test_rope_decode_sizes(device, gen, dtypes, layout, strided, b, s, heads, in
 # Decode-sized calls of a norm across heads whose q heads and k heads each fill at most a
 # block take the short kernel on CUDA, a block per token and tensor with a block-wide sum:
 # OLMo-2's 32 + 32 heads, GQA (12 + 4; 13 + 5 and 16 + 6 heads, whose blocks end in partly used
-# warps and k's with threads past its heads), and q alone. 40 heads of 128 in fp32 (1280
+# warps and k's with threads past its heads), and q alone. 40 heads of 128 in fp32 (640
 # lanes) take the rows kernel.
 ACROSS_DECODE_HEADS = [(32, 32, 128), (12, 4, 128), (16, 6, 64), (8, 0, 128), (13, 5, 128), (40, 8, 128)]
 
