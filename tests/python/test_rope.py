@@ -365,9 +365,9 @@ def test_qk_norm_rope_large(device, gen, dtypes, across, interleaved, heads):
     # Enough tokens that a lane group takes 2-4 heads on CUDA: per-head weights read per head
     # (half-split), a bf16 table's rotation factors held packed, q and k with as many heads
     # (FLUX) or not; then q without weights and k's with Gemma's offset (a lane group's heads
-    # may mix weighted and unweighted ones). Half-split heads with tables per batch take the
-    # short kernel at any size; one table for both batches (strides that do not fold into a
-    # token's) keeps them on the per-head kernel.
+    # may mix weighted and unweighted ones). Half-split heads with tables per batch and weights
+    # of the data's dtype take the short kernel at any size; one table for both batches (strides
+    # that do not fold into a token's) keeps them on the per-head kernel.
     xd, pd = dtypes
     s = (4 if heads[0] != heads[1] else 1) * big_rows(device)  # (48 heads: past a wave at 1031 tokens)
     q, k = qk_pair(gen, "bshd", 2, s, *heads, 128, xd, device, strided=True)
