@@ -94,6 +94,10 @@ struct RawChunk<2> {
   using type = unsigned short;
 };
 
+// Asks for the cache line holding p in L1 without waiting for it or holding a register: a
+// later load_pack of p then hits L1 (or waits on the miss already in flight).
+__device__ __forceinline__ void prefetch_l1(const void* p) { asm volatile("prefetch.global.L1 [%0];" ::"l"(p)); }
+
 template <typename T, int N>
 __device__ __forceinline__ Pack<T, N> load_pack(const T* p) {
   constexpr int kChunk = Pack<T, N>::kBytes < 16 ? Pack<T, N>::kBytes : 16;
@@ -405,7 +409,9 @@ struct TuningKnobs {
   std::optional<int> norm_stage;      // FUSEBOX_NORM_STAGE: small operands through shared memory
   std::optional<int> rope_items;      // FUSEBOX_ROPE_ITEMS: heads per lane group (1, 2 or 4); units a
                                       // thread of rows across heads up to 512 units (1 or 4)
-  std::optional<int> rope_early;      // FUSEBOX_ROPE_EARLY=0: wide rows load rotation factors after the sum
+  std::optional<int> rope_early;      // FUSEBOX_ROPE_EARLY: 0: rotation factors loaded after the sum (wide
+                                      // rows; the short kernel's half-split units with a norm); 1: with
+                                      // the data
   std::optional<int> act_flat;        // FUSEBOX_ACT_FLAT: packed rows as one long row (0 or 1)
   std::optional<int> norm_flat;       // FUSEBOX_NORM_FLAT=0: norm rows never take their flat twin
   std::optional<int> norm_short;      // FUSEBOX_NORM_SHORT=0: short RMS rows take the general 1-vector plan

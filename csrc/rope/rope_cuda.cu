@@ -710,9 +710,13 @@ static_assert(offsetof(ShortRopeArgs, cos_ts) == 48, "the first loads' pointers 
 // ACROSS: the norm spans every head of q (of k) of the token, as OLMo-2's does: a block is the
 // heads of q (blockIdx.y 0) or of k (1) of a token, and its sum is block-wide. The rows kernel
 // takes the same rows with a general row split before its first load.
-template <typename T, typename TAB, bool INTERLEAVED, bool NORM, bool ACROSS = false>
+// LATE_ROTATION (a norm's half-split units): the rotation factors are prefetched into L1 with
+// the data and loaded after the sum, so that they hold no registers through it (OLMo-2's fp32
+// table: 48 registers against 80, five 256-thread blocks an SM against three).
+template <typename T, typename TAB, bool INTERLEAVED, bool NORM, bool ACROSS = false, bool LATE_ROTATION = false>
 __global__ void __launch_bounds__(kMaxThreads) short_rope_kernel(const ShortRopeArgs a) {
   static_assert(!ACROSS || NORM, "a norm across heads");
+  static_assert(!LATE_ROTATION || (NORM && !INTERLEAVED), "late rotation factors: a norm's half-split units");
   constexpr int VEC = 16 / int(sizeof(T));
   using L = UnitLayout<INTERLEAVED, VEC>;
   const bool k_block = ACROSS && blockIdx.y != 0;
@@ -740,15 +744,25 @@ __global__ void __launch_bounds__(kMaxThreads) short_rope_kernel(const ShortRope
   const TAB* cos = static_cast<const TAB*>(a.cos);
   const TAB* sin = static_cast<const TAB*>(a.sin);
   const uint32_t cos_at = token * a.cos_ts, sin_at = token * a.sin_ts;
+  const TAB* const factors[4] = {cos + (cos_at + d0), sin + (sin_at + d0), cos + (cos_at + d1), sin + (sin_at + d1)};
+  Pack<TAB, VEC> c0{}, s0{}, c1{}, s1{};
+  auto load_rotation = [&] {
+    c0 = load_pack<TAB, VEC>(factors[0]);
+    s0 = load_pack<TAB, VEC>(factors[1]);
+    if constexpr (L::kTwoVectors) {
+      c1 = load_pack<TAB, VEC>(factors[2]);
+      s1 = load_pack<TAB, VEC>(factors[3]);
+    }
+  };
   pdl_wait();
   const Pack<T, VEC> x0 = load_pack<T, VEC>(in + (in_at + d0));
-  const Pack<TAB, VEC> c0 = load_pack<TAB, VEC>(cos + (cos_at + d0)), s0 = load_pack<TAB, VEC>(sin + (sin_at + d0));
   Pack<T, VEC> x1{};
-  Pack<TAB, VEC> c1{}, s1{};
-  if constexpr (L::kTwoVectors) {
-    x1 = load_pack<T, VEC>(in + (in_at + d1));
-    c1 = load_pack<TAB, VEC>(cos + (cos_at + d1));
-    s1 = load_pack<TAB, VEC>(sin + (sin_at + d1));
+  if constexpr (L::kTwoVectors) x1 = load_pack<T, VEC>(in + (in_at + d1));
+  if constexpr (LATE_ROTATION) {
+#pragma unroll
+    for (const TAB* f : factors) prefetch_l1(f);
+  } else {
+    load_rotation();
   }
   const T* w = reinterpret_cast<const T*>(address(a.qw, a.kw));
   if (ACROSS && w) w += head * uint32_t(a.R);  // weights [H * D] (R == D)
@@ -771,6 +785,7 @@ __global__ void __launch_bounds__(kMaxThreads) short_rope_kernel(const ShortRope
     } else {
       lane_group_sums(sum, 1 << a.tpr_log2);  // every lane of the warp takes part
     }
+    if constexpr (LATE_ROTATION) load_rotation();
     const float rstd = rsqrtf(sum[0] * (ACROSS && is_k ? a.inv_k_width : a.inv_q_width) + a.eps);
     float wv0[VEC], wv1[VEC];
     unpack(w0, wv0);
@@ -963,14 +978,19 @@ bool short_rope_args(const RopeKernelArgs& a, const RopeShape& sh, ShortRopeArgs
          fits(k.ko_ts, k.ko_hs, hk) && fits(k.cos_ts, 0, 1) && fits(k.sin_ts, 0, 1);
 }
 
-// Launches short_rope_kernel (ACROSS where `across`).
+// Launches short_rope_kernel (ACROSS where `across`; LATE_ROTATION where `late_rotation`, which
+// only a norm's half-split units take).
 void launch_short_rope(const ShortRopeArgs& k, DType dtype, bool interleaved, bool norm, bool across, bool table_f32,
-                       dim3 grid, dim3 block, cudaStream_t stream) {
+                       bool late_rotation, dim3 grid, dim3 block, cudaStream_t stream) {
+  FUSEBOX_CHECK(!late_rotation || (norm && !interleaved), "late rotation factors: a norm's half-split units");
   dispatch_dtype(dtype, [&](auto t) {
     using T = decltype(t);
     auto go = [&](auto tab, auto il, auto nm, auto ac) {
-      launch(short_rope_kernel<T, decltype(tab), decltype(il)::value, decltype(nm)::value, decltype(ac)::value>, grid,
-             block, 0, stream, k);
+      constexpr bool I = decltype(il)::value, N = decltype(nm)::value, A = decltype(ac)::value;
+      if constexpr (N && !I)
+        if (late_rotation)
+          return launch(short_rope_kernel<T, decltype(tab), I, N, A, true>, grid, block, 0, stream, k);
+      launch(short_rope_kernel<T, decltype(tab), I, N, A>, grid, block, 0, stream, k);
     };
     auto with_norm = [&](auto tab, auto il) {
       if (across)
@@ -988,6 +1008,13 @@ void launch_short_rope(const ShortRopeArgs& k, DType dtype, bool interleaved, bo
     else
       with_style(T{});
   });
+}
+
+// Whether the short kernel loads a norm's rotation factors after the sum: where `possible`
+// (half-split units with a norm), the plan's `preferred` choice unless FUSEBOX_ROPE_EARLY says.
+bool late_rotation(bool possible, bool preferred) {
+  const std::optional<int> early = tuning_knobs().rope_early;
+  return possible && (early ? *early == 0 : preferred);
 }
 
 }  // namespace
@@ -1113,7 +1140,8 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
     const int items = head_items;
     if (items == 1 && short_per_head) {
       launch_short_rope(short_args, args.q.dtype, interleaved, norm, false, table_f32,
-                        dim3(unsigned(tokens)), dim3(unsigned((head_tpr * heads + 31) / 32 * 32)), stream);
+                        late_rotation(norm && !interleaved, false), dim3(unsigned(tokens)),
+                        dim3(unsigned((head_tpr * heads + 31) / 32 * 32)), stream);
       return;
     }
     a.rows = uint32_t(tokens);
@@ -1146,20 +1174,27 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
     return;
   }
 
-  // Rows of a norm across heads whose q heads and k heads each fill at most a block, up to half
-  // the resident threads: the short rotary kernel, a block a tensor. H200, bf16, OLMo-2's q/k
-  // against the rows kernel (bench/results/2026-11-28_h200_8e17b1d/tune/): 1 token 5.57-5.68 ->
-  // 4.70-4.77 us (CUDA-graph replay 2.27-2.30 -> 1.83-1.85), 16 tokens 5.86-5.92 -> 4.90-5.02
-  // (2.37-2.41 -> 1.83-1.90), 256 tokens 8.03 -> 7.65-7.68; at 2048 tokens level (27.9 against
-  // 27.7-27.8). One block a token for both tensors, with a sum of two segments, ran 5.30-5.52 us
-  // at 1 token and replayed slower than the rows kernel (2.49-2.56 us).
+  // Rows of a norm across heads whose q heads and k heads each fill at most a block, up to four
+  // times the resident threads: the short rotary kernel, a block a tensor. H200, bf16, OLMo-2's
+  // q/k against the rows kernel (bench/results/2026-11-28_h200_8e17b1d/tune/): 1 token
+  // 5.57-5.68 -> 4.70-4.77 us (CUDA-graph replay 2.27-2.30 -> 1.83-1.85), 16 tokens 5.86-5.92 ->
+  // 4.90-5.02 (2.37-2.41 -> 1.83-1.90), 256 tokens 8.03 -> 7.65-7.68. Past an eighth of the
+  // resident threads its half-split units load their rotation factors after the sum (LATE_ROTATION;
+  // bench/results/2026-11-28_h200_c2a0f5e/tune/, both columns of each): 256 tokens 7.86-7.87 -> 7.46-7.49,
+  // 1024 tokens 18.14-18.26 (rows) -> 15.65-15.70, 2048 28.19-28.24 (rows) -> 26.43-26.48;
+  // decode-sized calls lose with them (1 token 4.75-4.86 -> 5.15-5.17), and from 4096 tokens the
+  // rows kernel is faster (46.2 against 53.2-53.4; 8192 81.1-81.3 against 97.4-97.5). Qwen3's
+  // per-head half-split units lose with them at every size (2048 tokens 16.0-16.1 -> 16.6).
+  // One block a token for both tensors, with a sum of two segments, ran 5.30-5.52 us at 1 token
+  // and replayed slower than the rows kernel (2.49-2.56 us).
   const int across_threads = int(std::max(sh.Hq, sh.Hk)) * head_tpr;
   const unsigned tensors = has_k ? 2 : 1;
+  const int64_t across_lanes = tokens * tensors * across_threads, resident = device_limits().resident_threads();
   if (a.across && short_heads && across_threads <= kMaxThreads &&
-      (tokens * tensors * across_threads <= device_limits().resident_threads() / 2 ||
-       tuning_knobs().rope_short.value_or(1) == 2) &&
+      (across_lanes <= 4 * resident || tuning_knobs().rope_short.value_or(1) == 2) &&
       short_rope_args(a, sh, short_args)) {
-    launch_short_rope(short_args, args.q.dtype, interleaved, norm, true, table_f32, dim3(unsigned(tokens), tensors),
+    launch_short_rope(short_args, args.q.dtype, interleaved, norm, true, table_f32,
+                      late_rotation(!interleaved, across_lanes > resident / 8), dim3(unsigned(tokens), tensors),
                       dim3(unsigned((across_threads + 31) / 32 * 32)), stream);
     return;
   }

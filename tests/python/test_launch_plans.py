@@ -1,6 +1,6 @@
 """Launch plans and kernel variants the tuning variables can force (FUSEBOX_NORM_ITEMS,
 FUSEBOX_ROPE_ITEMS, FUSEBOX_ACT_FLAT, FUSEBOX_NORM_FLAT, FUSEBOX_NORM_SHORT, FUSEBOX_ROPE_SHORT,
-used by scripts/tune.py): each still computes the reference result on CUDA."""
+FUSEBOX_ROPE_EARLY, used by scripts/tune.py): each still computes the reference result on CUDA."""
 
 import os
 import subprocess
@@ -75,7 +75,8 @@ for dtype in (BF16, F16, F32):
             assert_close(k_out, ref.qk_norm_rope(k, kw, cos, sin, 1e-6, False, interleaved),
                          dtype, name="qk_norm_rope k")
         # one norm across every head of q (of k): OLMo-2, LTX-Video (decode-sized: the short
-        # kernel, a block a tensor, unless FUSEBOX_ROPE_SHORT=0), with GQA
+        # kernel, a block a tensor, unless FUSEBOX_ROPE_SHORT=0; its half-split units with the
+        # rotation factors loaded after the sum under FUSEBOX_ROPE_EARLY=0), with GQA
         qw_all, kw_all = weight(gen, heads * 128, dtype, "cuda"), weight(gen, kv_heads * 128, dtype, "cuda")
         for interleaved in (False, True):
             q_out, k_out = call(fusebox.qk_norm_rope, q, k, qw_all, kw_all, cos, sin, eps=1e-6,
@@ -127,7 +128,8 @@ print("ok")
                                      "FUSEBOX_NORM_ITEMS=8", "FUSEBOX_ROPE_ITEMS=1",
                                      "FUSEBOX_ROPE_ITEMS=2", "FUSEBOX_ROPE_ITEMS=4",
                                      "FUSEBOX_ACT_FLAT=0", "FUSEBOX_ACT_FLAT=1", "FUSEBOX_NORM_FLAT=0",
-                                     "FUSEBOX_NORM_SHORT=0", "FUSEBOX_ROPE_SHORT=0", "FUSEBOX_ROPE_SHORT=2"])
+                                     "FUSEBOX_NORM_SHORT=0", "FUSEBOX_ROPE_SHORT=0", "FUSEBOX_ROPE_SHORT=2",
+                                     "FUSEBOX_ROPE_EARLY=0"])
 def test_forced_launch_plans(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8
     applies to ops without a residual, NORM_ITEMS=3 to 16-bit rows with fp32 modulation; the
