@@ -1178,11 +1178,12 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   // times the resident threads: the short rotary kernel, a block a tensor. H200, bf16, OLMo-2's
   // q/k against the rows kernel (bench/results/2026-11-28_h200_8e17b1d/tune/): 1 token
   // 5.57-5.68 -> 4.70-4.77 us (CUDA-graph replay 2.27-2.30 -> 1.83-1.85), 16 tokens 5.86-5.92 ->
-  // 4.90-5.02 (2.37-2.41 -> 1.83-1.90), 256 tokens 8.03 -> 7.65-7.68. Past an eighth of the
+  // 4.90-5.02 (2.37-2.41 -> 1.83-1.90), 256 tokens 8.03 -> 7.65-7.68. Past a quarter of the
   // resident threads its half-split units load their rotation factors after the sum (LATE_ROTATION;
-  // bench/results/2026-11-28_h200_c2a0f5e/tune/, both columns of each): 256 tokens 7.86-7.87 -> 7.46-7.49,
-  // 1024 tokens 18.14-18.26 (rows) -> 15.65-15.70, 2048 28.19-28.24 (rows) -> 26.43-26.48;
-  // decode-sized calls lose with them (1 token 4.75-4.86 -> 5.15-5.17), and from 4096 tokens the
+  // bench/results/2026-11-28_h200_RESULTS/tune/, both columns of each): 256 tokens 7.78-7.87 ->
+  // 7.38-7.49, 1024 tokens 18.14-18.26 (rows) -> 15.65-15.70, 2048 28.19-28.24 (rows) ->
+  // 26.43-26.48; 128 tokens and fewer lose with them (128 tokens 5.84-5.92 -> 6.11-6.14, 1 token
+  // 4.75-4.86 -> 5.15-5.17), and from 4096 tokens the
   // rows kernel is faster (46.2 against 53.2-53.4; 8192 81.1-81.3 against 97.4-97.5). Qwen3's
   // per-head half-split units lose with them at every size (2048 tokens 16.0-16.1 -> 16.6).
   // One block a token for both tensors, with a sum of two segments, ran 5.30-5.52 us at 1 token
@@ -1194,7 +1195,7 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
       (across_lanes <= 4 * resident || tuning_knobs().rope_short.value_or(1) == 2) &&
       short_rope_args(a, sh, short_args)) {
     launch_short_rope(short_args, args.q.dtype, interleaved, norm, true, table_f32,
-                      late_rotation(!interleaved, across_lanes > resident / 8), dim3(unsigned(tokens), tensors),
+                      late_rotation(!interleaved, across_lanes > resident / 4), dim3(unsigned(tokens), tensors),
                       dim3(unsigned((across_threads + 31) / 32 * 32)), stream);
     return;
   }
