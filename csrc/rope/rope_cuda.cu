@@ -1178,16 +1178,16 @@ void rope_cuda(const RopeArgs& args, const RopeShape& sh, int vec, cudaStream_t 
   // times the resident threads: the short rotary kernel, a block a tensor. H200, bf16, OLMo-2's
   // q/k against the rows kernel (bench/results/2026-11-28_h200_8e17b1d/tune/): 1 token
   // 5.57-5.68 -> 4.70-4.77 us (CUDA-graph replay 2.27-2.30 -> 1.83-1.85), 16 tokens 5.86-5.92 ->
-  // 4.90-5.02 (2.37-2.41 -> 1.83-1.90), 256 tokens 8.03 -> 7.65-7.68. Past a quarter of the
-  // resident threads its half-split units load their rotation factors after the sum (LATE_ROTATION;
-  // bench/results/2026-11-28_h200_RESULTS/tune/, both columns of each): 256 tokens 7.78-7.87 ->
-  // 7.38-7.49, 1024 tokens 18.14-18.26 (rows) -> 15.65-15.70, 2048 28.19-28.24 (rows) ->
-  // 26.43-26.48; 128 tokens and fewer lose with them (128 tokens 5.84-5.92 -> 6.11-6.14, 1 token
-  // 4.75-4.86 -> 5.15-5.17), and from 4096 tokens the
-  // rows kernel is faster (46.2 against 53.2-53.4; 8192 81.1-81.3 against 97.4-97.5). Qwen3's
-  // per-head half-split units lose with them at every size (2048 tokens 16.0-16.1 -> 16.6).
-  // One block a token for both tensors, with a sum of two segments, ran 5.30-5.52 us at 1 token
-  // and replayed slower than the rows kernel (2.49-2.56 us).
+  // 4.90-5.02 (2.37-2.41 -> 1.83-1.90), 256 tokens 8.03 -> 7.65-7.68. One block a token for both
+  // tensors, with a sum of two segments, ran 5.30-5.52 us at 1 token and replayed slower than the
+  // rows kernel (2.49-2.56 us).
+  // Past a quarter of the resident threads its half-split units load their rotation factors
+  // after the sum (LATE_ROTATION; bench/results/2026-11-28_h200_8f2520f/tune/, both columns of
+  // each): 256 tokens 7.78-7.87 -> 7.38-7.49 us, 1024 tokens 18.14-18.26 (rows) -> 15.65-15.70,
+  // 2048 28.19-28.24 (rows) -> 26.43-26.48. Smaller calls lose with them (128 tokens 5.84-5.92 ->
+  // 6.10-6.18, 1 token 4.75-4.86 -> 5.15-5.17); from 4096 tokens the rows kernel is faster (46.2
+  // against 53.2-53.4; 8192 81.1-81.3 against 97.4-97.5). Qwen3's per-head half-split units lose
+  // with them at every size (2048 tokens 16.0-16.1 -> 16.6) and keep theirs early.
   const int across_threads = int(std::max(sh.Hq, sh.Hk)) * head_tpr;
   const unsigned tensors = has_k ? 2 : 1;
   const int64_t across_lanes = tokens * tensors * across_threads, resident = device_limits().resident_threads();
