@@ -712,7 +712,8 @@ static_assert(offsetof(ShortRopeArgs, cos_ts) == 48, "the first loads' pointers 
 // takes the same rows with a general row split before its first load.
 // LATE_ROTATION (a norm's half-split units): the rotation factors are prefetched into L1 with
 // the data and loaded after the sum, so that they hold no registers through it (OLMo-2's fp32
-// table: 48 registers against 80, five 256-thread blocks an SM against three).
+// table: 62 registers against 80, four 256-thread blocks an SM against three; without the
+// prefetch 48, but their misses then start after the sum and the calls ran slower).
 template <typename T, typename TAB, bool INTERLEAVED, bool NORM, bool ACROSS = false, bool LATE_ROTATION = false>
 __global__ void __launch_bounds__(kMaxThreads) short_rope_kernel(const ShortRopeArgs a) {
   static_assert(!ACROSS || NORM, "a norm across heads");
