@@ -211,10 +211,15 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
     // ITEMS <= 2: the operands' vectors, in the order gate, weight, bias, scale, shift.
     constexpr bool kHeldParams = PARAMS == ParamPath::kHeld;
     Pack<P, VEC> held[kHeldParams ? 5 : 1][kHeldParams ? ITEMS : 1];
-    // Split tables on the short plans are read at their use (L1 hits: the same rows for every
-    // row) and their registers go to the per-row parts (Wan 1.3B's per-token rows: 128 registers
-    // and 72 bytes of spills when held).
-    auto split_table = [](int which) { return SPLIT && which != 1 && which != 2; };
+    // Operands read at their use instead (L1 hits: the same rows for every row), so that no
+    // registers wait for them: split tables, whose registers go to the per-row parts (Wan 1.3B's
+    // per-token rows: 128 registers and 72 bytes of spills when held), and the weight and bias
+    // of modulated rows, whose presence is a run-time fact there (AdaLN's norms mostly have
+    // neither, yet held they kept 16 registers of every such kernel: ptxas 13.0, 16-bit rows,
+    // 77-88 -> 60-64 with a residual, 63-64 -> 47-59 without).
+    auto at_use = [](int which) {
+      return SPLIT ? which != 1 && which != 2 : MOD && (which == 1 || which == 2);
+    };
     // SPLIT with ITEMS <= 2: the per-row parts of gate, scale and shift, loaded with the row
     Pack<T, VEC> held_parts[kHeldParams && SPLIT ? 3 : 1][kHeldParams && SPLIT ? ITEMS : 1];
     if constexpr (kHeldParams) {
@@ -225,7 +230,7 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
         if (active && vi < a.vec_per_row) {
 #pragma unroll
           for (int i = 0; i < 5; ++i)
-            if (srcs[i] && !split_table(i)) held[i][it] = load_pack<P, VEC>(srcs[i] + vi * VEC);
+            if (srcs[i] && !at_use(i)) held[i][it] = load_pack<P, VEC>(srcs[i] + vi * VEC);
           if constexpr (SPLIT) {
 #pragma unroll
             for (int i = 0; i < 3; ++i)
@@ -245,7 +250,7 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
     // Item `it` of small operand `which` (0-4 as in `held`): from a register, its slot, or
     // straight from global memory (cached).
     auto param = [&](int which, int slot, const P* src, int it) {
-      if (kHeldParams && !split_table(which)) return held[which][it];
+      if (kHeldParams && !at_use(which)) return held[which][it];
       if constexpr (PARAMS == ParamPath::kStaged) return *slots.at(slot, it);
       return load_pack<P, VEC>(src + (lane + it * tpr) * VEC);
     };
@@ -410,15 +415,6 @@ __global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(cons
   norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS, SPLIT, WALK>(a);
 }
 
-// The same rows in blocks of at most kMinBlockThreads threads, MIN_BLOCKS of them an SM: a
-// register count between the steps that bounds in 512-thread blocks can state (see
-// small_block_bound). Launched only where the plan's blocks are that small.
-template <int MIN_BLOCKS, typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD,
-          ParamPath PARAMS, bool SPLIT, RowWalk WALK>
-__global__ void __launch_bounds__(kMinBlockThreads, MIN_BLOCKS) norm_rows_small_block_kernel(const NormKernelArgs a) {
-  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS, SPLIT, WALK>(a);
-}
-
 // The register bound of a plan (MIN_BLOCKS above), for those whose allocation falls past an
 // occupancy step (ptxas 13.0, sm_90):
 // - 2 (64 registers) for the 4-vector modulated rows without a residual: fp16 92-100 -> 64
@@ -466,16 +462,6 @@ constexpr int register_bound() {
     if constexpr (std::is_same_v<T, __nv_bfloat16> && kNormAlone2 && NORM == NormType::kLayer) return 3;
   }
   return 0;
-}
-
-// The bound of a plan in blocks of kMinBlockThreads (norm_rows_small_block_kernel; 0: none):
-// - 6 (80 registers) for the 2-vector residual + modulated fp16 rows with fp16 operands, whose
-//   general-split kernels ptxas otherwise gives 86-88 registers against bf16's 78-81 (the flat
-//   and sample twins: 79-80), one 128-thread block an SM fewer; no spills under the bound. See
-//   pick_items for the times.
-template <typename T, typename P, int ITEMS, bool RES, bool MOD, bool SPLIT>
-constexpr int small_block_bound() {
-  return std::is_same_v<T, __half> && std::is_same_v<P, __half> && ITEMS == 2 && RES && MOD && !SPLIT ? 6 : 0;
 }
 
 // Whether a plan has a twin for a walk other than the general split (WALK in norm_rows):
@@ -743,15 +729,16 @@ int threads_per_row(int64_t vec_per_row, int items) {
 //   token 142.5-142.7 -> 140.0-140.2 us bf16, 142.7-142.8 -> 139.9-140.0 fp16; LTX's bf16
 //   per-token rows lose 0.7-1.9 us with 4: 2026-11-26_h200_b738d93/tune/norm_token_items.txt).
 // - 2 as well for a gated residual + modulated norm (gated_residual_norm) of 16-bit rows with
-//   16-bit operands and up to 256 vectors (bench/results/2026-11-26_h200_ca4d16f/tune/
-//   grn_items_by_dtype.txt, bf16: LTX 27.4-27.9 -> 26.6-26.7 us, LTX-long 70.0 either way). fp16
-//   rows joined once their general-split kernels were bounded to bf16's 80 registers (see
-//   small_block_bound; unbounded, 86-88 lost: LTX 27.4-27.6 -> 28.2-28.3 on that walk, LTX-long
-//   69.9-70.0 -> 73.9-74.1). H200, fp16, three processes each (bench/results/
-//   2026-11-27_h200_f88b77c/tune/fp16_grn_cap80*.txt): LTX 27.41-27.52 -> 26.62-27.02 us (the
-//   sample walk), LTX-long 69.52-69.82 -> 68.88-69.02; on the general split (twins off) LTX
-//   27.44-27.60 -> 26.78-26.91, LTX-long even. Not for FLUX's 384-vector rows (38.3-38.5 ->
-//   38.5-38.8 in act_items_and_grn_vs_ca4d16f.txt) or Wan's fp32-modulated ones.
+//   16-bit operands and up to 384 vectors (bench/results/2026-11-26_h200_ca4d16f/tune/
+//   grn_items_by_dtype.txt, bf16: LTX 27.4-27.9 -> 26.6-26.7 us, LTX-long 70.0 either way). Its
+//   kernels held 77-88 registers until the weight and bias of modulated rows were read at their
+//   use (see norm_rows); now 60-64 in both dtypes, and FLUX's 384-vector rows take 2 as well.
+//   H200, side by side with 97c6628's library, two columns each (bench/results/
+//   2026-11-29_h200_97c6628/tune/l0_l6_l7_*.txt, l0 against l6): FLUX fp16 35.97-36.08 ->
+//   33.49-33.65 us, bf16 34.03-34.46 -> 33.73-33.89; LTX-long bf16 68.51-68.66 -> 67.74-67.89,
+//   fp16 68.82-68.90 -> 67.89-67.97; LTX and the per-token rows within 0.3 us. Before, fp16 needed
+//   a bound of 80 registers in 128-thread blocks to join, and FLUX lost with 2 (38.3-38.5 ->
+//   38.5-38.8 in act_items_and_grn_vs_ca4d16f.txt). Not for Wan's fp32-modulated rows.
 // - otherwise 4, which keeps 64 bytes of each operand in flight per thread at the typical widths;
 //   8 for wide rows of the ops without a residual (with one, 8 vectors of x, branch and gate
 //   exceed the register budget).
@@ -781,7 +768,7 @@ int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOp
   if (op.plain_residual && op.short_rows && vec_per_row <= kMaxThreads && rows * vec_per_row <= 2 * wave) return 1;
   if (op.plain_residual && vec_per_row <= kMaxThreads) return 2;
   if (op.per_row_operand && !op.f32_operands && vec_per_row <= 256) return 2;
-  if (op.residual && op.modulated && op.sixteen_bit_rows && !op.f32_operands && vec_per_row <= 256) return 2;
+  if (op.residual && op.modulated && op.sixteen_bit_rows && !op.f32_operands && vec_per_row <= 384) return 2;
   if (vec_per_row <= 4 * kMaxThreads)
     return three && !op.per_row_operand && 3 * threads_per_row(vec_per_row, 4) >= vec_per_row ? 3 : 4;
   if (vec_per_row <= 8 * kMaxThreads && !op.residual) return 8;
@@ -839,11 +826,7 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, RowWal
         constexpr ParamPath kPath = decltype(path)::value;
         constexpr RowWalk kWalk = decltype(walk_c)::value;
         constexpr int kMinBlocks = register_bound<T, P, ITEMS, kNorm, kRes, kMod, kPath, kWalk>();
-        auto kernel = norm_rows_kernel<kMinBlocks, T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit, kWalk>;
-        constexpr int kSmallBlocks = small_block_bound<T, P, ITEMS, kRes, kMod, kSplit>();
-        if constexpr (kSmallBlocks > 0)
-          if (block.x <= unsigned(kMinBlockThreads))
-            kernel = norm_rows_small_block_kernel<kSmallBlocks, T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit, kWalk>;
+        const auto kernel = norm_rows_kernel<kMinBlocks, T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit, kWalk>;
         // (the kernel's static shared memory counts against the same 48 KB default)
         if (smem > 32 * 1024) allow_dynamic_smem(kernel, smem);
         // The rows one grid row walks: all of them, or one sample's (kSamples: blockIdx.y).
