@@ -214,11 +214,14 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
     // Operands read at their use instead (L1 hits: the same rows for every row), so that no
     // registers wait for them: split tables, whose registers go to the per-row parts (Wan 1.3B's
     // per-token rows: 128 registers and 72 bytes of spills when held), and the weight and bias
-    // of modulated rows, whose presence is a run-time fact there (AdaLN's norms mostly have
-    // neither, yet held they kept 16 registers of every such kernel: ptxas 13.0, 16-bit rows,
-    // 77-88 -> 60-64 with a residual, 63-64 -> 47-59 without).
+    // of residual + modulated rows, whose presence is a run-time fact there (gated_residual_norm
+    // mostly has neither, yet held they kept 16 registers: ptxas 13.0, 16-bit rows, 77-88 -> 60-64).
+    // Modulated rows without a residual keep them held: read at their use (63-64 -> 47-59
+    // registers, still eight 128-thread blocks an SM) LTX's per-token AdaLN ran 0.1-0.3 us slower
+    // (bench/results/2026-11-29_h200_97c6628/tune/l0_l6_l7_*.txt; held again, l6_l8_bf16.txt:
+    // 24.56-24.83 -> 24.35-24.43 us).
     auto at_use = [](int which) {
-      return SPLIT ? which != 1 && which != 2 : MOD && (which == 1 || which == 2);
+      return SPLIT ? which != 1 && which != 2 : RES && MOD && (which == 1 || which == 2);
     };
     // SPLIT with ITEMS <= 2: the per-row parts of gate, scale and shift, loaded with the row
     Pack<T, VEC> held_parts[kHeldParams && SPLIT ? 3 : 1][kHeldParams && SPLIT ? ITEMS : 1];
