@@ -734,8 +734,9 @@ int threads_per_row(int64_t vec_per_row, int items) {
 // - 2 as well for a gated residual + modulated norm (gated_residual_norm) of 16-bit rows with
 //   16-bit operands and up to 384 vectors (bench/results/2026-11-26_h200_ca4d16f/tune/
 //   grn_items_by_dtype.txt, bf16: LTX 27.4-27.9 -> 26.6-26.7 us, LTX-long 70.0 either way). Its
-//   kernels held 77-88 registers until the weight and bias of modulated rows were read at their
-//   use (see norm_rows); now 60-64 in both dtypes, and FLUX's 384-vector rows take 2 as well.
+//   kernels held 77-88 registers until the weight and bias of residual + modulated rows were read
+//   at their use (see norm_rows); now 60-64 in both dtypes, and FLUX's 384-vector rows take 2 as
+//   well.
 //   H200, side by side with 97c6628's library, two columns each (bench/results/
 //   2026-11-29_h200_97c6628/tune/l0_l6_l7_*.txt, l0 against l6): FLUX fp16 35.97-36.08 ->
 //   33.49-33.65 us, bf16 34.03-34.46 -> 33.73-33.89; LTX-long bf16 68.51-68.66 -> 67.74-67.89,
