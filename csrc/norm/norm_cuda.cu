@@ -103,12 +103,22 @@ struct ParamSlots {
 // operand present. SPLIT: gate, scale and shift come as a [D] table (a small operand, P) plus a
 // per-row part (T), added where the term is used. WALK: how the rows' operands are found
 // (RowWalk); with kSamples, a.rows counts the rows of one sample and blockIdx.y is the sample.
+// AFFINE (plain norm rows on the held plans, see kAffinePlan): the weight, and a LayerNorm's bias,
+// are known present (RMS: no bias), and the row's output takes one FMA an element for them. These
+// rows are partly issue-bound: the run-time presence checks and the unfolded affine made 468
+// instructions of the bf16 LayerNorm flat kernel, 415 with AFFINE (cuobjdump, sm_90). H200 side by
+// side (bench/results/2026-11-29_h200_81e431d/tune/l8_la_*.txt, two columns each): LayerNorm LTX
+// 16.54-16.56 -> 15.62-15.73 us bf16, 17.50-17.54 -> 15.63-15.68 fp16; LTX-long 39.5-39.8 -> 37.7
+// bf16, 40.0-40.1 -> 37.0 fp16; FLUX 20.3 -> 19.2-19.3 bf16, 21.3 -> 19.3 fp16; rms_norm 2048x2048
+// 8.50-8.58 -> 8.19 bf16, 8.77-8.83 -> 8.19-8.22 fp16, 8192x2048 20.1-20.3 -> 19.7-19.8.
 template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS,
-          bool SPLIT, RowWalk WALK>
+          bool SPLIT, RowWalk WALK, bool AFFINE>
 __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
   static_assert((ITEMS <= 2) == (PARAMS == ParamPath::kHeld),
                 "registers hold the operands of the 1-2 vector plans only");
   static_assert(WALK == RowWalk::kSplit || ITEMS <= 4, "the 8-vector plans have no twin (has_twin)");
+  static_assert(!AFFINE || (PARAMS == ParamPath::kHeld && !RES && !MOD && NORM != NormType::kNone),
+                "compile-time presence is for the plain norm rows on the held plans");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // [iteration parity][reduction]: one float per warp for each of a row's (at most two) sums;
   // by parity since a fast thread may start the next row's reduction while a slow one still
@@ -183,7 +193,9 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
     };
     const P* gate = RES ? small(a.gate, a.gate_table) : nullptr;
     const P* weight = NORM != NormType::kNone ? static_cast<const P*>(a.weight.ptr) : nullptr;
-    const P* bias = NORM != NormType::kNone ? static_cast<const P*>(a.bias.ptr) : nullptr;
+    const P* bias = NORM != NormType::kNone && !(AFFINE && NORM == NormType::kRMS)
+                        ? static_cast<const P*>(a.bias.ptr)
+                        : nullptr;
     const P* scale = MOD ? small(a.scale, a.scale_table) : nullptr;
     const P* shift = MOD ? small(a.shift, a.shift_table) : nullptr;
     auto row_part = [&](bool present, const RowOperandArg& term) -> const T* {
@@ -193,9 +205,12 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
     if constexpr (kOnePassMoments) {  // the row's first element, which every thread reads itself
       if (active) pivot = load_scalar(at<const T>(a.x, i0, i1, i2, sizeof(T)));
     }
+    // (AFFINE: no gate, the weight known present, and the bias for a LayerNorm)
     const int gate_slot = gate ? 0 : -1;
-    const int weight_slot = weight ? int(gate != nullptr) : -1;
-    const int bias_slot = bias ? int(gate != nullptr) + int(weight != nullptr) : -1;
+    const int weight_slot = AFFINE ? 0 : weight ? int(gate != nullptr) : -1;
+    const int bias_slot = AFFINE ? (NORM == NormType::kLayer ? 1 : -1)
+                        : bias ? int(gate != nullptr) + int(weight != nullptr)
+                               : -1;
     const int scale_slot = scale ? int(gate != nullptr) + int(weight != nullptr) + int(bias != nullptr) : -1;
     const int shift_slot =
         shift ? int(gate != nullptr) + int(weight != nullptr) + int(bias != nullptr) + int(scale != nullptr) : -1;
@@ -232,8 +247,10 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
         const int vi = lane + it * tpr;
         if (active && vi < a.vec_per_row) {
 #pragma unroll
-          for (int i = 0; i < 5; ++i)
-            if (srcs[i] && !at_use(i)) held[i][it] = load_pack<P, VEC>(srcs[i] + vi * VEC);
+          for (int i = 0; i < 5; ++i) {
+            const bool present = AFFINE ? (i == 1 && weight_slot >= 0) || (i == 2 && bias_slot >= 0) : srcs[i] != nullptr;
+            if (present && !at_use(i)) held[i][it] = load_pack<P, VEC>(srcs[i] + vi * VEC);
+          }
           if constexpr (SPLIT) {
 #pragma unroll
             for (int i = 0; i < 3; ++i)
@@ -365,6 +382,7 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
         var = moment(row_sum(acc, tpr, scratch[k & 1][0]));
       }
       const float rstd = rsqrtf(var + a.eps);
+      const float offset_rstd = a.weight_offset * rstd;  // AFFINE: (offset + w) * rstd = fma(w, rstd, this)
       if (active) {
         void* out = ITEMS <= 2 ? early_out : at<void>(a.out, i0, i1, i2, a.out_f32 ? sizeof(float) : sizeof(T));
 #pragma unroll
@@ -374,14 +392,27 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
             const int col = vi * VEC;
             float v[VEC], p[VEC];
             unpack(h[it], v);
+            if constexpr (AFFINE) {
+              // (v - mean) * rstd * (offset + w) + b as (v - mean) * fma(w, rstd, offset * rstd) + b:
+              // two instructions an element where the general form takes four.
+              float w[VEC];
+              unpack(param(1, weight_slot, weight, it), w);
+              if constexpr (NORM == NormType::kLayer) unpack(param(2, bias_slot, bias, it), p);
 #pragma unroll
-            for (int i = 0; i < VEC; ++i) v[i] = (v[i] - mean) * rstd;
-            if (weight_slot >= 0) {
+              for (int i = 0; i < VEC; ++i) {
+                const float factor = fmaf(w[i], rstd, offset_rstd);
+                v[i] = NORM == NormType::kLayer ? fmaf(v[i] - mean, factor, p[i]) : v[i] * factor;
+              }
+            } else {
+#pragma unroll
+              for (int i = 0; i < VEC; ++i) v[i] = (v[i] - mean) * rstd;
+            }
+            if (!AFFINE && weight_slot >= 0) {
               unpack(param(1, weight_slot, weight, it), p);
 #pragma unroll
               for (int i = 0; i < VEC; ++i) v[i] *= a.weight_offset + p[i];
             }
-            if (bias_slot >= 0) {
+            if (!AFFINE && bias_slot >= 0) {
               unpack(param(2, bias_slot, bias, it), p);
 #pragma unroll
               for (int i = 0; i < VEC; ++i) v[i] += p[i];
@@ -413,9 +444,9 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
 // none; see register_bound for the plans that take one). The bound reaches the compiler's
 // scheduling, not only the register allocator, where a bare register cap (__maxnreg__) spills.
 template <int MIN_BLOCKS, typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD,
-          ParamPath PARAMS, bool SPLIT, RowWalk WALK>
+          ParamPath PARAMS, bool SPLIT, RowWalk WALK, bool AFFINE>
 __global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(const NormKernelArgs a) {
-  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS, SPLIT, WALK>(a);
+  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS, SPLIT, WALK, AFFINE>(a);
 }
 
 // The register bound of a plan (MIN_BLOCKS above), for those whose allocation falls past an
@@ -804,12 +835,18 @@ int shared_param_dtype(const NormArgs& args) {
 template <typename P, int VEC, int ITEMS>
 constexpr bool kSplitOnRegisterPath = std::is_same_v<P, float> && VEC > 1 && ITEMS <= 4;
 
+// The plans with a compile-time affine twin (AFFINE in norm_rows): plain norm rows on the held
+// plans, with small operands of the rows' dtype.
+template <typename T, typename P, int ITEMS, NormType NORM, bool RES, bool MOD, bool SPLIT>
+constexpr bool kAffinePlan = ITEMS <= 2 && NORM != NormType::kNone && !RES && !MOD && !SPLIT && std::is_same_v<P, T>;
+
 // stage: ITEMS > 2, the small operands go through shared-memory slots (else read at their use).
 // split: split modulation (see norm_rows). walk: the plan's twin for that walk where it has one,
-// else the general split.
+// else the general split. affine: the weight is present, and the bias as well for a LayerNorm
+// and only then (the plans of kAffinePlan take their AFFINE twin).
 template <typename T, typename P, int VEC, int ITEMS>
 void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, RowWalk walk, int n_params, bool stage,
-                 dim3 block, cudaStream_t stream) {
+                 bool affine, dim3 block, cudaStream_t stream) {
   stage = stage && ITEMS > 2 && n_params > 0;
   const size_t smem = stage ? size_t(n_params) * ITEMS * block.x * sizeof(Pack<P, VEC>) : 0;
   auto go = [&](auto norm, auto r, auto m, auto sp) {
@@ -826,11 +863,12 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, RowWal
                   (kSplit && !(kSplitOnRegisterPath<P, VEC, ITEMS> && (kRes || kMod)))) {
       FUSEBOX_CHECK(false, "no norm kernel for this launch plan");
     } else {
-      auto with_path = [&](auto path, auto walk_c) {
+      auto with_kernel = [&](auto path, auto walk_c, auto affine_c) {
         constexpr ParamPath kPath = decltype(path)::value;
         constexpr RowWalk kWalk = decltype(walk_c)::value;
         constexpr int kMinBlocks = register_bound<T, P, ITEMS, kNorm, kRes, kMod, kPath, kWalk>();
-        const auto kernel = norm_rows_kernel<kMinBlocks, T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit, kWalk>;
+        const auto kernel = norm_rows_kernel<kMinBlocks, T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit, kWalk,
+                                             decltype(affine_c)::value>;
         // (the kernel's static shared memory counts against the same 48 KB default)
         if (smem > 32 * 1024) allow_dynamic_smem(kernel, smem);
         // The rows one grid row walks: all of them, or one sample's (kSamples: blockIdx.y).
@@ -842,6 +880,11 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, RowWal
         }
         const int64_t groups = (k.rows + k.rows_per_block - 1) / k.rows_per_block;
         launch(kernel, dim3(unsigned((groups + k.row_iters - 1) / k.row_iters), samples), block, smem, stream, k);
+      };
+      auto with_path = [&](auto path, auto walk_c) {
+        if constexpr (kAffinePlan<T, P, ITEMS, kNorm, kRes, kMod, kSplit>)
+          if (affine) return with_kernel(path, walk_c, std::true_type{});
+        with_kernel(path, walk_c, std::false_type{});
       };
       using Walk = RowWalk;
       auto with_layout = [&](auto path) {
@@ -1020,6 +1063,9 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
            a.rows * a.tpr > 2 * wave)
     walk = RowWalk::kSamples;
 
+  // (the norm's weight, and a LayerNorm's bias, present and only those: see kAffinePlan)
+  const bool affine = normalizes && !res && !mod && !args.gate.defined() && args.weight.defined() &&
+                      args.bias.defined() == (args.norm == NormType::kLayer);
   dispatch_dtype(args.x.dtype, [&](auto t) {
     using T = decltype(t);
     auto with_params = [&](auto p) {
@@ -1027,17 +1073,17 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
       if (full_vectors) {
         constexpr int V = 16 / int(sizeof(T));
         if (items == 1)
-          launch_rows<T, P, V, 1>(a, res, mod, split, walk, n_params, stage, block, stream);
+          launch_rows<T, P, V, 1>(a, res, mod, split, walk, n_params, stage, affine, block, stream);
         else if (items == 2)
-          launch_rows<T, P, V, 2>(a, res, mod, split, walk, n_params, stage, block, stream);
+          launch_rows<T, P, V, 2>(a, res, mod, split, walk, n_params, stage, affine, block, stream);
         else if (items == 3)
-          launch_rows<T, P, V, 3>(a, res, mod, split, walk, n_params, stage, block, stream);
+          launch_rows<T, P, V, 3>(a, res, mod, split, walk, n_params, stage, affine, block, stream);
         else if (items == 4)
-          launch_rows<T, P, V, 4>(a, res, mod, split, walk, n_params, stage, block, stream);
+          launch_rows<T, P, V, 4>(a, res, mod, split, walk, n_params, stage, affine, block, stream);
         else
-          launch_rows<T, P, V, 8>(a, res, mod, split, walk, n_params, stage, block, stream);
+          launch_rows<T, P, V, 8>(a, res, mod, split, walk, n_params, stage, affine, block, stream);
       } else {
-        launch_rows<T, P, 1, 8>(a, res, mod, split, walk, n_params, stage, block, stream);
+        launch_rows<T, P, 1, 8>(a, res, mod, split, walk, n_params, stage, affine, block, stream);
       }
     };
     if (params_f32 || std::is_same_v<T, float>)

@@ -31,6 +31,11 @@ for dtype in (BF16, F16, F32):
                      ref.layer_norm(x, w, b, eps=1e-5), dtype, name="layer_norm")
         assert_close(call(fusebox.rms_norm, x, w, eps=1e-6), ref.rms_norm(x, w, eps=1e-6), dtype,
                      name="rms_norm")
+        # the weight offset (Gemma) and a LayerNorm with a weight and no bias
+        assert_close(call(fusebox.rms_norm, x, b, eps=1e-6, weight_offset=1.0),
+                     ref.rms_norm(x, b, eps=1e-6, weight_offset=1.0), dtype, name="rms_norm offset")
+        assert_close(call(fusebox.layer_norm, x, w, None, eps=1e-5),
+                     ref.layer_norm(x, w, None, eps=1e-5), dtype, name="layer_norm weight")
         assert_close(call(fusebox.adaln, x, scale, shift, w, b, norm_type="layer"),
                      ref.modulate(ref.layer_norm(x, w, b, eps=1e-6), scale, shift), dtype,
                      name="adaln")

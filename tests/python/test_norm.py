@@ -48,10 +48,12 @@ def test_rms_norm_layouts(device, gen, dtypes, layout, width):
 
 
 @pytest.mark.parametrize("dtypes", DTYPE_CASES)
-def test_rms_norm_gemma_weight_offset(device, gen, dtypes):
+@pytest.mark.parametrize("rows", [17, 2100])  # 2100x2048: past a wave, the 2-vector plan on CUDA
+def test_rms_norm_gemma_weight_offset(device, gen, dtypes, rows):
     xd, pd = dtypes
-    x = randn(gen, (17, 640), xd, device)
-    w = small(gen, (640,), pd, device)  # Gemma stores w around 0 and scales by (1 + w)
+    width = 640 if rows == 17 else 2048
+    x = randn(gen, (rows, width), xd, device)
+    w = small(gen, (width,), pd, device)  # Gemma stores w around 0 and scales by (1 + w)
     out = call(fusebox.rms_norm, x, w, eps=1e-6, weight_offset=1.0)
     assert_close(out, ref.rms_norm(x, w, 1e-6, weight_offset=1.0), xd)
 
