@@ -78,6 +78,15 @@ enum class ParamPath {
   kGlobal,  // read from global memory at their use (L1 hits for operands shared by every row)
 };
 
+// Small operands whose presence a plan knows at compile time (a compile-time choice). These rows
+// are partly issue-bound, and a presence read at run time costs its checks at every use and keeps
+// the operand's arithmetic general.
+enum class Known {
+  kNone,        // each operand's presence read at run time
+  kAffine,      // plain norm rows: the weight, and a LayerNorm's bias (an RMS norm has none)
+  kModulation,  // modulated rows: scale and shift, no weight or bias; with a residual, the gate
+};
+
 // kStaged's slots: each thread copies the vectors it will need into its own shared-memory slots
 // when it issues the row's loads (cp.async: no registers held while they are in flight) and
 // reads them back after the reduction, so their latency overlaps the row's instead of following
@@ -103,22 +112,24 @@ struct ParamSlots {
 // operand present. SPLIT: gate, scale and shift come as a [D] table (a small operand, P) plus a
 // per-row part (T), added where the term is used. WALK: how the rows' operands are found
 // (RowWalk); with kSamples, a.rows counts the rows of one sample and blockIdx.y is the sample.
-// AFFINE (plain norm rows on the held plans, see kAffinePlan): the weight, and a LayerNorm's bias,
-// are known present (RMS: no bias), and the row's output takes one FMA an element for them. These
-// rows are partly issue-bound: the run-time presence checks and the unfolded affine made 468
-// instructions of the bf16 LayerNorm flat kernel, 415 with AFFINE (cuobjdump, sm_90). H200 side by
+// KNOWN: the small operands known present (see kKnownPlan for the plans that have such twins); the
+// affine, or the modulation, then takes one FMA an element. kAffine: the run-time presence checks
+// and the unfolded affine made 468 instructions of the bf16 LayerNorm flat kernel, 415 with the
+// twin (cuobjdump, sm_90). H200 side by
 // side (bench/results/2026-11-29_h200_81e431d/tune/l8_la_*.txt, two columns each): LayerNorm LTX
 // 16.54-16.56 -> 15.62-15.73 us bf16, 17.50-17.54 -> 15.63-15.68 fp16; LTX-long 39.5-39.8 -> 37.7
 // bf16, 40.0-40.1 -> 37.0 fp16; FLUX 20.3 -> 19.2-19.3 bf16, 21.3 -> 19.3 fp16; rms_norm 2048x2048
 // 8.50-8.58 -> 8.19 bf16, 8.77-8.83 -> 8.19-8.22 fp16, 8192x2048 20.1-20.3 -> 19.7-19.8.
 template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS,
-          bool SPLIT, RowWalk WALK, bool AFFINE>
+          bool SPLIT, RowWalk WALK, Known KNOWN>
 __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
   static_assert((ITEMS <= 2) == (PARAMS == ParamPath::kHeld),
                 "registers hold the operands of the 1-2 vector plans only");
   static_assert(WALK == RowWalk::kSplit || ITEMS <= 4, "the 8-vector plans have no twin (has_twin)");
-  static_assert(!AFFINE || (PARAMS == ParamPath::kHeld && !RES && !MOD && NORM != NormType::kNone),
-                "compile-time presence is for the plain norm rows on the held plans");
+  constexpr bool kAffine = KNOWN == Known::kAffine, kModulation = KNOWN == Known::kModulation;
+  static_assert(!kAffine || (PARAMS == ParamPath::kHeld && !RES && !MOD && NORM != NormType::kNone),
+                "the affine twins are of the plain norm rows on the held plans");
+  static_assert(!kModulation || (MOD && NORM != NormType::kNone), "the modulation twins: see kKnownPlan");
   extern __shared__ __align__(16) unsigned char smem_raw[];
   // [iteration parity][reduction]: one float per warp for each of a row's (at most two) sums;
   // by parity since a fast thread may start the next row's reduction while a slow one still
@@ -192,8 +203,8 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
       return SPLIT ? static_cast<const P*>(table.ptr) : at<const P>(term, i0, i1, i2, sizeof(P));
     };
     const P* gate = RES ? small(a.gate, a.gate_table) : nullptr;
-    const P* weight = NORM != NormType::kNone ? static_cast<const P*>(a.weight.ptr) : nullptr;
-    const P* bias = NORM != NormType::kNone && !(AFFINE && NORM == NormType::kRMS)
+    const P* weight = NORM != NormType::kNone && !kModulation ? static_cast<const P*>(a.weight.ptr) : nullptr;
+    const P* bias = NORM != NormType::kNone && !kModulation && !(kAffine && NORM == NormType::kRMS)
                         ? static_cast<const P*>(a.bias.ptr)
                         : nullptr;
     const P* scale = MOD ? small(a.scale, a.scale_table) : nullptr;
@@ -205,17 +216,25 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
     if constexpr (kOnePassMoments) {  // the row's first element, which every thread reads itself
       if (active) pivot = load_scalar(at<const T>(a.x, i0, i1, i2, sizeof(T)));
     }
-    // (AFFINE: no gate, the weight known present, and the bias for a LayerNorm)
-    const int gate_slot = gate ? 0 : -1;
-    const int weight_slot = AFFINE ? 0 : weight ? int(gate != nullptr) : -1;
-    const int bias_slot = AFFINE ? (NORM == NormType::kLayer ? 1 : -1)
-                        : bias ? int(gate != nullptr) + int(weight != nullptr)
-                               : -1;
-    const int scale_slot = scale ? int(gate != nullptr) + int(weight != nullptr) + int(bias != nullptr) : -1;
+    // (compile-time with KNOWN: kAffine has no gate, kModulation no weight or bias)
+    const int gate_slot = kModulation ? (RES ? 0 : -1) : gate ? 0 : -1;
+    const int weight_slot = kAffine ? 0 : kModulation ? -1 : weight ? int(gate != nullptr) : -1;
+    const int bias_slot = kAffine        ? (NORM == NormType::kLayer ? 1 : -1)
+                          : kModulation ? -1
+                          : bias        ? int(gate != nullptr) + int(weight != nullptr)
+                                        : -1;
+    const int scale_slot = kModulation ? int(RES)
+                           : scale     ? int(gate != nullptr) + int(weight != nullptr) + int(bias != nullptr)
+                                       : -1;
     const int shift_slot =
-        shift ? int(gate != nullptr) + int(weight != nullptr) + int(bias != nullptr) + int(scale != nullptr) : -1;
+        kModulation ? int(RES) + 1
+        : shift     ? int(gate != nullptr) + int(weight != nullptr) + int(bias != nullptr) + int(scale != nullptr)
+                    : -1;
+    const int slot_of[5] = {gate_slot, weight_slot, bias_slot, scale_slot, shift_slot};
     auto stage = [&](int slot, const P* src, const P*& in_slot) {  // unless already there
-      if (PARAMS != ParamPath::kStaged || src == nullptr || !active || in_slot == src) return;
+      if (PARAMS != ParamPath::kStaged || (KNOWN == Known::kNone ? src == nullptr : slot < 0) || !active ||
+          in_slot == src)
+        return;
       in_slot = src;
 #pragma unroll
       for (int it = 0; it < ITEMS; ++it) {
@@ -248,7 +267,7 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
         if (active && vi < a.vec_per_row) {
 #pragma unroll
           for (int i = 0; i < 5; ++i) {
-            const bool present = AFFINE ? (i == 1 && weight_slot >= 0) || (i == 2 && bias_slot >= 0) : srcs[i] != nullptr;
+            const bool present = KNOWN == Known::kNone ? srcs[i] != nullptr : slot_of[i] >= 0;
             if (present && !at_use(i)) held[i][it] = load_pack<P, VEC>(srcs[i] + vi * VEC);
           }
           if constexpr (SPLIT) {
@@ -382,7 +401,7 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
         var = moment(row_sum(acc, tpr, scratch[k & 1][0]));
       }
       const float rstd = rsqrtf(var + a.eps);
-      const float offset_rstd = a.weight_offset * rstd;  // AFFINE: (offset + w) * rstd = fma(w, rstd, this)
+      const float offset_rstd = a.weight_offset * rstd;  // kAffine: (offset + w) * rstd = fma(w, rstd, this)
       if (active) {
         void* out = ITEMS <= 2 ? early_out : at<void>(a.out, i0, i1, i2, a.out_f32 ? sizeof(float) : sizeof(T));
 #pragma unroll
@@ -392,7 +411,7 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
             const int col = vi * VEC;
             float v[VEC], p[VEC];
             unpack(h[it], v);
-            if constexpr (AFFINE) {
+            if constexpr (kAffine) {
               // (v - mean) * rstd * (offset + w) + b as (v - mean) * fma(w, rstd, offset * rstd) + b:
               // two instructions an element where the general form takes four.
               float w[VEC];
@@ -403,27 +422,36 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
                 const float factor = fmaf(w[i], rstd, offset_rstd);
                 v[i] = NORM == NormType::kLayer ? fmaf(v[i] - mean, factor, p[i]) : v[i] * factor;
               }
+            } else if constexpr (kModulation) {
+              // (v - mean) * rstd * (1 + scale) + shift as (v - mean) * fma(scale, rstd, rstd) + shift
+              float scale_v[VEC];
+              unpack(param(3, scale_slot, scale, it), scale_v);
+              add_row_part(1, it, scale_v);
+              unpack(param(4, shift_slot, shift, it), p);
+              add_row_part(2, it, p);
+#pragma unroll
+              for (int i = 0; i < VEC; ++i) v[i] = fmaf(v[i] - mean, fmaf(scale_v[i], rstd, rstd), p[i]);
             } else {
 #pragma unroll
               for (int i = 0; i < VEC; ++i) v[i] = (v[i] - mean) * rstd;
             }
-            if (!AFFINE && weight_slot >= 0) {
+            if (KNOWN == Known::kNone && weight_slot >= 0) {
               unpack(param(1, weight_slot, weight, it), p);
 #pragma unroll
               for (int i = 0; i < VEC; ++i) v[i] *= a.weight_offset + p[i];
             }
-            if (!AFFINE && bias_slot >= 0) {
+            if (KNOWN == Known::kNone && bias_slot >= 0) {
               unpack(param(2, bias_slot, bias, it), p);
 #pragma unroll
               for (int i = 0; i < VEC; ++i) v[i] += p[i];
             }
-            if (scale_slot >= 0) {
+            if (KNOWN == Known::kNone && scale_slot >= 0) {
               unpack(param(3, scale_slot, scale, it), p);
               add_row_part(1, it, p);
 #pragma unroll
               for (int i = 0; i < VEC; ++i) v[i] = fmaf(v[i], p[i], v[i]);  // y * (1 + scale) in one instruction
             }
-            if (shift_slot >= 0) {
+            if (KNOWN == Known::kNone && shift_slot >= 0) {
               unpack(param(4, shift_slot, shift, it), p);
               add_row_part(2, it, p);
 #pragma unroll
@@ -444,9 +472,9 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
 // none; see register_bound for the plans that take one). The bound reaches the compiler's
 // scheduling, not only the register allocator, where a bare register cap (__maxnreg__) spills.
 template <int MIN_BLOCKS, typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD,
-          ParamPath PARAMS, bool SPLIT, RowWalk WALK, bool AFFINE>
+          ParamPath PARAMS, bool SPLIT, RowWalk WALK, Known KNOWN>
 __global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(const NormKernelArgs a) {
-  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS, SPLIT, WALK, AFFINE>(a);
+  norm_rows<T, P, VEC, ITEMS, NORM, RES, MOD, PARAMS, SPLIT, WALK, KNOWN>(a);
 }
 
 // The register bound of a plan (MIN_BLOCKS above), for those whose allocation falls past an
@@ -835,18 +863,29 @@ int shared_param_dtype(const NormArgs& args) {
 template <typename P, int VEC, int ITEMS>
 constexpr bool kSplitOnRegisterPath = std::is_same_v<P, float> && VEC > 1 && ITEMS <= 4;
 
-// The plans with a compile-time affine twin (AFFINE in norm_rows): plain norm rows on the held
-// plans, with small operands of the rows' dtype.
-template <typename T, typename P, int ITEMS, NormType NORM, bool RES, bool MOD, bool SPLIT>
-constexpr bool kAffinePlan = ITEMS <= 2 && NORM != NormType::kNone && !RES && !MOD && !SPLIT && std::is_same_v<P, T>;
+// The plans with a twin for the operands of `known` (KNOWN in norm_rows):
+// - kAffine: plain norm rows on the held plans, with small operands of the rows' dtype;
+// - kModulation: modulated norm rows of 16-bit values, 2-4 full vectors a thread (the DiT sizes),
+//   split modulation included, so that split and summed terms take the same arithmetic (the same
+//   bits). Not for the residual rows of 3-4 vectors: ptxas gave the staged 16-bit twins 90-99
+//   registers where the general ones hold 77-84, and the split fp32 ones 97-128 against 82-120
+//   (their summed twins gained: gated_residual_norm Wan 14B 338-339 -> 329-330 us bf16); nor the
+//   3-vector rows without a residual (under their 40-register bound 24 bytes of spills, not 4:
+//   Wan 1.3B's per-sample AdaLN ran 57.3-57.6 -> 59.7 us).
+template <Known K, typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, bool SPLIT>
+constexpr bool kKnownPlan =
+    K == Known::kAffine       ? ITEMS <= 2 && NORM != NormType::kNone && !RES && !MOD && !SPLIT && std::is_same_v<P, T>
+    : K == Known::kModulation ? MOD && NORM != NormType::kNone && sizeof(T) == 2 && VEC > 1 && ITEMS >= 2 &&
+                                    ITEMS <= 4 && !(RES && ITEMS > 2) && !(ITEMS == 3 && !RES)
+                              : true;
 
 // stage: ITEMS > 2, the small operands go through shared-memory slots (else read at their use).
 // split: split modulation (see norm_rows). walk: the plan's twin for that walk where it has one,
-// else the general split. affine: the weight is present, and the bias as well for a LayerNorm
-// and only then (the plans of kAffinePlan take their AFFINE twin).
+// else the general split. known: the operands present, where they are exactly those of a Known
+// case (the plans of kKnownPlan then take that twin).
 template <typename T, typename P, int VEC, int ITEMS>
 void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, RowWalk walk, int n_params, bool stage,
-                 bool affine, dim3 block, cudaStream_t stream) {
+                 Known known, dim3 block, cudaStream_t stream) {
   stage = stage && ITEMS > 2 && n_params > 0;
   const size_t smem = stage ? size_t(n_params) * ITEMS * block.x * sizeof(Pack<P, VEC>) : 0;
   auto go = [&](auto norm, auto r, auto m, auto sp) {
@@ -863,12 +902,12 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, RowWal
                   (kSplit && !(kSplitOnRegisterPath<P, VEC, ITEMS> && (kRes || kMod)))) {
       FUSEBOX_CHECK(false, "no norm kernel for this launch plan");
     } else {
-      auto with_kernel = [&](auto path, auto walk_c, auto affine_c) {
+      auto with_kernel = [&](auto path, auto walk_c, auto known_c) {
         constexpr ParamPath kPath = decltype(path)::value;
         constexpr RowWalk kWalk = decltype(walk_c)::value;
         constexpr int kMinBlocks = register_bound<T, P, ITEMS, kNorm, kRes, kMod, kPath, kWalk>();
         const auto kernel = norm_rows_kernel<kMinBlocks, T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit, kWalk,
-                                             decltype(affine_c)::value>;
+                                             decltype(known_c)::value>;
         // (the kernel's static shared memory counts against the same 48 KB default)
         if (smem > 32 * 1024) allow_dynamic_smem(kernel, smem);
         // The rows one grid row walks: all of them, or one sample's (kSamples: blockIdx.y).
@@ -882,9 +921,13 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, RowWal
         launch(kernel, dim3(unsigned((groups + k.row_iters - 1) / k.row_iters), samples), block, smem, stream, k);
       };
       auto with_path = [&](auto path, auto walk_c) {
-        if constexpr (kAffinePlan<T, P, ITEMS, kNorm, kRes, kMod, kSplit>)
-          if (affine) return with_kernel(path, walk_c, std::true_type{});
-        with_kernel(path, walk_c, std::false_type{});
+        using AffineC = std::integral_constant<Known, Known::kAffine>;
+        using ModulationC = std::integral_constant<Known, Known::kModulation>;
+        if constexpr (kKnownPlan<Known::kAffine, T, P, VEC, ITEMS, kNorm, kRes, kMod, kSplit>)
+          if (known == Known::kAffine) return with_kernel(path, walk_c, AffineC{});
+        if constexpr (kKnownPlan<Known::kModulation, T, P, VEC, ITEMS, kNorm, kRes, kMod, kSplit>)
+          if (known == Known::kModulation) return with_kernel(path, walk_c, ModulationC{});
+        with_kernel(path, walk_c, std::integral_constant<Known, Known::kNone>{});
       };
       using Walk = RowWalk;
       auto with_layout = [&](auto path) {
@@ -1063,9 +1106,13 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
            a.rows * a.tpr > 2 * wave)
     walk = RowWalk::kSamples;
 
-  // (the norm's weight, and a LayerNorm's bias, present and only those: see kAffinePlan)
-  const bool affine = normalizes && !res && !mod && !args.gate.defined() && args.weight.defined() &&
-                      args.bias.defined() == (args.norm == NormType::kLayer);
+  // The operands present, where they are exactly those of a Known case (see kKnownPlan).
+  Known known = Known::kNone;
+  if (normalizes && !res && !mod && args.weight.defined() && args.bias.defined() == (args.norm == NormType::kLayer))
+    known = Known::kAffine;
+  else if (normalizes && args.scale.defined() && args.shift.defined() && !args.weight.defined() &&
+           !args.bias.defined() && args.gate.defined() == res)
+    known = Known::kModulation;
   dispatch_dtype(args.x.dtype, [&](auto t) {
     using T = decltype(t);
     auto with_params = [&](auto p) {
@@ -1073,17 +1120,17 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
       if (full_vectors) {
         constexpr int V = 16 / int(sizeof(T));
         if (items == 1)
-          launch_rows<T, P, V, 1>(a, res, mod, split, walk, n_params, stage, affine, block, stream);
+          launch_rows<T, P, V, 1>(a, res, mod, split, walk, n_params, stage, known, block, stream);
         else if (items == 2)
-          launch_rows<T, P, V, 2>(a, res, mod, split, walk, n_params, stage, affine, block, stream);
+          launch_rows<T, P, V, 2>(a, res, mod, split, walk, n_params, stage, known, block, stream);
         else if (items == 3)
-          launch_rows<T, P, V, 3>(a, res, mod, split, walk, n_params, stage, affine, block, stream);
+          launch_rows<T, P, V, 3>(a, res, mod, split, walk, n_params, stage, known, block, stream);
         else if (items == 4)
-          launch_rows<T, P, V, 4>(a, res, mod, split, walk, n_params, stage, affine, block, stream);
+          launch_rows<T, P, V, 4>(a, res, mod, split, walk, n_params, stage, known, block, stream);
         else
-          launch_rows<T, P, V, 8>(a, res, mod, split, walk, n_params, stage, affine, block, stream);
+          launch_rows<T, P, V, 8>(a, res, mod, split, walk, n_params, stage, known, block, stream);
       } else {
-        launch_rows<T, P, 1, 8>(a, res, mod, split, walk, n_params, stage, affine, block, stream);
+        launch_rows<T, P, 1, 8>(a, res, mod, split, walk, n_params, stage, known, block, stream);
       }
     };
     if (params_f32 || std::is_same_v<T, float>)

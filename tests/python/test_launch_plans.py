@@ -64,6 +64,16 @@ for dtype in (BF16, F16, F32):
                     assert_close(call(fusebox.adaln, x, scale, shift, norm_type=norm_type),
                                  ref.modulate(ref.norm(norm_type, x), scale, shift), dtype,
                                  name=f"adaln {norm_type} {rows}x{width} {mod_dtype} modulation")
+                    # the residual + modulated rows without a weight or bias (gate, scale and
+                    # shift only: their compile-time twins on the 2-4 vector plans)
+                    res = randn(gen, (rows, width), dtype, "cuda")
+                    gate = small(gen, (mod_rows, width), mod_dtype, "cuda")
+                    out, h = call(fusebox.gated_residual_norm, x, res, gate, scale, shift, None, None,
+                                  norm_type=norm_type, eps=1e-6)
+                    expect_out, expect_h = ref.gated_residual_norm(x, res, gate, scale, shift, None, None,
+                                                                   norm_type=norm_type, eps=1e-6)
+                    assert_close(h, expect_h, dtype, name="gated_residual_norm h, no affine")
+                    assert_close(out, expect_out, dtype, name="gated_residual_norm, no affine")
     for tokens, heads, kv_heads in ((1, 32, 8), (300, 32, 8), (40, 24, 24)):
         q = randn(gen, (1, tokens, heads, 128), dtype, "cuda")
         k = randn(gen, (1, tokens, kv_heads, 128), dtype, "cuda")
