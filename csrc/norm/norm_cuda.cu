@@ -113,13 +113,14 @@ struct ParamSlots {
 // per-row part (T), added where the term is used. WALK: how the rows' operands are found
 // (RowWalk); with kSamples, a.rows counts the rows of one sample and blockIdx.y is the sample.
 // KNOWN: the small operands known present (see kKnownPlan for the plans that have such twins); the
-// affine, or the modulation, then takes one FMA an element. kAffine: the run-time presence checks
-// and the unfolded affine made 468 instructions of the bf16 LayerNorm flat kernel, 415 with the
-// twin (cuobjdump, sm_90). H200 side by
-// side (bench/results/2026-11-29_h200_81e431d/tune/l8_la_*.txt, two columns each): LayerNorm LTX
-// 16.54-16.56 -> 15.62-15.73 us bf16, 17.50-17.54 -> 15.63-15.68 fp16; LTX-long 39.5-39.8 -> 37.7
-// bf16, 40.0-40.1 -> 37.0 fp16; FLUX 20.3 -> 19.2-19.3 bf16, 21.3 -> 19.3 fp16; rms_norm 2048x2048
-// 8.50-8.58 -> 8.19 bf16, 8.77-8.83 -> 8.19-8.22 fp16, 8192x2048 20.1-20.3 -> 19.7-19.8.
+// affine, or the modulation, then takes one FMA an element. Static SASS (cuobjdump, sm_90): the
+// bf16 LayerNorm flat kernel 468 -> 415 instructions, LTX's per-sample AdaLN kernel 1409 -> 882,
+// gated_residual_norm's 2-vector kernel 673 -> 436. H200 side by side (bench/results/
+// 2026-11-29_h200_81e431d/tune/, two columns each): kAffine (l8_la_*.txt) LayerNorm LTX
+// 16.54-16.56 -> 15.62-15.73 us bf16, 17.50-17.54 -> 15.63-15.68 fp16; FLUX 20.3 -> 19.2-19.3 bf16,
+// 21.3 -> 19.3 fp16; rms_norm 2048x2048 8.50-8.58 -> 8.19 bf16. kModulation (la_ld_bf16.txt):
+// per-sample AdaLN LTX 17.30-17.44 -> 16.22-16.37, FLUX 22.05-22.29 -> 19.65-19.76, Wan 14B
+// 180.4-180.5 -> 166.3-166.9; gated_residual_norm FLUX 33.6 -> 31.8, LTX 26.3 -> 25.3-25.4.
 template <typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS,
           bool SPLIT, RowWalk WALK, Known KNOWN>
 __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
