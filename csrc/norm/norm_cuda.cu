@@ -78,9 +78,9 @@ enum class ParamPath {
   kGlobal,  // read from global memory at their use (L1 hits for operands shared by every row)
 };
 
-// Small operands whose presence a plan knows at compile time (a compile-time choice). These rows
-// are partly issue-bound, and a presence read at run time costs its checks at every use and keeps
-// the operand's arithmetic general.
+// The small operands a kernel knows present at compile time. The norm rows are partly issue-bound:
+// a presence read at run time costs its checks at every use and keeps each operand a step of its
+// own.
 enum class Known {
   kNone,        // each operand's presence read at run time
   kAffine,      // plain norm rows: the weight, and a LayerNorm's bias (an RMS norm has none)
@@ -113,7 +113,7 @@ struct ParamSlots {
 // per-row part (T), added where the term is used. WALK: how the rows' operands are found
 // (RowWalk); with kSamples, a.rows counts the rows of one sample and blockIdx.y is the sample.
 // KNOWN: the small operands known present (see kKnownPlan for the plans that have such twins); the
-// affine, or the modulation, then takes one FMA an element. Static SASS (cuobjdump, sm_90): the
+// affine, or the modulation, then folds into the normalization's multiply. Static SASS (cuobjdump, sm_90): the
 // bf16 LayerNorm flat kernel 468 -> 415 instructions, LTX's per-sample AdaLN kernel 1409 -> 882,
 // gated_residual_norm's 2-vector kernel 673 -> 436. H200 side by side (bench/results/
 // 2026-11-29_h200_81e431d/tune/, two columns each): kAffine (l8_la_*.txt) LayerNorm LTX
@@ -414,7 +414,7 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
             unpack(h[it], v);
             if constexpr (kAffine) {
               // (v - mean) * rstd * (offset + w) + b as (v - mean) * fma(w, rstd, offset * rstd) + b:
-              // two instructions an element where the general form takes four.
+              // three instructions an element where the general form takes five (RMS: two, three).
               float w[VEC];
               unpack(param(1, weight_slot, weight, it), w);
               if constexpr (NORM == NormType::kLayer) unpack(param(2, bias_slot, bias, it), p);
@@ -424,7 +424,8 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
                 v[i] = NORM == NormType::kLayer ? fmaf(v[i] - mean, factor, p[i]) : v[i] * factor;
               }
             } else if constexpr (kModulation) {
-              // (v - mean) * rstd * (1 + scale) + shift as (v - mean) * fma(scale, rstd, rstd) + shift
+              // (v - mean) * rstd * (1 + scale) + shift as (v - mean) * fma(scale, rstd, rstd) + shift:
+              // three instructions an element where the general form takes four (RMS: two, three)
               float scale_v[VEC];
               unpack(param(3, scale_slot, scale, it), scale_v);
               add_row_part(1, it, scale_v);
