@@ -231,6 +231,8 @@ __device__ __forceinline__ void norm_rows(const NormKernelArgs& a) {
         kModulation ? int(RES) + 1
         : shift     ? int(gate != nullptr) + int(weight != nullptr) + int(bias != nullptr) + int(scale != nullptr)
                     : -1;
+    // Presence by slot where KNOWN makes it a constant; the general kernels keep their pointer
+    // checks (the same test, but their SASS stays that of the measured kernels).
     const int slot_of[5] = {gate_slot, weight_slot, bias_slot, scale_slot, shift_slot};
     auto stage = [&](int slot, const P* src, const P*& in_slot) {  // unless already there
       if (PARAMS != ParamPath::kStaged || (KNOWN == Known::kNone ? src == nullptr : slot < 0) || !active ||
