@@ -513,10 +513,16 @@ __global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(cons
 //   fp16, where 3 vectors under 64 registers gained 1.6% (items3_*.txt). The RMS ones (8-28 bytes
 //   of spills at 40) ran 56.0-64.5 us from one process to the next against 58.2-60.4 with 4
 //   vectors (2026-11-27_h200_b170d5f/tune/rms1536.txt) and keep 64.
-template <typename T, typename P, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS, RowWalk WALK>
+// - 2 (64 registers) for every modulation twin of 3-4 vectors (kKnownPlan): the 3-vector ones
+//   without a residual then take 48 (no spills; the general ones 40 + 4 bytes of spills; Wan 1.3B's
+//   per-sample AdaLN within 0.3 us either way), the residual ones 62-64 (no spills on the flat and
+//   sample walks, 4-16 bytes on the general split).
+template <typename T, typename P, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS, RowWalk WALK,
+          Known KNOWN>
 constexpr int register_bound() {
   constexpr bool kTwin = WALK != RowWalk::kSplit;
   constexpr bool kFour = ITEMS == 3 || ITEMS == 4;
+  if constexpr (KNOWN == Known::kModulation && kFour) return 2;
   if constexpr (kTwin && ITEMS == 3 && MOD && !RES && NORM == NormType::kLayer && PARAMS == ParamPath::kGlobal)
     return 3;
   if constexpr (kTwin && kFour && !RES && !MOD && NORM == NormType::kLayer) return 3;
@@ -871,16 +877,20 @@ constexpr bool kSplitOnRegisterPath = std::is_same_v<P, float> && VEC > 1 && ITE
 // - kAffine: plain norm rows on the held plans, with small operands of the rows' dtype;
 // - kModulation: modulated norm rows of 16-bit values, 2-4 full vectors a thread (the DiT sizes),
 //   split modulation included, so that split and summed terms take the same arithmetic (the same
-//   bits). Not for the residual rows of 3-4 vectors: ptxas gave the staged 16-bit twins 90-99
-//   registers where the general ones hold 77-84, and the split fp32 ones 97-128 against 82-120
-//   (their summed twins gained: gated_residual_norm Wan 14B 338-339 -> 329-330 us bf16); nor the
-//   3-vector rows without a residual (under their 40-register bound 24 bytes of spills, not 4:
-//   Wan 1.3B's per-sample AdaLN ran 57.3-57.6 -> 59.7 us).
+//   bits), except on the residual rows of 3-4 vectors. There the twins hold 64 registers
+//   (register_bound) and only the summed fp32 terms take them: H200 side by side (bench/results/
+//   2026-11-29_h200_874032e/tune/ld_le_*.txt, two columns each) gated_residual_norm Wan 14B
+//   340.8-343.3 -> 331.0-331.3 us bf16, 332.1-332.3 -> 330.1-330.2 fp16; Wan 1.3B 103.6-103.7 ->
+//   103.1. Split ones as twins (64 registers and 4-64 bytes of spills on the 4-vector plans,
+//   against 82-118 registers unbounded) took a Wan-family block's modulation work 5% longer
+//   (split_modulation_ld_le.txt: SkyReels-V2 0.857-0.870 -> 0.901-0.943 ms, Wan 2.2 TI2V
+//   0.906-0.917 -> 0.954-0.993), so split and summed terms agree there to rounding, not bit for
+//   bit. The staged 16-bit residual twins (90-99 registers against 77-84) are not compiled.
 template <Known K, typename T, typename P, int VEC, int ITEMS, NormType NORM, bool RES, bool MOD, bool SPLIT>
 constexpr bool kKnownPlan =
     K == Known::kAffine       ? ITEMS <= 2 && NORM != NormType::kNone && !RES && !MOD && !SPLIT && std::is_same_v<P, T>
     : K == Known::kModulation ? MOD && NORM != NormType::kNone && sizeof(T) == 2 && VEC > 1 && ITEMS >= 2 &&
-                                    ITEMS <= 4 && !(RES && ITEMS > 2) && !(ITEMS == 3 && !RES)
+                                    ITEMS <= 4 && !(RES && ITEMS > 2 && (SPLIT || !std::is_same_v<P, float>))
                               : true;
 
 // stage: ITEMS > 2, the small operands go through shared-memory slots (else read at their use).
@@ -909,7 +919,7 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, RowWal
       auto with_kernel = [&](auto path, auto walk_c, auto known_c) {
         constexpr ParamPath kPath = decltype(path)::value;
         constexpr RowWalk kWalk = decltype(walk_c)::value;
-        constexpr int kMinBlocks = register_bound<T, P, ITEMS, kNorm, kRes, kMod, kPath, kWalk>();
+        constexpr int kMinBlocks = register_bound<T, P, ITEMS, kNorm, kRes, kMod, kPath, kWalk, decltype(known_c)::value>();
         const auto kernel = norm_rows_kernel<kMinBlocks, T, P, VEC, ITEMS, kNorm, kRes, kMod, kPath, kSplit, kWalk,
                                              decltype(known_c)::value>;
         // (the kernel's static shared memory counts against the same 48 KB default)
