@@ -145,10 +145,11 @@ print("ok")
                                      "FUSEBOX_ACT_FLAT=0", "FUSEBOX_ACT_FLAT=1", "FUSEBOX_NORM_FLAT=0",
                                      "FUSEBOX_NORM_SHORT=0", "FUSEBOX_ROPE_SHORT=0", "FUSEBOX_ROPE_SHORT=2",
                                      "FUSEBOX_ROPE_EARLY=0"])
-def test_forced_launch_plans(setting):
+def test_forced_launch_plans_cuda(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8
     applies to ops without a residual, NORM_ITEMS=3 to 16-bit rows with fp32 modulation; the
-    others keep their default plan)."""
+    others keep their default plan). Named for `-k cuda`, which selects the CUDA cases of the
+    other tests by their device parameter."""
     here = Path(__file__).resolve().parent
     name, value = setting.split("=")
     env = dict(os.environ, **{name: value})
