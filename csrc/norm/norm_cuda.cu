@@ -514,9 +514,9 @@ __global__ void __launch_bounds__(kMaxThreads, MIN_BLOCKS) norm_rows_kernel(cons
 //   of spills at 40) ran 56.0-64.5 us from one process to the next against 58.2-60.4 with 4
 //   vectors (2026-11-27_h200_b170d5f/tune/rms1536.txt) and keep 64.
 // - 2 (64 registers) for every modulation twin of 3-4 vectors (kKnownPlan): the 3-vector ones
-//   without a residual then take 48 (no spills; the general ones 40 + 4 bytes of spills; Wan 1.3B's
-//   per-sample AdaLN within 0.3 us either way), the residual ones 62-64 (no spills on the flat and
-//   sample walks, 4-16 bytes on the general split).
+//   without a residual then take 48-64 (no spills; the general ones on the flat and sample walks
+//   40 + 4 bytes of spills; Wan 1.3B's per-sample AdaLN within 0.3 us either way), the residual
+//   ones 62-64 (no spills on the flat and sample walks, up to 16 bytes on the general split).
 template <typename T, typename P, int ITEMS, NormType NORM, bool RES, bool MOD, ParamPath PARAMS, RowWalk WALK,
           Known KNOWN>
 constexpr int register_bound() {
@@ -881,8 +881,8 @@ constexpr bool kSplitOnRegisterPath = std::is_same_v<P, float> && VEC > 1 && ITE
 //   (register_bound) and only the summed fp32 terms take them: H200 side by side (bench/results/
 //   2026-11-29_h200_874032e/tune/ld_le_*.txt, two columns each) gated_residual_norm Wan 14B
 //   340.8-343.3 -> 331.0-331.3 us bf16, 332.1-332.3 -> 330.1-330.2 fp16; Wan 1.3B 103.6-103.7 ->
-//   103.1. Split ones as twins (64 registers and 4-64 bytes of spills on the 4-vector plans,
-//   against 82-118 registers unbounded) took a Wan-family block's modulation work 5% longer
+//   103.1. Split ones as twins (64 registers and 16-64 bytes of spills on the 4-vector plans,
+//   against 82-120 registers for the general split kernels, unbounded) took a Wan-family block's modulation work 5% longer
 //   (split_modulation_ld_le.txt: SkyReels-V2 0.857-0.870 -> 0.901-0.943 ms, Wan 2.2 TI2V
 //   0.906-0.917 -> 0.954-0.993), so split and summed terms agree there to rounding, not bit for
 //   bit. The staged 16-bit residual twins (90-99 registers against 77-84) are not compiled.
