@@ -378,6 +378,18 @@ def graphs_profile(model, batch: int, device, steps: int = 32, prompt_tokens: in
             print(f"   profiled step {span:.3f} ms, GPU busy {statistics.median(busy):.3f} ms; "
                   "runtime calls a step: "
                   + ", ".join(f"{n} {c / len(steps_ts):.1f}" for n, c in top))
+            # the GPU's work a step by kernel: what the variant runs that the other does not
+            per_kernel: dict = defaultdict(lambda: [0, 0.0])
+            a, b = steps_ts[0][0], steps_ts[-1][1]
+            for k in kernels:
+                if a <= k["ts"] < b:
+                    per_kernel[k["name"]][0] += 1
+                    per_kernel[k["name"]][1] += k["dur"]
+            n = len(steps_ts)
+            print(f"   GPU work a step: {sum(c for c, _ in per_kernel.values()) / n:.1f} kernels; "
+                  "the 14 longest in all (launches a step, us a step):")
+            for name, (count, us) in sorted(per_kernel.items(), key=lambda kv: -kv[1][1])[:14]:
+                print(f"     {count / n:6.1f} {us / n:8.1f}  {name[:110]}")
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15,
                                         max_name_column_width=60))
 
