@@ -529,7 +529,8 @@ def test_two_mode_samples_are_retimed_once(monkeypatch):
 def test_small_cases_are_retimed_in_reverse_order_and_pooled(monkeypatch):
     """Cases of up to BALANCED_ORDER_BYTES are timed in run order, then once more in reverse
     order, as many calls each; us, min_us and n cover both passes, first_pass_us keeps the
-    first median, and no samples reach the record. Larger cases are timed once."""
+    first median; the host latency's blocks are pooled the same way (host_us, first_pass_host_us),
+    and no samples reach the record. Larger cases are timed once."""
     from fusebox.bench import runner as runner_mod
 
     monkeypatch.setattr(runner_mod, "build_inputs",
@@ -538,7 +539,9 @@ def test_small_cases_are_retimed_in_reverse_order_and_pooled(monkeypatch):
     monkeypatch.setattr(runner_mod.torch.cuda, "empty_cache", lambda: None)
     first = {"eager": [30.0, 31.0, 32.0], "torch": [10.0, 11.0, 12.0]}
     second = {"eager": [20.0, 21.0, 22.0], "torch": [6.0, 7.0, 8.0]}
-    measured, retimed = [], []
+    host_first = {"eager": [40.0, 41.0], "torch": [9.0, 19.0]}
+    host_second = {"eager": [42.0, 44.0], "torch": [5.0, 7.0]}
+    measured, retimed, host_retimed = [], [], []
 
     class FakeTimer:
         l2 = 50 << 20
@@ -548,14 +551,23 @@ def test_small_cases_are_retimed_in_reverse_order_and_pooled(monkeypatch):
             measured.append((name, fn))
             ts = first[name]
             out = {"us": sorted(ts)[1], "min_us": min(ts), "n": len(ts), "host_enqueue_us": 5.0}
+            if small:
+                out["host_us"] = sum(host_first[name]) / 2
             if samples:
                 out["_ts"] = list(ts)
+                if small:
+                    out["_host_ts"] = list(host_first[name])
             return out
 
         def device_times(self, fn, sets, iters, flush, host_us):
             name = next(n for n, f in measured if f is fn)
             retimed.append((name, iters, host_us))
             return list(second[name])
+
+        def host_latency_samples(self, fn, inputs, blocks):
+            name = next(n for n, f in measured if f is fn)
+            host_retimed.append((name, blocks))
+            return list(host_second[name])
 
     r = object.__new__(runner_mod.Runner)
     r.timer, r.use_compile, r.use_liger, r._copy_us = FakeTimer(), False, False, {}
@@ -570,13 +582,18 @@ def test_small_cases_are_retimed_in_reverse_order_and_pooled(monkeypatch):
     assert torch_rec["us"] == pytest.approx(9.0)                  # median of the pooled samples
     assert rec["impls"]["eager"]["us"] == pytest.approx(26.0)
     assert "absent" in rec["impls"]["fusebox"] and "first_pass_us" not in rec["impls"]["fusebox"]
-    assert not any("_ts" in m for m in rec["impls"].values())
+    assert host_retimed == [("torch", 2), ("eager", 2)]            # reverse order, as many blocks
+    assert torch_rec["first_pass_host_us"] == 14.0
+    assert torch_rec["host_us"] == pytest.approx(8.0)             # median of 9, 19, 5, 7
+    assert rec["impls"]["eager"]["host_us"] == pytest.approx(41.5)
+    assert not any("_ts" in m or "_host_ts" in m for m in rec["impls"].values())
 
     monkeypatch.setattr(runner_mod, "BALANCED_ORDER_BYTES", case.nbytes - 1)
-    measured.clear(), retimed.clear()
+    measured.clear(), retimed.clear(), host_retimed.clear()
     rec = r.run_case(case, impls=("eager", "torch"))
-    assert retimed == [] and rec["impls"]["torch"]["us"] == 11.0
+    assert retimed == [] and host_retimed == [] and rec["impls"]["torch"]["us"] == 11.0
     assert "first_pass_us" not in rec["impls"]["torch"]
+    assert rec["impls"]["torch"]["host_us"] == 14.0 and "_host_ts" not in rec["impls"]["torch"]
 
 
 def test_unsteady_and_retimed_are_reported():

@@ -19,8 +19,9 @@ BASELINES = IMPLS[1:]
 # its inputs in place)
 RUN_ORDER = ("eager", "fusebox", "torch", "compile", "liger")
 # Cases of up to this many bytes (a few microseconds) are timed a second time in reverse order and
-# each implementation's samples of both passes pooled: where an implementation runs in the order
-# moved decode-sized timings by 0.2 us (bench/NOTES.md, "the bench's run order").
+# each implementation's samples of both passes pooled, device times and host latency alike: where
+# an implementation runs in the order moved decode-sized timings by 0.2 us (bench/NOTES.md, "the
+# bench's run order"), and a slower stretch of the host would fall on one implementation alone.
 BALANCED_ORDER_BYTES = 16 << 20
 
 
@@ -160,6 +161,7 @@ class Runner:
                         self._retime_pooled(rec["impls"][name], fns.get(name), sets, flush)
             for m in rec["impls"].values():
                 m.pop("_ts", None)
+                m.pop("_host_ts", None)
         finally:
             del sets, ref
             if self.use_compile:
@@ -206,6 +208,17 @@ class Runner:
             return
         pooled = ts + more
         m.update({"first_pass_us": m["us"], "us": median(pooled), "min_us": min(pooled), "n": len(pooled)})
+        host = m.get("_host_ts")
+        if host:
+            # the host latency too: a slower stretch of the host then falls on every
+            # implementation's samples alike instead of on whichever ran in it
+            try:
+                more = self.timer.host_latency_samples(fn, sets[0], blocks=len(host))
+            except Exception as e:  # noqa: BLE001
+                if not _cuda_alive():
+                    raise CudaContextLost(f"retiming: {short_error(e)}") from e
+                return
+            m.update({"first_pass_host_us": m["host_us"], "host_us": median(host + more)})
 
     def _run_impl(self, name, case, sets, flush, small, ref, fns: Optional[dict] = None) -> dict:
         try:

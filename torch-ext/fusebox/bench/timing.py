@@ -13,7 +13,7 @@ of two ways, both outside the event window:
 
 For small inputs also: ``graph_us`` (CUDA-graph replay of ``GRAPH_CALLS`` back-to-back calls,
 per call; caches warm, as in a decode step) and ``host_us`` (wall clock around N back-to-back
-eager calls with one sync at the end, per call).
+eager calls with one sync at the end, per call; the median of 7 blocks of N).
 """
 
 from __future__ import annotations
@@ -175,8 +175,9 @@ class Timer:
         del g, keep
         return median(ts)
 
-    def host_latency_us(self, fn: Callable, inputs, blocks: int = 5) -> float:
-        """Wall clock around back-to-back eager calls with one sync at the end, per call."""
+    def host_latency_samples(self, fn: Callable, inputs, blocks: int = 7) -> List[float]:
+        """Wall clock around back-to-back eager calls with one sync at the end, per call: one
+        sample a block of ``host_calls`` calls."""
         ts = []
         for _ in range(blocks):
             _sync()
@@ -185,14 +186,14 @@ class Timer:
                 fn(inputs)
             _sync()
             ts.append((time.perf_counter() - t0) / self.host_calls * 1e6)
-        return median(ts)
+        return ts
 
     # ------------------------------------------------------------------ the protocol
 
     def measure(self, fn: Callable, sets: Sequence, flush: bool, small: bool, samples: bool = False) -> dict:
         """Warm up, then time. Returns us (median), min_us, n, host_enqueue_us, with `samples`
-        the device times themselves (_ts) and, for small inputs, graph_us / host_us (or
-        graph_error)."""
+        the device times themselves (_ts, and the host latency's per-block samples _host_ts) and,
+        for small inputs, graph_us / host_us (or graph_error)."""
         _sync()
         t0 = time.perf_counter()
         for i in range(self.warmup):
@@ -215,7 +216,10 @@ class Timer:
         if samples:
             out["_ts"] = ts
         if small:
-            out["host_us"] = self.host_latency_us(fn, sets[0])
+            host = self.host_latency_samples(fn, sets[0])
+            out["host_us"] = median(host)
+            if samples:
+                out["_host_ts"] = host
             try:
                 out["graph_us"] = self.graph_us(fn, sets)
             except Exception as e:  # noqa: BLE001
