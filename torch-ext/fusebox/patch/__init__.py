@@ -77,7 +77,7 @@ def unpatch(obj) -> int:
     for root in modules:
         for _, m in root.named_modules():
             n += int(_common.restore_forward(m))
-            undo = m.__dict__.pop("_fusebox_undo", None)   # family-specific state to undo
+            undo = m.__dict__.pop(_common.UNDO_ATTR, None)   # family-specific state to undo
             if undo is not None:
                 undo()
     return n

@@ -12,6 +12,7 @@ the original back wherever the fused forward is found then, and those hooks stay
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 import types
@@ -24,6 +25,7 @@ ORIGINAL_ATTR = "_fusebox_original_forward"   # the bound forward we replaced
 FUSED_ATTR = "_fusebox_fused_forward"         # the bound fused forward we put in its place
 SLOT_ATTR = "_fusebox_forward_slot"           # where the fused forward was put (for unpatch)
 TAG_ATTR = "_fusebox_patch"                   # short description of the patch ("rms_norm", ...)
+UNDO_ATTR = "_fusebox_undo"                   # other state of the patch, undone by fusebox.unpatch
 
 
 def source_text(fn) -> str:
@@ -94,6 +96,19 @@ def _remember(module, original, fused, slot, tag) -> None:
     module.__dict__[FUSED_ATTR] = fused
     module.__dict__[SLOT_ATTR] = slot
     module.__dict__[TAG_ATTR] = tag
+
+
+def _run_all(*fns: Callable) -> None:
+    for fn in fns:
+        fn()
+
+
+def add_undo(module: torch.nn.Module, fn: Callable[[], None]) -> None:
+    """Registers ``fn`` to run when :func:`fusebox.unpatch` reaches ``module``."""
+    previous = module.__dict__.get(UNDO_ATTR)
+    if previous is not None:
+        fn = functools.partial(_run_all, previous, fn)
+    module.__dict__[UNDO_ATTR] = fn
 
 
 def original_forward(module: torch.nn.Module):

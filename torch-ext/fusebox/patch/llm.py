@@ -52,6 +52,7 @@ import torch
 from .. import functional as F
 from ..layers import probe_rotary, rotary_rounds_to_input, rotary_tables
 from ._common import (
+    add_undo,
     derived_once,
     has_hooks,
     needs_autograd,
@@ -605,8 +606,20 @@ def _params(fn) -> Tuple[str, ...]:
     return tuple(inspect.signature(fn).parameters)
 
 
-def _attention_then_add_norm(self, fused_norm: torch.nn.Module, style: NormStyle,
-                             hidden_states: torch.Tensor, attention_out_norm=None,
+# The NormStyle of each norm a fused decoder-layer forward computes, kept on that norm. The layer
+# forwards below are module functions without closure cells: dynamo checks a decoder layer's guards
+# on every call of a compiled step (the layer is not a guard root it may skip, patched or not), so
+# values in a layer forward's closure cost a dozen checks a layer and call, where a norm's
+# attributes sit under a root that it skips while they are unchanged.
+NORM_STYLE_ATTR = "_fusebox_norm_style"
+
+
+def _style(norm: torch.nn.Module) -> NormStyle:
+    return getattr(norm, NORM_STYLE_ATTR)
+
+
+def _attention_then_add_norm(self, fused_norm: torch.nn.Module, hidden_states: torch.Tensor,
+                             attention_out_norm=None,
                              **attention_kwargs) -> Tuple[torch.Tensor, torch.Tensor]:
     """``norm1`` + self-attention, then the attention residual add and ``fused_norm`` in one
     op (``attention_out_norm`` first normalizes the attention output, as Gemma2/3 do).
@@ -616,79 +629,91 @@ def _attention_then_add_norm(self, fused_norm: torch.nn.Module, style: NormStyle
                                       **attention_kwargs)
     if attention_out_norm is not None:
         hidden_states = attention_out_norm(hidden_states)
-    return _add_norm(fused_norm, style, hidden_states, residual)
+    return _add_norm(fused_norm, _style(fused_norm), hidden_states, residual)
 
 
-def _make_prenorm_layer_forward(style: NormStyle, mlp_returns_tuple: bool = False,
-                                dropouts: Tuple[str, ...] = ()) -> Callable:
+def _mlp_output(out):
+    """The MLP's output: GPT-OSS's MoE block returns it first, with the router's scores."""
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _prenorm_layer_forward(self, hidden_states, attention_mask=None, position_ids=None,
+                           past_key_values=None, use_cache=False, position_embeddings=None,
+                           **kwargs):
     """Llama-style layer: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))`` with the
-    attention add and norm2 fused (``mlp_returns_tuple``: the MLP returns its output first,
-    with the router's scores, as GPT-OSS's does; ``dropouts``: the layer's residual dropouts,
-    which must be inactive for the fused path, as Phi-3's are in eval mode)."""
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                use_cache=False, position_embeddings=None, **kwargs):
-        active_dropout = any(getattr(self, d).training and getattr(self, d).p > 0 for d in dropouts)
-        if active_dropout or not _fusable(hidden_states, self.post_attention_layernorm.weight):
-            return original_forward(self)(hidden_states, attention_mask, position_ids,
-                                          past_key_values, use_cache, position_embeddings,
-                                          **kwargs)
-        normed, hidden_states = _attention_then_add_norm(
-            self, self.post_attention_layernorm, style, hidden_states,
-            attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, use_cache=use_cache,
-            position_embeddings=position_embeddings, **kwargs)
-        out = self.mlp(normed)
-        return hidden_states + (out[0] if mlp_returns_tuple else out)
-    return forward
+    attention add and norm2 fused."""
+    if not _fusable(hidden_states, self.post_attention_layernorm.weight):
+        return original_forward(self)(hidden_states, attention_mask, position_ids,
+                                      past_key_values, use_cache, position_embeddings, **kwargs)
+    normed, hidden_states = _attention_then_add_norm(
+        self, self.post_attention_layernorm, hidden_states,
+        attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=past_key_values, use_cache=use_cache,
+        position_embeddings=position_embeddings, **kwargs)
+    return hidden_states + _mlp_output(self.mlp(normed))
 
 
-def _make_rotary_first_layer_forward(style: NormStyle, sandwich: bool) -> Callable:
-    """Layers whose forward takes the position embeddings second (no ``use_cache``), with the
-    attention add and the norm after it fused: Mixtral's pre-norm layer, and (``sandwich``)
-    Gemma2/3's ``h = x + norm2(attn(norm1(x))); out = h + norm4(mlp(norm3(h)))``."""
-    fused_norm = "pre_feedforward_layernorm" if sandwich else "post_attention_layernorm"
-
-    def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
-                position_ids=None, past_key_values=None, **kwargs):
-        norm = getattr(self, fused_norm)
-        if not _fusable(hidden_states, norm.weight):
-            return original_forward(self)(hidden_states, position_embeddings, attention_mask,
-                                          position_ids, past_key_values, **kwargs)
-        normed, hidden_states = _attention_then_add_norm(
-            self, norm, style, hidden_states, self.post_attention_layernorm if sandwich else None,
-            position_embeddings=position_embeddings, attention_mask=attention_mask,
-            position_ids=position_ids, past_key_values=past_key_values, **kwargs)
-        out = self.mlp(normed)
-        if sandwich:
-            return _norm_add(self.post_feedforward_layernorm, style, out, hidden_states)
-        return hidden_states + out
-    return forward
+def _prenorm_dropout_layer_forward(self, hidden_states, *args, **kwargs):
+    """Phi-3's pre-norm layer, whose residual dropouts must be inactive for the fused path (as
+    they are in eval mode)."""
+    if any(d.training and d.p > 0 for d in (self.resid_attn_dropout, self.resid_mlp_dropout)):
+        return original_forward(self)(hidden_states, *args, **kwargs)
+    return _prenorm_layer_forward(self, hidden_states, *args, **kwargs)
 
 
-def _make_postnorm_layer_forward(style: NormStyle) -> Callable:
+def _rotary_first_layer_forward(self, hidden_states, position_embeddings=None,
+                                attention_mask=None, position_ids=None, past_key_values=None,
+                                **kwargs):
+    """Mixtral's pre-norm layer, whose forward takes the position embeddings second (no
+    ``use_cache``), with the attention add and the norm after it fused."""
+    if not _fusable(hidden_states, self.post_attention_layernorm.weight):
+        return original_forward(self)(hidden_states, position_embeddings, attention_mask,
+                                      position_ids, past_key_values, **kwargs)
+    normed, hidden_states = _attention_then_add_norm(
+        self, self.post_attention_layernorm, hidden_states,
+        position_embeddings=position_embeddings, attention_mask=attention_mask,
+        position_ids=position_ids, past_key_values=past_key_values, **kwargs)
+    return hidden_states + self.mlp(normed)
+
+
+def _sandwich_layer_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                            position_ids=None, past_key_values=None, **kwargs):
+    """Gemma2/3's sandwich layer, ``h = x + norm2(attn(norm1(x))); out = h + norm4(mlp(norm3(h)))``:
+    the attention add and norm3 one ``fused_add_rms_norm``, norm4 and the add after it one
+    ``rms_norm_add``."""
+    if not _fusable(hidden_states, self.pre_feedforward_layernorm.weight):
+        return original_forward(self)(hidden_states, position_embeddings, attention_mask,
+                                      position_ids, past_key_values, **kwargs)
+    normed, hidden_states = _attention_then_add_norm(
+        self, self.pre_feedforward_layernorm, hidden_states, self.post_attention_layernorm,
+        position_embeddings=position_embeddings, attention_mask=attention_mask,
+        position_ids=position_ids, past_key_values=past_key_values, **kwargs)
+    norm = self.post_feedforward_layernorm
+    return _norm_add(norm, _style(norm), self.mlp(normed), hidden_states)
+
+
+def _postnorm_layer_forward(self, hidden_states, attention_mask=None, position_ids=None,
+                            past_key_values=None, use_cache=False, position_embeddings=None,
+                            **kwargs):
     """OLMo-2/3's post-norm layer, ``h = x + norm1(attn(x)); out = h + norm2(mlp(h))``, each
     norm and the residual add after it one ``rms_norm_add``."""
-    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
-                use_cache=False, position_embeddings=None, **kwargs):
-        if not _fusable(hidden_states, self.post_attention_layernorm.weight):
-            return original_forward(self)(hidden_states, attention_mask, position_ids,
-                                          past_key_values, use_cache, position_embeddings,
-                                          **kwargs)
-        attn_out, _ = self.self_attn(
-            hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, use_cache=use_cache,
-            position_embeddings=position_embeddings, **kwargs)
-        hidden_states = _norm_add(self.post_attention_layernorm, style, attn_out, hidden_states)
-        return _norm_add(self.post_feedforward_layernorm, style, self.mlp(hidden_states),
-                         hidden_states)
-    return forward
+    if not _fusable(hidden_states, self.post_attention_layernorm.weight):
+        return original_forward(self)(hidden_states, attention_mask, position_ids,
+                                      past_key_values, use_cache, position_embeddings, **kwargs)
+    attn_out, _ = self.self_attn(
+        hidden_states=hidden_states, attention_mask=attention_mask, position_ids=position_ids,
+        past_key_values=past_key_values, use_cache=use_cache,
+        position_embeddings=position_embeddings, **kwargs)
+    norm1, norm2 = self.post_attention_layernorm, self.post_feedforward_layernorm
+    hidden_states = _norm_add(norm1, _style(norm1), attn_out, hidden_states)
+    return _norm_add(norm2, _style(norm2), self.mlp(hidden_states), hidden_states)
 
 
 @dataclass(frozen=True)
 class LayerTemplate:
     params: Tuple[str, ...]
     norms: Tuple[str, ...]                # the norms the fused forward computes (one formula)
-    make: Callable[[NormStyle], Callable]
+    forward: Callable
     what: str                             # the report's line
 
 
@@ -696,26 +721,20 @@ _PRENORM_PARAMS = ("self", "hidden_states", "attention_mask", "position_ids", "p
                    "use_cache", "position_embeddings", "kwargs")
 _PRENORM_WHAT = "fused_add_rms_norm (attention residual + post_attention_layernorm)"
 _PRENORM = LayerTemplate(_PRENORM_PARAMS, ("post_attention_layernorm",),
-                         _make_prenorm_layer_forward, _PRENORM_WHAT)
-_PRENORM_MLP_TUPLE = LayerTemplate(
-    _PRENORM_PARAMS, ("post_attention_layernorm",),
-    functools.partial(_make_prenorm_layer_forward, mlp_returns_tuple=True), _PRENORM_WHAT)
-_PRENORM_RESIDUAL_DROPOUT = LayerTemplate(
-    _PRENORM_PARAMS, ("post_attention_layernorm",),
-    functools.partial(_make_prenorm_layer_forward,
-                      dropouts=("resid_attn_dropout", "resid_mlp_dropout")), _PRENORM_WHAT)
+                         _prenorm_layer_forward, _PRENORM_WHAT)
+_PRENORM_RESIDUAL_DROPOUT = LayerTemplate(_PRENORM_PARAMS, ("post_attention_layernorm",),
+                                          _prenorm_dropout_layer_forward, _PRENORM_WHAT)
 _POSTNORM = LayerTemplate(
     _PRENORM_PARAMS, ("post_attention_layernorm", "post_feedforward_layernorm"),
-    _make_postnorm_layer_forward,
+    _postnorm_layer_forward,
     "rms_norm_add (post_attention_layernorm + residual, post_feedforward_layernorm + residual)")
 _ROTARY_FIRST_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_mask",
                         "position_ids", "past_key_values", "kwargs")
-_PRENORM_ROTARY_FIRST = LayerTemplate(
-    _ROTARY_FIRST_PARAMS, ("post_attention_layernorm",),
-    functools.partial(_make_rotary_first_layer_forward, sandwich=False), _PRENORM_WHAT)
+_PRENORM_ROTARY_FIRST = LayerTemplate(_ROTARY_FIRST_PARAMS, ("post_attention_layernorm",),
+                                      _rotary_first_layer_forward, _PRENORM_WHAT)
 _SANDWICH = LayerTemplate(
     _ROTARY_FIRST_PARAMS, ("pre_feedforward_layernorm", "post_feedforward_layernorm"),
-    functools.partial(_make_rotary_first_layer_forward, sandwich=True),
+    _sandwich_layer_forward,
     "fused_add_rms_norm (attention residual + pre_feedforward_layernorm), "
     "rms_norm_add (post_feedforward_layernorm + residual)")
 
@@ -729,7 +748,7 @@ DECODER_LAYERS: Dict[str, LayerTemplate] = {
     "Qwen3DecoderLayer": _PRENORM,
     "Qwen3MoeDecoderLayer": _PRENORM,
     "MixtralDecoderLayer": _PRENORM_ROTARY_FIRST,
-    "GptOssDecoderLayer": _PRENORM_MLP_TUPLE,
+    "GptOssDecoderLayer": _PRENORM,
     "SmolLM3DecoderLayer": _PRENORM,
     "Phi3DecoderLayer": _PRENORM_RESIDUAL_DROPOUT,
     "GemmaDecoderLayer": _PRENORM,
@@ -755,7 +774,11 @@ def _layer_patch(module) -> Tuple[Optional[Callable], str]:
             return None, f"{name} formula not recognized"
     if any(style != styles[0] for style in styles):
         return None, f"{' and '.join(template.norms)} differ in formula or eps"
-    return template.make(styles[0]), template.what + reads_as
+    for name, style in zip(template.norms, styles):
+        norm = getattr(module, name)
+        norm.__dict__[NORM_STYLE_ATTR] = style
+        add_undo(module, functools.partial(norm.__dict__.pop, NORM_STYLE_ATTR, None))
+    return template.forward, template.what + reads_as
 
 
 # --------------------------------------------------------------------------- entry point

@@ -23,12 +23,11 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import FP32LayerNorm, RMSNorm
 
 from ... import functional as fb
-from .._common import derived_once, has_hooks, needs_autograd, replace_forward
+from .._common import add_undo, derived_once, has_hooks, needs_autograd, replace_forward
 
 Tensor = torch.Tensor
 FUSED_DTYPES = fb.FUSED_DTYPES
 FUSED_DEVICES = ("cpu", "cuda")
-UNDO_ATTR = "_fusebox_undo"              # called by fusebox.unpatch
 FUSED_INTO_ATTR = "_fusebox_fused_into"  # a module whose work a patched parent now does
 
 
@@ -88,19 +87,6 @@ def rows(t: Tensor) -> Tensor:
 
 
 # --------------------------------------------------------------------------- bookkeeping
-
-
-def _run_all(*fns: Callable) -> None:
-    for fn in fns:
-        fn()
-
-
-def add_undo(module: torch.nn.Module, fn: Callable[[], None]) -> None:
-    """Registers ``fn`` to run when :func:`fusebox.unpatch` reaches ``module``."""
-    previous = module.__dict__.get(UNDO_ATTR)
-    if previous is not None:
-        fn = functools.partial(_run_all, previous, fn)
-    module.__dict__[UNDO_ATTR] = fn
 
 
 def mark_fused(module: torch.nn.Module, into: str) -> None:
