@@ -7,7 +7,10 @@ exit. A small-width Llama with the real layer count keeps the guard structure of
 (guards grow with layers and modules, not with widths). Each variant runs in its own process;
 the script alternates them.
 
-    python scripts/guard_cost.py [--layers 32] [--rounds 3]
+    python scripts/guard_cost.py [--layers 32] [--rounds 3] [--against OTHER/torch-ext]
+
+``--against`` adds a column patched by another checkout's fusebox (e.g. a worktree of an
+earlier commit, its library copied in), timed in the same rounds.
 """
 
 from __future__ import annotations
@@ -19,9 +22,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Tuple
 
 
-def one_variant(patched: bool, layers: int, calls: int) -> float:
+def one_variant(patched: bool, layers: int, calls: int) -> Tuple[float, float]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM, StaticCache
 
@@ -59,25 +63,35 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--calls", type=int, default=400)
+    parser.add_argument("--against", metavar="TORCH_EXT",
+                        help="also patch with the fusebox package under this folder")
     parser.add_argument("--variant", choices=["unpatched", "patched"], help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.variant:
         print("%.1f %.1f" % one_variant(args.variant == "patched", args.layers, args.calls))
         return
-    torch_ext = str(Path(__file__).resolve().parents[1] / "torch-ext")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [torch_ext, os.environ.get("PYTHONPATH")])))
-    results = {"unpatched": [], "patched": []}
+
+    def env_for(torch_ext: str) -> dict:
+        path = os.pathsep.join(filter(None, [torch_ext, os.environ.get("PYTHONPATH")]))
+        return dict(os.environ, PYTHONPATH=path)
+
+    here = str(Path(__file__).resolve().parents[1] / "torch-ext")
+    columns = {"unpatched": ("unpatched", here), "patched": ("patched", here)}
+    if args.against:
+        columns["patched by " + args.against] = ("patched", args.against)
+    results = {label: [] for label in columns}
     for _ in range(args.rounds):
-        for variant in results:
+        for label, (variant, torch_ext) in columns.items():
             child = subprocess.run([sys.executable, __file__, "--variant", variant, "--layers",
                                     str(args.layers), "--calls", str(args.calls)],
-                                   capture_output=True, text=True, check=True, env=env)
-            results[variant].append(tuple(map(float, child.stdout.strip().splitlines()[-1].split())))
+                                   capture_output=True, text=True, check=True,
+                                   env=env_for(torch_ext))
+            results[label].append(tuple(map(float, child.stdout.strip().splitlines()[-1].split())))
     print(f"Llama, {args.layers} layers, compiled decode step with cached outputs: us a call "
           f"(guard check + call wrapper), median / fastest of {args.calls} calls, one process per "
-          f"pair (the fastest is the steadier figure on a busy host)")
-    for variant, values in results.items():
-        print(f"  {variant:10s} " + "  ".join(f"{m:7.1f} /{f:6.1f}" for m, f in values))
+          f"value (the fastest is the steadier figure on a busy host)")
+    for label, values in results.items():
+        print(f"  {label}\n    " + "  ".join(f"{m:7.1f} /{f:6.1f}" for m, f in values))
 
 
 if __name__ == "__main__":
