@@ -652,14 +652,18 @@ def _guard_trees(monkeypatch, model, ids):
     return roots[0]
 
 
+def _children(manager):
+    children = list(manager.get_child_managers())
+    for pair in getattr(manager, "get_key_value_managers", dict)().values():
+        children += [m for m in pair if m is not None]
+    return children
+
+
 def _tag_safe_roots(manager, out):
     """Sources of the modules whose guards dynamo skips while their ``__dict__`` is unchanged."""
     if manager.is_tag_safe_root():
         out.add(manager.get_source())
-    children = list(manager.get_child_managers())
-    for pair in getattr(manager, "get_key_value_managers", dict)().values():
-        children += [m for m in pair if m is not None]
-    for child in children:
+    for child in _children(manager):
         _tag_safe_roots(child, out)
     return out
 
@@ -669,10 +673,7 @@ def _checked_every_call(manager, out):
     if manager.is_tag_safe_root():
         return out
     out.add(manager.get_source())
-    children = list(manager.get_child_managers())
-    for pair in getattr(manager, "get_key_value_managers", dict)().values():
-        children += [m for m in pair if m is not None]
-    for child in children:
+    for child in _children(manager):
         _checked_every_call(child, out)
     return out
 
