@@ -196,29 +196,23 @@ class Runner:
 
     def _retime_pooled(self, m: dict, fn, sets, flush: bool) -> None:
         """Times `fn` once more, as many calls as its first pass, and pools both passes' samples:
-        us, min_us and n then cover both; first_pass_us keeps the first median."""
-        ts = m.get("_ts")
+        us, min_us and n then cover both; first_pass_us keeps the first median. The host
+        latency's blocks are pooled the same way (host_us, first_pass_host_us), so a slower
+        stretch of the host falls on every implementation's samples alike."""
+        ts, host = m.get("_ts"), m.get("_host_ts")
         if fn is None or not ts:
             return
         try:
             more = self.timer.device_times(fn, sets, len(ts), flush, m["host_enqueue_us"])
+            more_host = self.timer.host_latency_samples(fn, sets[0], blocks=len(host)) if host else []
         except Exception as e:  # noqa: BLE001
             if not _cuda_alive():
                 raise CudaContextLost(f"retiming: {short_error(e)}") from e
             return
         pooled = ts + more
         m.update({"first_pass_us": m["us"], "us": median(pooled), "min_us": min(pooled), "n": len(pooled)})
-        host = m.get("_host_ts")
         if host:
-            # the host latency too: a slower stretch of the host then falls on every
-            # implementation's samples alike instead of on whichever ran in it
-            try:
-                more = self.timer.host_latency_samples(fn, sets[0], blocks=len(host))
-            except Exception as e:  # noqa: BLE001
-                if not _cuda_alive():
-                    raise CudaContextLost(f"retiming: {short_error(e)}") from e
-                return
-            m.update({"first_pass_host_us": m["host_us"], "host_us": median(host + more)})
+            m.update({"first_pass_host_us": m["host_us"], "host_us": median(host + more_host)})
 
     def _run_impl(self, name, case, sets, flush, small, ref, fns: Optional[dict] = None) -> dict:
         try:

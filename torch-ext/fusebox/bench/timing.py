@@ -13,7 +13,8 @@ of two ways, both outside the event window:
 
 For small inputs also: ``graph_us`` (CUDA-graph replay of ``GRAPH_CALLS`` back-to-back calls,
 per call; caches warm, as in a decode step) and ``host_us`` (wall clock around N back-to-back
-eager calls with one sync at the end, per call; the median of 7 blocks of N).
+eager calls with one sync at the end, per call; the median of 7 blocks of N, of 14 where the
+runner times the case again in reverse order).
 """
 
 from __future__ import annotations
