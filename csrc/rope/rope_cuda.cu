@@ -201,6 +201,18 @@ __device__ __forceinline__ float weight_factor(bool present, float offset, float
   return present ? offset + w : 1.f;
 }
 
+// Where a unit's elements are normalized at their use: rstd * (offset + w) is taken as
+// fmaf(rstd, w, scaled_offset(rstd, ...)), one multiply-add an element, with an absent weight
+// loaded as zeros: a select and an add an element fewer than rstd * weight_factor(...), which
+// OLMo-2's q/k rows spent 32 of their 336 warp instructions on. H200 side by side
+// (bench/results/2026-11-29_h200_cd67aa2/tune/norm_fma_*): qk-norm + rope Wan 1.3B 116.4-116.9 ->
+// 111.5-112.4 us bf16, 116.2 -> 114.0-114.2 fp16; OLMo-2 8192 tokens 80.3-80.9 -> 79.5-79.7,
+// 2048 tokens 26.3-26.4 -> 25.9-26.1; LTX-Video 47.2-47.6 -> 47.0-47.3 bf16 and 46.9-47.2 ->
+// 47.4-47.6 fp16 (its fp16 paired rows fell from 79 registers to 64 with 12 bytes of spills).
+__device__ __forceinline__ float scaled_offset(float rstd, bool weight_present, float offset) {
+  return rstd * (weight_present ? offset : 1.f);
+}
+
 // Adds the squares of a unit's elements to acc (v1 only for a layout of two vectors), one FMA
 // each (a pair's sum of squares first costs a multiply and an add more).
 template <typename L, int VEC>
@@ -244,9 +256,13 @@ template <typename L, typename T, typename TAB, int VEC, bool NORM, bool GRID>
 __device__ __forceinline__ void load_unit_params(const RopeKernelArgs& a, const GridTable& g, const double (&pos)[3],
                                                  uint32_t b, uint32_t s, const ParamPtr& w, int woff, bool rotation,
                                                  bool two, int d0, int d1, UnitParams<VEC>& p) {
-  if (NORM && w.ptr) {
-    load_param<T, VEC>(w, woff + d0, p.w0);
-    if (two) load_param<T, VEC>(w, woff + d1, p.w1);
+  if constexpr (NORM) {  // an absent weight as zeros (see scaled_offset)
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) p.w0[i] = p.w1[i] = 0.f;
+    if (w.ptr) {
+      load_param<T, VEC>(w, woff + d0, p.w0);
+      if (two) load_param<T, VEC>(w, woff + d1, p.w1);
+    }
   }
   if (rotation) unit_rotation<L, TAB, VEC, GRID>(a, g, pos, b, s, two, d0, d1, p.c0, p.s0, p.c1, p.s1);
 }
@@ -446,10 +462,11 @@ __global__ void __launch_bounds__(MAX_THREADS, MIN_BLOCKS)
       unpack(in0, v0);
       unpack(in1, v1);
       if constexpr (NORM) {
+        const float r_offset = scaled_offset(r, wt.ptr, a.weight_offset);
 #pragma unroll
         for (int i = 0; i < VEC; ++i) {
-          v0[i] *= r * weight_factor(wt.ptr, a.weight_offset, wv.w0[i]);
-          v1[i] *= r * weight_factor(wt.ptr && two, a.weight_offset, wv.w1[i]);
+          v0[i] *= fmaf(r, wv.w0[i], r_offset);
+          v1[i] *= fmaf(r, wv.w1[i], r_offset);
         }
       }
       store_unit<L, T, VEC>(dst, d0, d1, rotary, v0, v1, p);
@@ -712,7 +729,7 @@ static_assert(offsetof(ShortRopeArgs, cos_ts) == 48, "the first loads' pointers 
 // takes the same rows with a general row split before its first load.
 // LATE_ROTATION (a norm's half-split units): the rotation factors are prefetched into L1 with
 // the data and loaded after the sum, so that they hold no registers through it (OLMo-2's fp32
-// table: 62 registers against 80, four 256-thread blocks an SM against three; without the
+// table: 57 registers against 79, four 256-thread blocks an SM against three; without the
 // prefetch 48, but their misses then start after the sum and the calls ran slower).
 template <typename T, typename TAB, bool INTERLEAVED, bool NORM, bool ACROSS = false, bool LATE_ROTATION = false>
 __global__ void __launch_bounds__(kMaxThreads) short_rope_kernel(const ShortRopeArgs a) {
@@ -788,13 +805,14 @@ __global__ void __launch_bounds__(kMaxThreads) short_rope_kernel(const ShortRope
     }
     if constexpr (LATE_ROTATION) load_rotation();
     const float rstd = rsqrtf(sum[0] * (ACROSS && is_k ? a.inv_k_width : a.inv_q_width) + a.eps);
+    const float rstd_offset = scaled_offset(rstd, w, a.weight_offset);  // w0, w1: zeros without weights
     float wv0[VEC], wv1[VEC];
     unpack(w0, wv0);
     unpack(w1, wv1);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) {
-      v0[i] *= rstd * weight_factor(w, a.weight_offset, wv0[i]);
-      v1[i] *= rstd * weight_factor(w, a.weight_offset, wv1[i]);
+      v0[i] *= fmaf(rstd, wv0[i], rstd_offset);
+      v1[i] *= fmaf(rstd, wv1[i], rstd_offset);
     }
   }
   if (int(threadIdx.x) >= owned) return;
@@ -896,8 +914,9 @@ void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool tabl
       // limits; two-vector units hold 128 registers paired). With early rotation factors
       // (Wan 1.3B's 12 heads, 96 threads a token) bounded to seven blocks an SM: 72 registers
       // where ptxas gives 76-78, no spills (qk-norm + rope bf16 118.8 -> 117.0 us, fp16 119.4
-      // -> 116.3; [h200_4e2c81a] tune/tune_rope_paired_*). LTX-Video's rows keep 79-80: the same
-      // bound spills 4-20 bytes there (bf16 47.3 -> 50.1 us).
+      // -> 116.3; [h200_4e2c81a] tune/tune_rope_paired_*). LTX-Video's rows stay unbounded: the
+      // same bound spilled 4-20 bytes there (bf16 47.3 -> 50.1 us; 79-80 registers then, 74 bf16
+      // since scaled_offset's form).
       if constexpr (N && !G && !UnitLayout<I, VEC>::kTwoVectors)
         early_rotation
             ? launch(rope_rows_kernel<T, TAB, VEC, 2, I, N, G, true, true, 128, 7>, grid, block, smem, stream, a, gp)
