@@ -380,11 +380,18 @@ LLM_FAMILIES = {
     "gemma2": ("Gemma2Config", {"head_dim": 16, "sliding_window": 8}),
     "gemma3": ("Gemma3TextConfig", {"head_dim": 16, "sliding_window": 8,
                                     "layer_types": ["sliding_attention", "full_attention"]}),
+    # Llama 4: a dense layer with rotary and weightless q/k norms, then an MoE layer without
+    # rotary (its shared expert a gated MLP); chunked attention
+    "llama4": ("Llama4TextConfig", {"head_dim": 16, "intermediate_size_mlp": 128,
+                                    "num_local_experts": 4, "num_experts_per_tok": 1,
+                                    "interleave_moe_layer_step": 2, "use_qk_norm": True,
+                                    "attention_chunk_size": 8, "no_rope_layers": [1, 0]}),
 }
 
 
-# module kinds a family has no fused forward for: MoE blocks (the experts keep their code)
-LLM_KINDS_LEFT = {"mixtral": ("MLP",), "gpt_oss": ("MLP",)}
+# module kinds a family has no fused forward for: MoE blocks (the experts keep their code), Llama
+# 4's attention (its rotary multiplies complex numbers)
+LLM_KINDS_LEFT = {"mixtral": ("MLP",), "gpt_oss": ("MLP",), "llama4": ("Attention",)}
 
 
 def tiny_llm(family, dtype=torch.float32, device="cpu", **overrides):

@@ -71,7 +71,7 @@ def test_fp32_logits_match(family, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma3", "qwen3_moe", "glm4_moe", "gpt_oss",
-                                    "olmo2", "smollm3", "falcon-7b", "falcon-40b"])
+                                    "olmo2", "smollm3", "llama4", "falcon-7b", "falcon-40b"])
 def test_bf16_within_bf16_spread(family, device):
     """bf16 patched is no further from the fp32 model than bf16 unpatched is."""
     model32 = build(family, device=device)
@@ -608,6 +608,7 @@ COMPILED_OPS = {"llama": {"rms_norm", "rotary", "gated_act"},
                 "olmo2": {"rms_norm", "rotary", "gated_act", "rms_norm_add"},
                 "smollm3": {"rms_norm", "rotary", "gated_act"},
                 "phi3": {"rms_norm", "rotary", "gated_act_packed"},
+                "llama4": {"rms_norm", "gated_act"},
                 "falcon-40b": {"rotary", "layer_norm"}}
 
 
@@ -679,7 +680,7 @@ def _checked_every_call(manager, out):
 
 
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen3", "qwen3_moe", "gemma2", "gemma3",
-                                    "gpt_oss", "glm4_moe", "olmo2", "smollm3", "phi3"])
+                                    "gpt_oss", "glm4_moe", "olmo2", "smollm3", "phi3", "llama4"])
 def test_compiled_patched_modules_keep_cheap_guards(family, monkeypatch):
     """A compiled forward checks its guards on every call: for a decode step of Gemma3-4B that
     was 0.19 ms unpatched, and 0.5-0.85 ms patched while the fused forwards held dataclasses and

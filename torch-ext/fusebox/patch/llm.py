@@ -1,21 +1,24 @@
 """transformers decoder LLMs (Llama, Mistral, Ministral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
 Qwen3-MoE, GLM-4.5, GPT-OSS, OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2, Gemma3 text,
-Falcon, and the classes of other families whose forwards read as these) on fusebox.
+Llama 4 text, Falcon, and the classes of other families whose forwards read as these) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
 
 - ``*RMSNorm`` whose forward is one of the three transformers formulas (Llama's
-  ``weight * norm(x).to(dtype)``, T5's ``(weight * norm(x)).to(dtype)`` as GPT-OSS and OLMo
-  write it, or Gemma's fp32 ``norm(x) * (1 + weight)``) -> ``rms_norm``;
+  ``weight * norm(x).to(dtype)``, also as Llama 4 writes it, T5's ``(weight * norm(x)).to(dtype)``
+  as GPT-OSS and OLMo write it, or Gemma's fp32 ``norm(x) * (1 + weight)``) -> ``rms_norm``, and
+  Llama 4's weightless q/k norm (``Llama4TextL2Norm``) -> ``rms_norm`` without a weight;
 - gated MLPs ``down(act(gate(x)) * up(x))`` with silu / gelu-tanh / gelu -> ``gated_activation``
-  (Phi's packed ``gate_up_proj`` -> ``gated_activation_packed``);
+  (Phi's packed ``gate_up_proj`` -> ``gated_activation_packed``; Llama 4's dense layers and
+  shared experts);
 - the attention of the known families: q/k RoPE -> ``rope``, or ``qk_norm_rope`` where the
   model normalizes q and k (per head: Qwen3, Gemma3, GLM-4.5; across heads: OLMo). The
   rotation is what a probe of the module's ``apply_rotary_pos_emb`` finds (``layers``). The
   KV-cache update and the attention interface (``config._attn_implementation``) are called
   exactly as the original does;
 - the decoder layer of the known families: the residual add and the norm after it become one
-  ``fused_add_rms_norm`` (pre-norm layers: attention add + ``post_attention_layernorm``;
+  ``fused_add_rms_norm`` (pre-norm layers, Llama 4's included: attention add +
+  ``post_attention_layernorm``;
   Gemma2/3 sandwich layers: attention add + ``pre_feedforward_layernorm``), and a norm with the
   residual add after it one ``rms_norm_add`` (Gemma2/3's ``post_feedforward_layernorm``,
   OLMo-2/3's post-norm layers);
@@ -132,6 +135,8 @@ _LLAMA_NORM = ("variance_epsilon", "returnself.weight*hidden_states.to(input_dty
 _GEMMA_NORM = ("output*(1.0+self.weight.float())", "returnoutput.type_as(x)")
 # T5's, as GPT-OSS and OLMo-2 write it: the weight applied in fp32, then one rounding
 _T5_NORM = ("variance_epsilon", "return(self.weight*hidden_states).to(input_dtype)")
+# Llama 4's: Llama's rounding and weighting, written with ``eps`` and a ``_norm`` helper
+_LLAMA4_NORM = ("output=self._norm(x.float()).type_as(x)", "returnoutput*self.weight")
 
 
 def norm_style(module: torch.nn.Module) -> Optional[NormStyle]:
@@ -147,7 +152,25 @@ def norm_style(module: torch.nn.Module) -> Optional[NormStyle]:
         return NormStyle(float(module.variance_epsilon), 0.0, False)
     if all(s in src for s in _GEMMA_NORM) and hasattr(module, "eps"):
         return NormStyle(float(module.eps), 1.0, False)
+    if all(s in src for s in _LLAMA4_NORM) and hasattr(module, "eps"):
+        return NormStyle(float(module.eps), 0.0, True)
     return None
+
+
+# Llama 4's weightless RMSNorm of q and k (after their rotary): ``norm(x.float()).type_as(x)``
+_L2_NORM = "returnself._norm(x.float()).type_as(x)"
+
+
+def _l2_norm_patch(module: torch.nn.Module) -> Tuple[Optional[Callable], str]:
+    if _L2_NORM not in source_text(type(module).forward) or not isinstance(getattr(module, "eps", None), float):
+        return None, "L2 norm formula not recognized"
+    return _l2_norm_forward, "rms_norm (no weight)"
+
+
+def _l2_norm_forward(self, x):
+    if not _fusable(x):
+        return original_forward(self)(x)
+    return F.rms_norm(x, None, self.eps)
 
 
 def _make_rms_norm_forward(style: NormStyle) -> Callable:
@@ -215,6 +238,9 @@ _ACTIVATIONS = {
     "PytorchGELUTanh": "gelu_tanh",
 }
 _GATED_MLP = "down_proj=self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))"
+# Llama 4: the same product, its activation named activation_fn
+_GATED_MLP_LLAMA4 = ("down_proj=self.activation_fn(self.gate_proj(x))*self.up_proj(x)"
+                     "returnself.down_proj(down_proj)")
 # Phi-3: gate and up from one projection, gate first
 _PACKED_MLP = ("gate,up_states=up_states.chunk(2,dim=-1)"
                "up_states=up_states*self.activation_fn(gate)returnself.down_proj(up_states)")
@@ -223,7 +249,14 @@ _PACKED_MLP = ("gate,up_states=up_states.chunk(2,dim=-1)"
 def mlp_form(module: torch.nn.Module) -> Optional[str]:
     """"gated" (separate gate and up projections), "packed" (one ``gate_up_proj``) or None."""
     src = source_text(type(module).forward)
-    return "gated" if _GATED_MLP in src else "packed" if _PACKED_MLP in src else None
+    if _GATED_MLP in src or _GATED_MLP_LLAMA4 in src:
+        return "gated"
+    return "packed" if _PACKED_MLP in src else None
+
+
+def _activation(module: torch.nn.Module) -> torch.nn.Module:
+    """A gated MLP's activation module (``act_fn``, or ``activation_fn`` in Phi-3 and Llama 4)."""
+    return module.act_fn if "act_fn" in module._modules else module.activation_fn
 
 
 def mlp_activation(module: torch.nn.Module) -> Tuple[Optional[str], str]:
@@ -233,7 +266,7 @@ def mlp_activation(module: torch.nn.Module) -> Tuple[Optional[str], str]:
         if hasattr(module, "experts"):
             return None, "mixture of experts: the experts keep their code"
         return None, "forward is not down(act(gate(x)) * up(x))"
-    act = module.act_fn if form == "gated" else module.activation_fn
+    act = _activation(module)
     name = type(act).__name__
     if name == "GELUActivation":
         # transformers' "gelu" is exact erf unless it was built with the python formula
@@ -253,7 +286,7 @@ def _make_mlp_forward(activation: str) -> Callable:
         gate = self.gate_proj(x)
         up = self.up_proj(x)
         if gate.dtype != up.dtype:
-            return self.down_proj(self.act_fn(gate) * up)
+            return self.down_proj(_activation(self)(gate) * up)
         return self.down_proj(F.gated_activation(gate, up, activation))
     return forward
 
@@ -633,7 +666,8 @@ def _attention_then_add_norm(self, fused_norm: torch.nn.Module, hidden_states: t
 
 
 def _mlp_output(out):
-    """The MLP's output: GPT-OSS's MoE block returns it first, with the router's scores."""
+    """The MLP's output: GPT-OSS's and Llama 4's MoE blocks return it first, with the router's
+    scores or logits."""
     return out[0] if isinstance(out, tuple) else out
 
 
@@ -651,6 +685,22 @@ def _prenorm_layer_forward(self, hidden_states, attention_mask=None, position_id
         past_key_values=past_key_values, use_cache=use_cache,
         position_embeddings=position_embeddings, **kwargs)
     return hidden_states + _mlp_output(self.mlp(normed))
+
+
+def _feed_forward_layer_forward(self, hidden_states, attention_mask=None, position_ids=None,
+                                past_key_values=None, use_cache=False, position_embeddings=None,
+                                **kwargs):
+    """Llama 4's pre-norm layer: its MLP or MoE block is ``feed_forward`` (the MoE block returns
+    its output flattened to rows, with the router's logits), and its attention takes no
+    ``position_ids``."""
+    if not _fusable(hidden_states, self.post_attention_layernorm.weight):
+        return original_forward(self)(hidden_states, attention_mask, position_ids,
+                                      past_key_values, use_cache, position_embeddings, **kwargs)
+    normed, hidden_states = _attention_then_add_norm(
+        self, self.post_attention_layernorm, hidden_states,
+        position_embeddings=position_embeddings, attention_mask=attention_mask,
+        past_key_values=past_key_values, use_cache=use_cache, **kwargs)
+    return hidden_states + _mlp_output(self.feed_forward(normed)).view(hidden_states.shape)
 
 
 def _prenorm_dropout_layer_forward(self, hidden_states, *args, **kwargs):
@@ -724,6 +774,8 @@ _PRENORM = LayerTemplate(_PRENORM_PARAMS, ("post_attention_layernorm",),
                          _prenorm_layer_forward, _PRENORM_WHAT)
 _PRENORM_RESIDUAL_DROPOUT = LayerTemplate(_PRENORM_PARAMS, ("post_attention_layernorm",),
                                           _prenorm_dropout_layer_forward, _PRENORM_WHAT)
+_PRENORM_FEED_FORWARD = LayerTemplate(_PRENORM_PARAMS, ("post_attention_layernorm",),
+                                      _feed_forward_layer_forward, _PRENORM_WHAT)
 _POSTNORM = LayerTemplate(
     _PRENORM_PARAMS, ("post_attention_layernorm", "post_feedforward_layernorm"),
     _postnorm_layer_forward,
@@ -756,6 +808,7 @@ DECODER_LAYERS: Dict[str, LayerTemplate] = {
     "Gemma3DecoderLayer": _SANDWICH,
     "Olmo2DecoderLayer": _POSTNORM,
     "Olmo3DecoderLayer": _POSTNORM,
+    "Llama4TextDecoderLayer": _PRENORM_FEED_FORWARD,
 }
 
 
@@ -790,6 +843,7 @@ SPECIAL_CLASSES: Dict[str, Callable[[torch.nn.Module], Tuple[Optional[Callable],
     "FalconMLP": lambda m: (None, "not gated: up, activation (one launch already), down"),
     "FalconDecoderLayer": lambda m: (
         None, "residual adds kept as written (LayerNorm model, parallel attention + MLP)"),
+    "Llama4TextL2Norm": _l2_norm_patch,
 }
 
 
