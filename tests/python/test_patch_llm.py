@@ -415,6 +415,43 @@ def test_falcon_multi_query_attention_runs_a_fused_kernel():
     assert err_patched <= 1.5 * err_unpatched + 2e-3, (err_patched, err_unpatched)
 
 
+# Cohere's tiny configs: Command R with its per-head q/k norms, Command R7B with a sliding layer
+COHERE_CONFIGS = {"cohere": ("CohereConfig", {"use_qk_norm": True}),
+                  "cohere2": ("Cohere2Config", {"sliding_window": 8,
+                                                "layer_types": ["sliding_attention", "full_attention"]})}
+
+
+@pytest.mark.parametrize("family", list(COHERE_CONFIGS))
+def test_cohere_layer_norms_fused(family):
+    """Cohere's fp32 LayerNorm without a bias runs as layer_norm, its per-head q/k norms keep
+    their code: fp32 logits as unpatched, bf16 within the bf16 spread, and a compiled forward
+    holds the operator without a graph break."""
+    cls_name, extra = COHERE_CONFIGS[family]
+    model = causal_lm(getattr(transformers, cls_name)(**{**TINY_LLM, **extra, "eos_token_id": 2,
+                                                          "pad_token_id": 0, "bos_token_id": 1}))
+    ids = token_ids()
+    ref = logits(model, ids)
+    model16 = copy.deepcopy(model).to(torch.bfloat16)
+    err_unpatched = rel_err(logits(model16, ids), ref)
+    report = fusebox.patch(model)
+    norms = [e for e in report.patched if e.kind.endswith("LayerNorm")]
+    assert norms and all(e.what == "layer_norm" for e in norms), str(report)
+    per_head = [e for e in report.skipped if e.kind.endswith("LayerNorm")]
+    assert bool(per_head) == extra.get("use_qk_norm", False), str(report)
+    with FuseboxOps() as ops:
+        out = logits(model, ids)
+    assert "layer_norm" in ops.calls, ops.calls
+    assert rel_err(out, ref) < 1e-5
+    fusebox.patch(model16)
+    assert rel_err(logits(model16, ids), ref) <= 1.5 * err_unpatched + 2e-3
+    torch._dynamo.reset()
+    backend = GraphOps()
+    with torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True, backend=backend)(ids).logits
+    assert "layer_norm" in backend.ops
+    assert rel_err(compiled, ref) < 1e-5
+
+
 def test_falcon_alibi_attention_left_alone():
     model = tiny_falcon("falcon-7b", alibi=True)
     ids = token_ids()

@@ -27,6 +27,8 @@ What is replaced, module by module (every other module keeps its forward):
   for that (transformers repeats them over the query heads first);
 - an attention or decoder layer of another family whose forward reads, word for word, as one
   of the known families' gets that family's fused forward;
+- Cohere and Cohere2 (Command R, R7B, A): their fp32 ``LayerNorm`` without a bias ->
+  ``layer_norm`` (the per-head q/k norms, a weight row per head, keep their code);
 - Falcon (rotary, not ALiBi): its ``LayerNorm`` modules -> ``layer_norm``, and the rotary of q/k
   read in place from the fused QKV projection -> ``rope`` (for grouped keys, before they are
   repeated over the heads, which the model's cache then holds as it does unpatched). Multi-query
@@ -226,6 +228,28 @@ def _layer_norm_forward(self, x):
     if not _fusable(x, self.weight, self.bias):
         return original_forward(self)(x)
     return F.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+# Cohere's LayerNorm without a bias, in fp32 and rounded once: fusebox's layer_norm formula
+_FP32_LAYER_NORM = ("hidden_states=hidden_states.to(torch.float32)",
+                    "variance=(hidden_states-mean).pow(2).mean(-1,keepdim=True)",
+                    "hidden_states=self.weight.to(torch.float32)*hidden_states",
+                    "returnhidden_states.to(input_dtype)")
+
+
+def _fp32_layer_norm_patch(module: torch.nn.Module) -> Tuple[Optional[Callable], str]:
+    src = source_text(type(module).forward)
+    if not all(s in src for s in _FP32_LAYER_NORM) or not hasattr(module, "variance_epsilon"):
+        return None, "LayerNorm formula not recognized"
+    if module.weight.dim() != 1:
+        return None, "a weight per head (q/k norm): the layer_norm op takes one weight row"
+    return _fp32_layer_norm_forward, "layer_norm"
+
+
+def _fp32_layer_norm_forward(self, x):
+    if not _fusable(x, self.weight):
+        return original_forward(self)(x)
+    return F.layer_norm(x, self.weight, None, self.variance_epsilon)
 
 
 # --------------------------------------------------------------------------- MLP
@@ -844,6 +868,8 @@ SPECIAL_CLASSES: Dict[str, Callable[[torch.nn.Module], Tuple[Optional[Callable],
     "FalconDecoderLayer": lambda m: (
         None, "residual adds kept as written (LayerNorm model, parallel attention + MLP)"),
     "Llama4TextL2Norm": _l2_norm_patch,
+    "CohereLayerNorm": _fp32_layer_norm_patch,
+    "Cohere2LayerNorm": _fp32_layer_norm_patch,
 }
 
 
