@@ -27,8 +27,8 @@ What is replaced, module by module (every other module keeps its forward):
   for that (transformers repeats them over the query heads first);
 - an attention or decoder layer of another family whose forward reads, word for word, as one
   of the known families' gets that family's fused forward;
-- Cohere and Cohere2 (Command R, R7B, A): their fp32 ``LayerNorm`` without a bias ->
-  ``layer_norm`` (the per-head q/k norms, a weight row per head, keep their code);
+- Cohere, Cohere2 and Cohere2-MoE (Command R, R7B, A): their fp32 ``LayerNorm`` without a bias
+  -> ``layer_norm`` (the per-head q/k norms, a weight row per head, keep their code);
 - Falcon (rotary, not ALiBi): its ``LayerNorm`` modules -> ``layer_norm``, and the rotary of q/k
   read in place from the fused QKV projection -> ``rope`` (for grouped keys, before they are
   repeated over the heads, which the model's cache then holds as it does unpatched). Multi-query
@@ -233,14 +233,17 @@ def _layer_norm_forward(self, x):
 # Cohere's LayerNorm without a bias, in fp32 and rounded once: fusebox's layer_norm formula
 _FP32_LAYER_NORM = ("hidden_states=hidden_states.to(torch.float32)",
                     "variance=(hidden_states-mean).pow(2).mean(-1,keepdim=True)",
-                    "hidden_states=self.weight.to(torch.float32)*hidden_states",
+                    "hidden_states=self.weight.to(torch.float32)*hidden_states"
                     "returnhidden_states.to(input_dtype)")
 
 
 def _fp32_layer_norm_patch(module: torch.nn.Module) -> Tuple[Optional[Callable], str]:
+    """A ``*LayerNorm`` class of that formula (Cohere, Cohere2, Cohere2-MoE); ``(None, "")`` for
+    any other formula, which is not a candidate."""
     src = source_text(type(module).forward)
-    if not all(s in src for s in _FP32_LAYER_NORM) or not hasattr(module, "variance_epsilon"):
-        return None, "LayerNorm formula not recognized"
+    if (not all(s in src for s in _FP32_LAYER_NORM) or "self.bias" in src
+            or not hasattr(module, "variance_epsilon")):
+        return None, ""
     if module.weight.dim() != 1:
         return None, "a weight per head (q/k norm): the layer_norm op takes one weight row"
     return _fp32_layer_norm_forward, "layer_norm"
@@ -868,8 +871,6 @@ SPECIAL_CLASSES: Dict[str, Callable[[torch.nn.Module], Tuple[Optional[Callable],
     "FalconDecoderLayer": lambda m: (
         None, "residual adds kept as written (LayerNorm model, parallel attention + MLP)"),
     "Llama4TextL2Norm": _l2_norm_patch,
-    "CohereLayerNorm": _fp32_layer_norm_patch,
-    "Cohere2LayerNorm": _fp32_layer_norm_patch,
 }
 
 
@@ -884,6 +885,9 @@ def _classify(module, family: str) -> Tuple[Optional[Callable], str, bool]:
     if name in SPECIAL_CLASSES:
         fn, what = SPECIAL_CLASSES[name](module)
         return fn, what, True
+    if name.endswith("LayerNorm"):
+        fn, what = _fp32_layer_norm_patch(module)
+        return fn, what, bool(what)
     if name.endswith("RMSNorm"):
         style = norm_style(module)
         if style is None:
