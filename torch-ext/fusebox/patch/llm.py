@@ -164,7 +164,8 @@ _L2_NORM = "returnself._norm(x.float()).type_as(x)"
 
 
 def _l2_norm_patch(module: torch.nn.Module) -> Tuple[Optional[Callable], str]:
-    if _L2_NORM not in source_text(type(module).forward) or not isinstance(getattr(module, "eps", None), float):
+    src = source_text(type(module).forward)
+    if _L2_NORM not in src or not isinstance(getattr(module, "eps", None), float):
         return None, "L2 norm formula not recognized"
     return _l2_norm_forward, "rms_norm (no weight)"
 
