@@ -208,7 +208,8 @@ __device__ __forceinline__ float weight_factor(bool present, float offset, float
 // (bench/results/2026-11-29_h200_cd67aa2/tune/norm_fma_*): qk-norm + rope Wan 1.3B 116.4-116.9 ->
 // 111.5-112.4 us bf16, 116.2 -> 114.0-114.2 fp16; OLMo-2 8192 tokens 80.3-80.9 -> 79.5-79.7,
 // 2048 tokens 26.3-26.4 -> 25.9-26.1; LTX-Video 47.2-47.6 -> 47.0-47.3 bf16 and 46.9-47.2 ->
-// 47.4-47.6 fp16 (its fp16 paired rows fell from 79 registers to 64 with 12 bytes of spills).
+// 47.4-47.6 fp16 (its fp16 paired rows fell from 79 registers to 64 with 12 bytes of spills,
+// which their launch bound since removed: see launch_rope).
 __device__ __forceinline__ float scaled_offset(float rstd, bool weight_present, float offset) {
   return rstd * (weight_present ? offset : 1.f);
 }
@@ -914,13 +915,15 @@ void launch_rope(const RopeKernelArgs& a, bool interleaved, bool norm, bool tabl
       // limits; two-vector units hold 128 registers paired). With early rotation factors
       // (Wan 1.3B's 12 heads, 96 threads a token) bounded to seven blocks an SM: 72 registers
       // where ptxas gives 76-78, no spills (qk-norm + rope bf16 118.8 -> 117.0 us, fp16 119.4
-      // -> 116.3; [h200_4e2c81a] tune/tune_rope_paired_*). LTX-Video's rows stay unbounded: the
-      // same bound spilled 4-20 bytes there (bf16 47.3 -> 50.1 us; 79-80 registers then, 74 bf16
-      // since scaled_offset's form).
+      // -> 116.3; [h200_4e2c81a] tune/tune_rope_paired_*). LTX-Video's rows (no early factors)
+      // take the same bound since scaled_offset's form: unbounded, ptxas gave fp16 64 registers
+      // and 12 bytes of spills, bounded 68 (72 bf16) and none; qk-norm + rope 2x2688x2048 bf16
+      // 47.0-47.2 -> 46.5-46.8 us, fp16 47.5-47.8 -> 46.2-46.7, 2x8064x2048 126.7-126.9 ->
+      // 125.4-125.6 bf16 ([h200_cd67aa2] tune/paired_bound_*; before that form it spilled here).
       if constexpr (N && !G && !UnitLayout<I, VEC>::kTwoVectors)
         early_rotation
             ? launch(rope_rows_kernel<T, TAB, VEC, 2, I, N, G, true, true, 128, 7>, grid, block, smem, stream, a, gp)
-            : launch(rope_rows_kernel<T, TAB, VEC, 2, I, N, G, false, true>, grid, block, smem, stream, a, gp);
+            : launch(rope_rows_kernel<T, TAB, VEC, 2, I, N, G, false, true, 128, 7>, grid, block, smem, stream, a, gp);
       else
         FUSEBOX_CHECK(false, "paired rotary rows take a norm, a table and one-vector units");
     } else {
