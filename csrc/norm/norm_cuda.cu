@@ -759,7 +759,8 @@ int threads_per_row(int64_t vec_per_row, int items) {
 
 // Vectors per thread on the register path (0: streaming path). H200 figures; "2026-11-25"
 // is bench/results/2026-11-25_h200_05f87b3/tune/norm_*.
-// - a gated residual without a norm (nothing to reduce, so nothing for staging to hide): 1 vector
+// - a gated residual without a norm (unless launch_flat_add takes it; nothing to reduce, so
+//   nothing for staging to hide): 1 vector
 //   per thread up to 512 vectors a row, else 2, with the gate in registers (2026-11-25: LTX
 //   19.78 -> 19.44 us, FLUX 23.92 -> 23.60, Wan 1.3B 74.72 -> 73.12 with 1; Wan 14B's
 //   640-vector rows 236.5 -> 231.1 with 2).
@@ -973,6 +974,118 @@ void launch_rows(const NormKernelArgs& a, bool res, bool mod, bool split, RowWal
   }
 }
 
+// ---------------------------------------------------------------- residual add alone
+
+// h = x + gate * branch (or x + branch) as an elementwise pass: vector v of a sample's rows is
+// element v * VEC of x, branch and h, whose rows are contiguous within a sample; the gate's row
+// and column come from v by one multiply-high division. blockIdx.y is the sample.
+struct FlatAddArgs {
+  const void* x;
+  const void* branch;
+  void* h;
+  const void* gate;  // or null
+  int64_t x_s1, branch_s1, h_s1, gate_s1, gate_s2;  // sample strides; the gate's row stride
+  uint32_t vectors;                                  // vectors of one sample
+  FastDivmod vec_per_row;
+};
+
+template <typename T, typename P, int VEC, int ITEMS>
+__global__ void __launch_bounds__(256) flat_add_kernel(const FlatAddArgs a) {
+  const int64_t sample = blockIdx.y;
+  const T* x = static_cast<const T*>(a.x) + sample * a.x_s1;
+  const T* branch = static_cast<const T*>(a.branch) + sample * a.branch_s1;
+  Pack<T, VEC> xv[ITEMS], bv[ITEMS];
+  Pack<P, VEC> gv[ITEMS];
+  uint32_t v[ITEMS];
+  pdl_wait();
+#pragma unroll
+  for (int it = 0; it < ITEMS; ++it) {
+    v[it] = (blockIdx.x * ITEMS + it) * 256u + threadIdx.x;
+    if (v[it] < a.vectors) {
+      xv[it] = load_pack<T, VEC>(x + int64_t(v[it]) * VEC);
+      bv[it] = load_pack<T, VEC>(branch + int64_t(v[it]) * VEC);
+      if (a.gate) {
+        uint32_t col;
+        const uint32_t row = a.vec_per_row.divmod(v[it], col);
+        gv[it] = load_pack<P, VEC>(static_cast<const P*>(a.gate) + sample * a.gate_s1 + row * a.gate_s2 +
+                                   int64_t(col) * VEC);
+      }
+    }
+  }
+  pdl_release();
+  T* h = static_cast<T*>(a.h) + sample * a.h_s1;
+#pragma unroll
+  for (int it = 0; it < ITEMS; ++it) {
+    if (v[it] >= a.vectors) break;
+    float xf[VEC], bf[VEC];
+    unpack(xv[it], xf);
+    unpack(bv[it], bf);
+    if (a.gate) {
+      float gf[VEC];
+      unpack(gv[it], gf);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) bf[i] *= gf[i];
+    }
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) xf[i] += bf[i];
+    store_pack(h + int64_t(v[it]) * VEC, pack<T, VEC>(xf));
+  }
+}
+
+// The elementwise pass where the add's operands allow it: full vectors, rows contiguous within
+// each of at most 65535 samples, the gate of the rows' dtype or fp32 and not split; false
+// otherwise (the row kernel takes them). The row kernel ran 64% more warp instructions for the
+// same bytes as inductor's elementwise kernel (LTX-Video, bench/results/2026-11-29_h200_a1997f5/
+// ncu/). Side by side on the H200, two columns each (tune/flat_add_*.txt there), one vector a
+// thread: gated_residual LTX-Video 19.36-19.39 -> 19.22-19.23 us bf16 (19.33-19.41 -> 19.25
+// fp16), FLUX 23.65-23.82 -> 23.39-23.46 (23.50-23.54 -> 23.42), LTX-long 49.36-49.66 ->
+// 48.74-49.36, Wan's rows level; two vectors a thread (FUSEBOX_ADD_FLAT=2) no better. Opt-in
+// (FUSEBOX_ADD_FLAT=1) until it has run under compute-sanitizer and in the suite.
+bool launch_flat_add(const NormArgs& args, const detail::RowLayout& layout, const NormStrides& s, int vec,
+                     cudaStream_t stream) {
+  const int items = tuning_knobs().add_flat.value_or(0);
+  const int64_t width = args.x.shape[args.x.ndim - 1];
+  const bool full_vectors = vec * int(dtype_size(args.x.dtype)) == 16;
+  if ((items != 1 && items != 2) || !full_vectors || layout.sizes[0] != 1 || layout.sizes[1] > 65535 ||
+      split_modulation(args))
+    return false;
+  for (const detail::RowStrides* st : {&s.x, &s.branch, &s.residual_out})
+    if (layout.sizes[2] > 1 && st->s[2] != width) return false;
+  const int64_t vectors = layout.sizes[2] * width / vec;
+  if (vectors * items + 256 * items >= (int64_t(1) << 32)) return false;
+  if (args.gate.defined() && args.gate.dtype != args.x.dtype && args.gate.dtype != DType::kFloat32) return false;
+  FlatAddArgs a{};
+  a.x = args.x.data;
+  a.branch = args.branch.data;
+  a.h = args.residual_out.data;
+  a.gate = args.gate.defined() ? args.gate.data : nullptr;
+  a.x_s1 = s.x.s[1];
+  a.branch_s1 = s.branch.s[1];
+  a.h_s1 = s.residual_out.s[1];
+  a.gate_s1 = s.gate.s[1];
+  a.gate_s2 = s.gate.s[2];
+  a.vectors = uint32_t(vectors);
+  a.vec_per_row = FastDivmod(uint32_t(width / vec));
+  const int64_t per_block = 256 * int64_t(items);
+  const dim3 grid(unsigned((vectors + per_block - 1) / per_block), unsigned(layout.sizes[1])), block(256);
+  dispatch_dtype(args.x.dtype, [&](auto t) {
+    using T = decltype(t);
+    constexpr int V = 16 / int(sizeof(T));
+    auto go = [&](auto p) {
+      using P = decltype(p);
+      if (items == 1)
+        launch(flat_add_kernel<T, P, V, 1>, grid, block, 0, stream, a);
+      else
+        launch(flat_add_kernel<T, P, V, 2>, grid, block, 0, stream, a);
+    };
+    if (args.gate.defined() && args.gate.dtype == DType::kFloat32 && !std::is_same_v<T, float>)
+      go(float{});
+    else
+      go(T{});
+  });
+  return true;
+}
+
 }  // namespace
 
 void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const NormStrides& s, int vec,
@@ -1016,6 +1129,7 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   const bool res = args.branch.defined();
   const bool mod = args.scale.defined() || args.shift.defined();
   const bool normalizes = args.norm != NormType::kNone;
+  if (res && !normalizes && !mod && launch_flat_add(args, layout, s, vec, stream)) return;
   // An operand that changes from row to row (per-token modulation or gate).
   bool per_row_operand = false;
   for (const auto* st : {&s.gate, &s.scale, &s.shift}) per_row_operand |= layout.sizes[2] > 1 && st->s[2] != 0;

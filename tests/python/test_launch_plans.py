@@ -1,6 +1,6 @@
 """Launch plans and kernel variants the tuning variables can force (FUSEBOX_NORM_ITEMS,
 FUSEBOX_ROPE_ITEMS, FUSEBOX_ACT_FLAT, FUSEBOX_NORM_FLAT, FUSEBOX_NORM_SHORT, FUSEBOX_ROPE_SHORT,
-FUSEBOX_ROPE_EARLY, used by scripts/tune.py): each still computes the reference result on CUDA."""
+FUSEBOX_ROPE_EARLY, FUSEBOX_ADD_FLAT, used by scripts/tune.py): each still computes the reference result on CUDA."""
 
 import os
 import subprocess
@@ -47,6 +47,9 @@ for dtype in (BF16, F16, F32):
                                                        norm_type="layer", eps=1e-6)
         assert_close(h, expect_h, dtype, name="gated_residual_norm h")
         assert_close(out, expect_out, dtype, name="gated_residual_norm")
+        # the residual add alone (elementwise under FUSEBOX_ADD_FLAT=1 or 2; odd widths on the rows)
+        assert_close(call(fusebox.gated_residual, x, res, gate), ref.gated_residual(x, res, gate), dtype,
+                     name="gated_residual")
         normed, h = call(fusebox.fused_add_rms_norm, x, res, w, eps=1e-6)
         expect_normed, expect_h = ref.fused_add_rms_norm(x, res, w, eps=1e-6)
         assert_close(h, expect_h, dtype, name="h")
@@ -144,7 +147,7 @@ print("ok")
                                      "FUSEBOX_ROPE_ITEMS=2", "FUSEBOX_ROPE_ITEMS=4",
                                      "FUSEBOX_ACT_FLAT=0", "FUSEBOX_ACT_FLAT=1", "FUSEBOX_NORM_FLAT=0",
                                      "FUSEBOX_NORM_SHORT=0", "FUSEBOX_ROPE_SHORT=0", "FUSEBOX_ROPE_SHORT=2",
-                                     "FUSEBOX_ROPE_EARLY=0"])
+                                     "FUSEBOX_ROPE_EARLY=0", "FUSEBOX_ADD_FLAT=1", "FUSEBOX_ADD_FLAT=2"])
 def test_forced_launch_plans_cuda(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8
     applies to ops without a residual, NORM_ITEMS=3 to 16-bit rows with fp32 modulation; the

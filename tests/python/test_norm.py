@@ -451,7 +451,7 @@ def test_adaln_large(device, gen, dtypes, norm_type):
 
 @pytest.mark.parametrize("dtypes", DTYPE_CASES)
 @pytest.mark.parametrize("gate_kind", ["none", *MOD_KINDS])
-@pytest.mark.parametrize("width", [1, 7, 769, 5125])
+@pytest.mark.parametrize("width", [1, 7, 769, 2048, 5125])  # 2048: whole vectors (FUSEBOX_ADD_FLAT)
 def test_gated_residual(device, gen, dtypes, gate_kind, width):
     xd, pd = dtypes
     shape = (2, 5, width)
