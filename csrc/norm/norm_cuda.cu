@@ -1033,7 +1033,7 @@ __global__ void __launch_bounds__(256) flat_add_kernel(const FlatAddArgs a) {
 }
 
 // The elementwise pass where the add's operands allow it: full vectors, rows contiguous within
-// each of at most 65535 samples, the gate of the rows' dtype or fp32 and not split; false
+// each of at most 65535 samples, the gate not split; false
 // otherwise (the row kernel takes them). The row kernel ran 64% more warp instructions for the
 // same bytes as inductor's elementwise kernel (LTX-Video, bench/results/2026-11-29_h200_a1997f5/
 // ncu/). Side by side on the H200, two columns each (tune/flat_add_*.txt there), one vector a
@@ -1042,10 +1042,9 @@ __global__ void __launch_bounds__(256) flat_add_kernel(const FlatAddArgs a) {
 // 48.74-49.36, Wan's rows level; two vectors a thread (FUSEBOX_ADD_FLAT=2) no better. Opt-in
 // (FUSEBOX_ADD_FLAT=1) until it has run under compute-sanitizer and in the suite.
 bool launch_flat_add(const NormArgs& args, const detail::RowLayout& layout, const NormStrides& s, int vec,
-                     cudaStream_t stream) {
+                     bool full_vectors, cudaStream_t stream) {
   const int items = tuning_knobs().add_flat.value_or(0);
   const int64_t width = args.x.shape[args.x.ndim - 1];
-  const bool full_vectors = vec * int(dtype_size(args.x.dtype)) == 16;
   if ((items != 1 && items != 2) || !full_vectors || layout.sizes[0] != 1 || layout.sizes[1] > 65535 ||
       split_modulation(args))
     return false;
@@ -1053,7 +1052,6 @@ bool launch_flat_add(const NormArgs& args, const detail::RowLayout& layout, cons
     if (layout.sizes[2] > 1 && st->s[2] != width) return false;
   const int64_t vectors = layout.sizes[2] * width / vec;
   if (vectors * items + 256 * items >= (int64_t(1) << 32)) return false;
-  if (args.gate.defined() && args.gate.dtype != args.x.dtype && args.gate.dtype != DType::kFloat32) return false;
   FlatAddArgs a{};
   a.x = args.x.data;
   a.branch = args.branch.data;
@@ -1079,7 +1077,7 @@ bool launch_flat_add(const NormArgs& args, const detail::RowLayout& layout, cons
         launch(flat_add_kernel<T, P, V, 2>, grid, block, 0, stream, a);
     };
     if (args.gate.defined() && args.gate.dtype == DType::kFloat32 && !std::is_same_v<T, float>)
-      go(float{});
+      go(float{});  // (norm() checks a gate is of x's dtype or fp32)
     else
       go(T{});
   });
@@ -1129,7 +1127,7 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   const bool res = args.branch.defined();
   const bool mod = args.scale.defined() || args.shift.defined();
   const bool normalizes = args.norm != NormType::kNone;
-  if (res && !normalizes && !mod && launch_flat_add(args, layout, s, vec, stream)) return;
+  if (res && !normalizes && !mod && launch_flat_add(args, layout, s, vec, full_vectors, stream)) return;
   // An operand that changes from row to row (per-token modulation or gate).
   bool per_row_operand = false;
   for (const auto* st : {&s.gate, &s.scale, &s.shift}) per_row_operand |= layout.sizes[2] > 1 && st->s[2] != 0;
