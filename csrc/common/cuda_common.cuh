@@ -417,8 +417,8 @@ struct TuningKnobs {
   std::optional<int> norm_short;      // FUSEBOX_NORM_SHORT=0: short RMS rows take the general 1-vector plan
   std::optional<int> rope_short;      // FUSEBOX_ROPE_SHORT=0: no short rotary kernel (the per-head or rows
                                       // kernel); 2: rows across heads take it at any size
-  std::optional<int> add_flat;        // FUSEBOX_ADD_FLAT=1 or 2: the residual add alone as an elementwise
-                                      // pass of 1 or 2 vectors a thread (unset or 0: the row kernel)
+  std::optional<int> add_flat;        // FUSEBOX_ADD_FLAT: the residual add alone as an elementwise pass of
+                                      // 1 (default) or 2 vectors a thread; 0: the row kernel
 };
 const TuningKnobs& tuning_knobs();
 

@@ -1039,11 +1039,11 @@ __global__ void __launch_bounds__(256) flat_add_kernel(const FlatAddArgs a) {
 // ncu/). Side by side on the H200, two columns each (tune/flat_add_*.txt there), one vector a
 // thread: gated_residual LTX-Video 19.36-19.39 -> 19.22-19.23 us bf16 (19.33-19.41 -> 19.25
 // fp16), FLUX 23.65-23.82 -> 23.39-23.46 (23.50-23.54 -> 23.42), LTX-long 49.36-49.66 ->
-// 48.74-49.36, Wan's rows level; two vectors a thread (FUSEBOX_ADD_FLAT=2) no better. Opt-in
-// (FUSEBOX_ADD_FLAT=1) until it has run under compute-sanitizer and in the suite.
+// 48.74-49.36, Wan's rows level; two vectors a thread (FUSEBOX_ADD_FLAT=2) no better.
+// FUSEBOX_ADD_FLAT=0 sends these rows to the row kernel.
 bool launch_flat_add(const NormArgs& args, const detail::RowLayout& layout, const NormStrides& s, int vec,
                      bool full_vectors, cudaStream_t stream) {
-  const int items = tuning_knobs().add_flat.value_or(0);
+  const int items = tuning_knobs().add_flat.value_or(1);
   const int64_t width = args.x.shape[args.x.ndim - 1];
   if ((items != 1 && items != 2) || !full_vectors || layout.sizes[0] != 1 || layout.sizes[1] > 65535 ||
       split_modulation(args))

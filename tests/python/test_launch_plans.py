@@ -47,7 +47,7 @@ for dtype in (BF16, F16, F32):
                                                        norm_type="layer", eps=1e-6)
         assert_close(h, expect_h, dtype, name="gated_residual_norm h")
         assert_close(out, expect_out, dtype, name="gated_residual_norm")
-        # the residual add alone (elementwise under FUSEBOX_ADD_FLAT=1 or 2; odd widths on the rows)
+        # the residual add alone (elementwise; the row kernel under FUSEBOX_ADD_FLAT=0 and at odd widths)
         assert_close(call(fusebox.gated_residual, x, res, gate), ref.gated_residual(x, res, gate), dtype,
                      name="gated_residual")
         normed, h = call(fusebox.fused_add_rms_norm, x, res, w, eps=1e-6)
@@ -147,7 +147,7 @@ print("ok")
                                      "FUSEBOX_ROPE_ITEMS=2", "FUSEBOX_ROPE_ITEMS=4",
                                      "FUSEBOX_ACT_FLAT=0", "FUSEBOX_ACT_FLAT=1", "FUSEBOX_NORM_FLAT=0",
                                      "FUSEBOX_NORM_SHORT=0", "FUSEBOX_ROPE_SHORT=0", "FUSEBOX_ROPE_SHORT=2",
-                                     "FUSEBOX_ROPE_EARLY=0", "FUSEBOX_ADD_FLAT=1", "FUSEBOX_ADD_FLAT=2"])
+                                     "FUSEBOX_ROPE_EARLY=0", "FUSEBOX_ADD_FLAT=0", "FUSEBOX_ADD_FLAT=2"])
 def test_forced_launch_plans_cuda(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8
     applies to ops without a residual, NORM_ITEMS=3 to 16-bit rows with fp32 modulation; the
