@@ -1032,14 +1032,14 @@ __global__ void __launch_bounds__(256) flat_add_kernel(const FlatAddArgs a) {
   }
 }
 
-// The elementwise pass where the add's operands allow it: full vectors, rows contiguous within
-// each of at most 65535 samples, the gate not split; false
-// otherwise (the row kernel takes them). The row kernel ran 64% more warp instructions for the
-// same bytes as inductor's elementwise kernel (LTX-Video, bench/results/2026-11-29_h200_a1997f5/
-// ncu/). Side by side on the H200, two columns each (tune/flat_add_*.txt there), one vector a
-// thread: gated_residual LTX-Video 19.36-19.39 -> 19.22-19.23 us bf16 (19.33-19.41 -> 19.25
-// fp16), FLUX 23.65-23.82 -> 23.39-23.46 (23.50-23.54 -> 23.42), LTX-long 49.36-49.66 ->
-// 48.74-49.36, Wan's rows level; two vectors a thread (FUSEBOX_ADD_FLAT=2) no better.
+// The elementwise pass where the add's operands allow it (full vectors, rows contiguous within
+// each of at most 65535 samples, the gate not split); false otherwise, and the row kernel takes
+// them. The row kernel ran 64% more warp instructions for the same bytes as inductor's
+// elementwise kernel (LTX-Video, bench/results/2026-11-29_h200_a1997f5/ncu/). H200, side by side
+// against the row kernel, one vector a thread (bench/results/2026-11-29_h200_110e771/tune/):
+// gated_residual LTX-Video 19.23-19.39 -> 19.15-19.20 us bf16 (19.41-19.55 -> 19.17-19.23 fp16),
+// FLUX 23.55-23.68 -> 23.30-23.34, LTX-long 49.02-49.26 -> 48.70-48.80, Wan's rows level; two
+// vectors a thread (FUSEBOX_ADD_FLAT=2) no better (a1997f5's tune/flat_add_*).
 // FUSEBOX_ADD_FLAT=0 sends these rows to the row kernel.
 bool launch_flat_add(const NormArgs& args, const detail::RowLayout& layout, const NormStrides& s, int vec,
                      bool full_vectors, cudaStream_t stream) {
