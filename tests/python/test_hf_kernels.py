@@ -224,6 +224,25 @@ def test_kernelize_gelu_tanh_activation(repo, kernel):
         assert rel_err(model(ids).logits, ref) < 1e-5
 
 
+@pytest.mark.parametrize("act", ["gelu_new", "gelu_fast"])
+def test_kernelize_written_out_gelu_tanh(repo, kernel, act):
+    """GPT-2's and Phi's NewGELU and the FastGELU form: the tanh GELU as elementwise torch code,
+    one fusebox pass under their hub names."""
+    layer = {"gelu_new": "NewGELU", "gelu_fast": "FastGELU"}[act]
+    model = tiny_llama("cpu", act=act)
+    assert type(model.model.layers[0].mlp.act_fn).kernel_layer_name == layer
+    ids = token_ids(seq=16)
+    with torch.no_grad():
+        ref = model(ids).logits
+    mode = kernels.Mode.INFERENCE
+    with kernels.use_kernel_mapping(_mapping(repo, "cpu", mode, {layer: layer}),
+                                    inherit_mapping=False):
+        kernels.kernelize(model, mode=mode, device="cpu")
+    assert model.model.layers[0].mlp.act_fn.forward.__func__ is getattr(kernel.layers, layer).forward
+    with torch.no_grad():
+        assert rel_err(model(ids).logits, ref) < 1e-5
+
+
 @pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 def test_kernelize_t5_formula_rms_norm(repo, kernel, weight_dtype):
     """GPT-OSS's RMSNorm shares the hub name "RMSNorm" with Llama's but applies its weight

@@ -888,7 +888,7 @@ def test_linear_gelu_matches_float64(dtype, approximate, epilogue, device, monke
     # off), every other case as the matmul then fusebox's bias + GELU pass
     from fusebox.patch.dit import _shared
 
-    monkeypatch.setattr(_shared, "GEMM_GELU", epilogue)
+    monkeypatch.setattr(_common, "GEMM_GELU", epilogue)
     calls = Counter()
     real = torch._addmm_activation
     monkeypatch.setattr(torch, "_addmm_activation",

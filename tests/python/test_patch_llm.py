@@ -357,9 +357,9 @@ def test_module_with_a_foreign_forward_is_skipped():
 
 
 def test_unknown_model_untouched():
-    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=LLM_VOCAB,
-                                     n_positions=64)
-    model = transformers.GPT2LMHeadModel(config).eval()
+    # Nemotron: LayerNorm1P, (1 + weight), a LayerNorm subclass; squared-ReLU MLP
+    model = causal_lm(transformers.NemotronConfig(**{**TINY_LLM, "eos_token_id": 2,
+                                                     "pad_token_id": 0, "bos_token_id": 1}))
     ids = token_ids()
     ref = logits(model, ids)
     report = fusebox.patch(model)
@@ -388,7 +388,8 @@ def test_falcon_fp32_logits_match(variant, device):
     assert patched["LayerNorm: layer_norm"] == FALCON_LAYER_NORMS[variant]
     with FuseboxOps() as ops:
         out = logits(model, ids)
-    assert ops.calls == {"rotary": 2, "layer_norm": FALCON_LAYER_NORMS[variant]}
+    # (its MLP is not gated: the GELU module runs as fusebox's activation)
+    assert ops.calls == {"rotary": 2, "layer_norm": FALCON_LAYER_NORMS[variant], "act": 2}
     assert rel_err(out, ref) < 1e-5
 
 
@@ -452,6 +453,127 @@ def test_cohere_layer_norms_fused(family):
     assert rel_err(compiled, ref) < 1e-5
 
 
+# LayerNorm LLMs: every torch.nn.LayerNorm runs as layer_norm, and the MLPs that read
+# out(act(in(x))) run their activation fused (GELU-tanh in the first projection's GEMM
+# epilogue on CUDA). family -> (config class, tiny values, LayerNorms of 2 layers, MLP's what)
+LAYER_NORM_LLMS = {
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=64), 5,
+             "c_fc with gelu_tanh in its GEMM epilogue (CUDA)"),
+    "gpt_neox": ("GPTNeoXConfig", dict(rotary_pct=0.25), 5, "activation (gelu)"),
+    "phi": ("PhiConfig", dict(partial_rotary_factor=0.5), 3,
+            "fc1 with gelu_tanh in its GEMM epilogue (CUDA)"),
+    "starcoder2": ("Starcoder2Config", dict(residual_dropout=0.1), 5,
+                   "c_fc with gelu_tanh in its GEMM epilogue (CUDA)"),
+    "gptj": ("GPTJConfig", dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64), 3,
+             "fc_in with gelu_tanh in its GEMM epilogue (CUDA)"),
+    "opt": ("OPTConfig", dict(ffn_dim=128, word_embed_proj_dim=64), 5, None),
+}
+
+
+def tiny_layer_norm_llm(family, device="cpu"):
+    cls_name, extra, _, _ = LAYER_NORM_LLMS[family]
+    config = getattr(transformers, cls_name)(**{**TINY_LLM, **extra, "bos_token_id": 1,
+                                                 "eos_token_id": 2, "pad_token_id": 0})
+    return causal_lm(config).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", list(LAYER_NORM_LLMS))
+def test_layer_norm_llm_fused(family, device, monkeypatch):
+    """fp32 logits as unpatched, every LayerNorm and the MLPs' activations fused (the tanh GELU
+    by the GEMM epilogue on CUDA), bf16 within the bf16 spread, greedy tokens unchanged."""
+    _, _, norms, mlp_what = LAYER_NORM_LLMS[family]
+    epilogues = []
+    real = torch._addmm_activation
+    monkeypatch.setattr(torch, "_addmm_activation",
+                        lambda *a, **k: (epilogues.append(1), real(*a, **k))[1])
+    model = tiny_layer_norm_llm(family, device)
+    ids = token_ids(device=device)
+    ref = logits(model, ids)
+    model16 = copy.deepcopy(model).to(torch.bfloat16)
+    err_unpatched = rel_err(logits(model16, ids), ref)
+    report = fusebox.patch(model)
+    patched = report.summary()["patched"]
+    assert patched["LayerNorm: layer_norm"] == norms, str(report)
+    mlps = {k: v for k, v in patched.items() if k.split(":")[0].endswith("MLP")}
+    assert mlps == ({} if mlp_what is None else {f"{k.split(':')[0]}: {mlp_what}": 2 for k in mlps})
+    assert bool(mlps) == (mlp_what is not None), str(report)
+    assert not any(k.split(":")[0].endswith("Activation") for k in patched), str(report)
+    with FuseboxOps() as ops:
+        out = logits(model, ids)
+    expected = {"layer_norm": norms}
+    if mlp_what is not None:
+        expected["act"] = 2
+    assert ops.calls == expected, ops.calls
+    assert len(epilogues) == (2 if device == "cuda" and "epilogue" in (mlp_what or "") else 0)
+    assert rel_err(out, ref) < 1e-5
+    fusebox.patch(model16)
+    assert rel_err(logits(model16, ids), ref) <= 1.5 * err_unpatched + 2e-3
+    prompt = token_ids(batch=1, seq=6, device=device)
+    kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        patched_tokens = model.generate(prompt, **kwargs)
+        fusebox.unpatch(model)
+        assert torch.equal(model.generate(prompt, **kwargs), patched_tokens)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "phi"])
+def test_layer_norm_llm_compiles_whole(family):
+    model = tiny_layer_norm_llm(family)
+    ids = token_ids()
+    ref = logits(model, ids)
+    fusebox.patch(model)
+    torch._dynamo.reset()
+    backend = GraphOps()
+    with torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True, backend=backend)(ids).logits
+    assert {"layer_norm", "act"} <= backend.ops
+    assert rel_err(compiled, ref) < 1e-5
+
+
+def test_plain_mlp_keeps_its_forward_while_its_dropout_is_active():
+    """StarCoder2's MLP applies a dropout after its output projection in train mode: the fused
+    forward (which has none) steps aside, so the same random masks come out."""
+    model = tiny_layer_norm_llm("starcoder2").train()
+    ids = token_ids()
+    torch.manual_seed(3)
+    ref = logits(model, ids)
+    fusebox.patch(model)
+    torch.manual_seed(3)
+    with FuseboxOps() as ops:
+        out = logits(model, ids)
+    assert "act" not in ops.calls and ops.calls["layer_norm"] == 5
+    assert rel_err(out, ref) < 1e-5
+    model.eval()
+    assert rel_err(logits(model, ids), ref) > 1e-3   # (the masks did change the result)
+
+
+@pytest.mark.parametrize("act", ["gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu"])
+def test_activation_module_fused_where_its_mlp_is_not(act):
+    """An activation module of an MLP fusebox does not run as a whole (Falcon's: not gated, no
+    ``out(act(in(x)))`` forward) runs as one fusebox pass: GELU-tanh as transformers writes it
+    out (NewGELU, FastGELU) or calls it, and the exact GELU."""
+    model = tiny_falcon("falcon-7b", activation=act)
+    ids = token_ids()
+    ref = logits(model, ids)
+    report = fusebox.patch(model)
+    kind = "gelu" if act == "gelu" else "gelu_tanh"
+    acts = {k: v for k, v in report.summary()["patched"].items() if "activation" in k}
+    assert list(acts.values()) == [2] and list(acts)[0].endswith(f": activation ({kind})"), acts
+    with FuseboxOps() as ops:
+        out = logits(model, ids)
+    assert ops.calls["act"] == 2
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_activation_without_a_kernel_reported_by_its_mlp():
+    model = tiny_llm("llama", hidden_act="relu2")
+    report = fusebox.patch(model)
+    skipped = {e.kind: e.what for e in report.skipped}
+    assert skipped["LlamaMLP"] == "activation ReLUSquaredActivation has no fused kernel"
+    assert "ReLUSquaredActivation" not in skipped
+
+
 def test_falcon_alibi_attention_left_alone():
     model = tiny_falcon("falcon-7b", alibi=True)
     ids = token_ids()
@@ -460,7 +582,8 @@ def test_falcon_alibi_attention_left_alone():
     reasons = {e.kind: e.what for e in report.skipped}
     assert "ALiBi" in reasons["FalconAttention"]
     assert "residual adds kept" in reasons["FalconDecoderLayer"]
-    assert report.summary()["patched"] == {"LayerNorm: layer_norm": 3}
+    assert report.summary()["patched"] == {"LayerNorm: layer_norm": 3,
+                                           "GELUActivation: activation (gelu)": 2}
     assert rel_err(logits(model, ids), ref) < 1e-5
     fusebox.unpatch(model)
     assert torch.equal(logits(model, ids), ref)

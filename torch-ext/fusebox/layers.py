@@ -12,6 +12,10 @@ layer                  replaces (transformers hub name)            host attribut
 ``SiLU``               ``SiLUActivation`` ("SiLU")                  none
 ``GeLU``               ``GELUActivation`` ("GeLU"), exact erf       none
 ``GeluTanh``           ``GELUTanh`` ("GeluTanh")                    none
+``NewGELU``            ``NewGELUActivation`` ("NewGELU"), the tanh  none
+                       form written out (GPT-2, Phi, GPT-J)
+``FastGELU``           ``FastGELUActivation`` ("FastGELU"), the     none
+                       same form
 ``SiluAndMul``         vLLM-style packed ``silu(x[:N]) * x[N:]``   none
 ``GeluAndMul``         packed exact-GELU gate                       none
 ``GeluTanhAndMul``     packed tanh-GELU gate                        none
@@ -224,9 +228,11 @@ class RotaryPosEmb(_Layer):
 SiLU = _activation_layer("SiLU", "silu")
 GeLU = _activation_layer("GeLU", "gelu")
 GeluTanh = _activation_layer("GeluTanh", "gelu_tanh")
+NewGELU = _activation_layer("NewGELU", "gelu_tanh")
+FastGELU = _activation_layer("FastGELU", "gelu_tanh")
 SiluAndMul = _packed_gate_layer("SiluAndMul", "silu")
 GeluAndMul = _packed_gate_layer("GeluAndMul", "gelu")
 GeluTanhAndMul = _packed_gate_layer("GeluTanhAndMul", "gelu_tanh")
 
-__all__ = ["GeLU", "GeluAndMul", "GeluTanh", "GeluTanhAndMul", "RMSNorm", "RotaryPosEmb",
-           "SiLU", "SiluAndMul"]
+__all__ = ["FastGELU", "GeLU", "GeluAndMul", "GeluTanh", "GeluTanhAndMul", "NewGELU", "RMSNorm",
+           "RotaryPosEmb", "SiLU", "SiluAndMul"]

@@ -34,6 +34,8 @@ FFN_ROWS = (1, 16, 256, 2048, 8192)
 FFN_WIDTHS = (11008, 12288, 14336)          # Llama-2-7B, Qwen3-8B, Llama-3-8B/Mistral-7B
 GEMMA_FFN_ROWS = (1, 16, 2048, 8192)
 GEMMA_FFN_WIDTHS = (10240, 21504)           # Gemma3 4B, 27B
+LN_LLM_ROWS = (1, 16, 2048, 8192)
+LN_LLM_WIDTHS = (2560, 3072)                # Phi-2 / Pythia-2.8B, StarCoder2-3B
 ROPE_TOKENS = (1, 16, 256, 2048, 8192)
 SEEDS_LTX = ((1, 1024, 2048), (2, 1024, 2048), (4, 1024, 2048), (1, 4096, 2048),
              (2, 4096, 3072), (1, 8192, 2048), (4, 4096, 3072))
@@ -211,7 +213,9 @@ def _norm_add_bytes(p, dt):
 
 
 def _ln_shapes():
-    out = []
+    out = [("llm", f"{rows}x{d}", dict(shape=(rows, d), eps=1e-5, fp32=False),
+            (rows, d) in ((1, 2560), (2048, 2560)))
+           for rows in LN_LLM_ROWS for d in LN_LLM_WIDTHS]
     for name, (s, _norm, fp32, _f) in DIT.items():
         out.append(("dit", f"{name} {_dims(s)}", dict(shape=s, eps=1e-6, fp32=fp32),
                     name == "flux"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import re
 import types
 import weakref
@@ -193,3 +194,25 @@ def derived_once(source: torch.Tensor, kind: Hashable, make: Callable[[], T]) ->
 def _version(t: torch.Tensor) -> int:
     """``t``'s in-place version; inference-mode tensors keep none (-1)."""
     return -1 if t.is_inference() else t._version
+
+
+# --------------------------------------------------------------------------- GEMM epilogue
+
+# A projection followed by GELU-tanh runs as one GEMM whose epilogue adds the bias and applies
+# the GELU (``torch._addmm_activation``: cuBLASLt's GELU_BIAS epilogue, the tanh form on CUDA)
+# instead of writing the product for a separate pass to read back. FUSEBOX_GEMM_GELU=0 keeps the
+# separate pass, for side-by-side measurements.
+GEMM_GELU = os.environ.get("FUSEBOX_GEMM_GELU", "1") != "0"
+
+
+def gemm_gelu_tanh_ok(x: torch.Tensor, bias: Optional[torch.Tensor]) -> bool:
+    """Can :func:`gemm_bias_gelu_tanh` take ``x``? CUDA only (on CPU the same op applies the
+    exact erf GELU), with a bias in x's dtype."""
+    return (GEMM_GELU and x.is_cuda and x.dim() >= 2 and bias is not None
+            and bias.dtype == x.dtype)
+
+
+def gemm_bias_gelu_tanh(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+    """``gelu_tanh(x @ weight_t + bias)`` in one GEMM; ``weight_t`` is ``[in, out]``."""
+    flat = torch._addmm_activation(bias, x.reshape(-1, x.shape[-1]), weight_t, use_gelu=True)
+    return flat.view(*x.shape[:-1], weight_t.shape[1])

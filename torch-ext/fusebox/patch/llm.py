@@ -59,6 +59,8 @@ from ..layers import probe_rotary, rotary_rounds_to_input, rotary_tables
 from ._common import (
     add_undo,
     derived_once,
+    gemm_bias_gelu_tanh,
+    gemm_gelu_tanh_ok,
     has_hooks,
     needs_autograd,
     original_forward,
@@ -215,10 +217,6 @@ def _norm_add(norm: torch.nn.Module, style: Optional[NormStyle], x: torch.Tensor
 
 # --------------------------------------------------------------------------- LayerNorm
 
-# families whose torch.nn.LayerNorm modules are fused (their own norm formula is torch's)
-LAYER_NORM_FAMILIES = ("falcon",)
-
-
 def _layer_norm_patch(module: torch.nn.Module) -> Tuple[Optional[Callable], str]:
     if len(module.normalized_shape) != 1:
         return None, "LayerNorm over more than the last dimension"
@@ -258,12 +256,15 @@ def _fp32_layer_norm_forward(self, x):
 
 # --------------------------------------------------------------------------- MLP
 
-# transformers activation class -> fusebox activation name
+# transformers activation class -> fusebox activation name. NewGELU and FastGELU are the tanh
+# form written out in the model's dtype (five to eight passes); fusebox evaluates it in fp32.
 _ACTIVATIONS = {
     "SiLUActivation": "silu",
     "SiLU": "silu",
     "GELUTanh": "gelu_tanh",
     "PytorchGELUTanh": "gelu_tanh",
+    "NewGELUActivation": "gelu_tanh",
+    "FastGELUActivation": "gelu_tanh",
 }
 _GATED_MLP = "down_proj=self.down_proj(self.act_fn(self.gate_proj(x))*self.up_proj(x))"
 # Llama 4: the same product, its activation named activation_fn
@@ -275,11 +276,14 @@ _PACKED_MLP = ("gate,up_states=up_states.chunk(2,dim=-1)"
 
 
 def mlp_form(module: torch.nn.Module) -> Optional[str]:
-    """"gated" (separate gate and up projections), "packed" (one ``gate_up_proj``) or None."""
+    """"gated" (separate gate and up projections), "packed" (one ``gate_up_proj``), "plain"
+    (``out(act(in(x)))``, see :func:`plain_mlp_layout`) or None."""
     src = source_text(type(module).forward)
     if _GATED_MLP in src or _GATED_MLP_LLAMA4 in src:
         return "gated"
-    return "packed" if _PACKED_MLP in src else None
+    if _PACKED_MLP in src:
+        return "packed"
+    return "plain" if plain_mlp_layout(type(module)) is not None else None
 
 
 def _activation(module: torch.nn.Module) -> torch.nn.Module:
@@ -287,14 +291,8 @@ def _activation(module: torch.nn.Module) -> torch.nn.Module:
     return module.act_fn if "act_fn" in module._modules else module.activation_fn
 
 
-def mlp_activation(module: torch.nn.Module) -> Tuple[Optional[str], str]:
-    """(fusebox activation, "") for a gated MLP fusebox can run, else (None, why not)."""
-    form = mlp_form(module)
-    if form is None:
-        if hasattr(module, "experts"):
-            return None, "mixture of experts: the experts keep their code"
-        return None, "forward is not down(act(gate(x)) * up(x))"
-    act = _activation(module)
+def activation_kind(act: torch.nn.Module) -> Tuple[Optional[str], str]:
+    """(fusebox activation, "") for an activation module fusebox runs, else (None, why not)."""
     name = type(act).__name__
     if name == "GELUActivation":
         # transformers' "gelu" is exact erf unless it was built with the python formula
@@ -305,6 +303,155 @@ def mlp_activation(module: torch.nn.Module) -> Tuple[Optional[str], str]:
     if name in _ACTIVATIONS:
         return _ACTIVATIONS[name], ""
     return None, f"activation {name} has no fused kernel"
+
+
+def mlp_activation(module: torch.nn.Module) -> Tuple[Optional[str], str]:
+    """(fusebox activation, "") for an MLP fusebox can run, else (None, why not)."""
+    form = mlp_form(module)
+    if form is None:
+        if hasattr(module, "experts"):
+            return None, "mixture of experts: the experts keep their code"
+        return None, "forward is not down(act(gate(x)) * up(x)) or out(act(in(x)))"
+    if form == "plain":
+        return activation_kind(getattr(module, plain_mlp_layout(type(module)).act))
+    return activation_kind(_activation(module))
+
+
+# --------------------------------------------------------------------------- plain MLPs
+
+
+class PlainMLPLayout(NamedTuple):
+    """The attribute names of an MLP whose forward is ``out(act(in(x)))`` plus dropouts."""
+    fc_in: str
+    act: str
+    fc_out: str
+
+
+def _self_call(node, arg: str) -> Optional[str]:
+    """``name`` for a node that reads ``self.name(arg)``, else None."""
+    import ast
+
+    if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and isinstance(node.func.value, ast.Name) and node.func.value.id == "self"
+            and len(node.args) == 1 and not node.keywords
+            and isinstance(node.args[0], ast.Name) and node.args[0].id == arg):
+        return node.func.attr
+    return None
+
+
+def _functional_dropout(node, arg: str) -> bool:
+    """``nn.functional.dropout(arg, p=..., training=self.training)`` (as Starcoder2 writes it)."""
+    import ast
+
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr == "dropout" and len(node.args) == 1
+            and isinstance(node.args[0], ast.Name) and node.args[0].id == arg
+            and any(k.arg == "training" and ast.unparse(k.value) == "self.training"
+                    for k in node.keywords))
+
+
+@functools.lru_cache(maxsize=None)
+def plain_mlp_layout(cls) -> Optional[PlainMLPLayout]:
+    """The layout of a forward that reads, statement by statement, ``h = self.IN(h)``,
+    ``h = self.ACT(h)``, ``h = self.OUT(h)``, then dropouts of ``h`` (``self.dropout(h)`` or
+    ``nn.functional.dropout(h, ..., training=self.training)``) and ``return h``: the MLPs of
+    GPT-2, GPT-NeoX, Phi, StarCoder2, GPT-BigCode, GPT-J, CodeGen, Persimmon."""
+    import ast
+    import textwrap
+
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(cls.forward)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    fn = tree.body[0]
+    params = [a.arg for a in fn.args.args]
+    if len(params) != 2 or fn.args.vararg or fn.args.kwonlyargs or fn.args.kwarg:
+        return None
+    h = params[1]
+    body = [st for st in fn.body
+            if not (isinstance(st, ast.Expr) and isinstance(st.value, ast.Constant))]  # docstring
+    if len(body) < 4 or not (isinstance(body[-1], ast.Return) and isinstance(body[-1].value, ast.Name)
+                             and body[-1].value.id == h):
+        return None
+    calls = []
+    for st in body[:-1]:
+        if not (isinstance(st, ast.Assign) and len(st.targets) == 1
+                and isinstance(st.targets[0], ast.Name) and st.targets[0].id == h):
+            return None
+        calls.append(st.value)
+    names = [_self_call(c, h) for c in calls[:3]]
+    if None in names:
+        return None
+    for c in calls[3:]:
+        if _self_call(c, h) is None and not _functional_dropout(c, h):
+            return None
+    dropouts = tuple(_self_call(c, h) for c in calls[3:] if _self_call(c, h) is not None)
+    return PlainMLPLayout(*names) if all(d == "dropout" for d in dropouts) else None
+
+
+def _is_projection(module: torch.nn.Module) -> bool:
+    """A ``torch.nn.Linear`` or transformers' ``Conv1D`` (GPT-2's, weight ``[in, out]``)."""
+    return type(module) is torch.nn.Linear or (type(module).__name__ == "Conv1D"
+                                               and _is_transformers_class(type(module)))
+
+
+def _plain_mlp_patch(module: torch.nn.Module) -> Tuple[Optional[Callable], str]:
+    layout = plain_mlp_layout(type(module))
+    for name in (layout.fc_in, layout.fc_out):
+        if not _is_projection(getattr(module, name, None)):
+            return None, f"{name} is not a Linear or Conv1D"
+    dropout = getattr(module, "dropout", None)
+    if dropout is not None and not isinstance(dropout, torch.nn.Dropout):
+        return None, "dropout is not torch.nn.Dropout"
+    kind, why = activation_kind(getattr(module, layout.act))
+    if kind is None:
+        return None, why
+    what = (f"{layout.fc_in} with {kind} in its GEMM epilogue (CUDA)" if kind == "gelu_tanh"
+            else f"activation ({kind})")
+    return _make_plain_mlp_forward(layout, kind), what
+
+
+def _linear_activation(proj: torch.nn.Module, x: torch.Tensor, kind: str) -> torch.Tensor:
+    """``act(proj(x))``: the tanh GELU on CUDA in the GEMM's epilogue, the rest as the projection
+    then fusebox's activation pass."""
+    if kind == "gelu_tanh" and not has_hooks(proj) and gemm_gelu_tanh_ok(x, proj.bias):
+        weight_t = proj.weight if type(proj) is not torch.nn.Linear else proj.weight.t()
+        if weight_t.dtype == x.dtype:
+            return gemm_bias_gelu_tanh(x, weight_t, proj.bias)
+    return F.activation(proj(x), None, kind)
+
+
+def _make_plain_mlp_forward(layout: PlainMLPLayout, kind: str) -> Callable:
+    def forward(self, hidden_states):
+        fc_in = getattr(self, layout.fc_in)
+        # training: the dropouts this forward leaves out are active
+        if self.training or not _fusable(hidden_states, fc_in.weight):
+            return original_forward(self)(hidden_states)
+        return getattr(self, layout.fc_out)(_linear_activation(fc_in, hidden_states, kind))
+    return forward
+
+
+def _is_activation_class(cls) -> bool:
+    return cls.__module__ == "transformers.activations"
+
+
+def _activation_patch(module: torch.nn.Module) -> Tuple[Optional[Callable], str]:
+    kind, why = activation_kind(module)
+    if kind is None:
+        return None, why
+    return _ACTIVATION_FORWARDS[kind], f"activation ({kind})"
+
+
+def _make_activation_forward(kind: str) -> Callable:
+    def forward(self, input):
+        if not _fusable(input):
+            return original_forward(self)(input)
+        return F.activation(input, None, kind)
+    return forward
+
+
+_ACTIVATION_FORWARDS = {kind: _make_activation_forward(kind) for kind in set(_ACTIVATIONS.values())
+                        | {"gelu"}}
 
 
 def _make_mlp_forward(activation: str) -> Callable:
@@ -875,12 +1022,15 @@ SPECIAL_CLASSES: Dict[str, Callable[[torch.nn.Module], Tuple[Optional[Callable],
 }
 
 
-def _classify(module, family: str) -> Tuple[Optional[Callable], str, bool]:
+def _classify(module) -> Tuple[Optional[Callable], str, bool]:
     """(fused forward or None, what/why, is a candidate worth reporting)."""
     name = type(module).__name__
-    if type(module) is torch.nn.LayerNorm and family in LAYER_NORM_FAMILIES:
+    if type(module) is torch.nn.LayerNorm:   # torch's formula: the op's, in every family
         fn, what = _layer_norm_patch(module)
         return fn, what, True
+    if type(module) is torch.nn.SiLU or _is_activation_class(type(module)):
+        fn, what = _activation_patch(module)
+        return fn, what, fn is not None   # one without a kernel is its MLP's to report
     if not _is_transformers_class(type(module)):
         return None, "", False
     if name in SPECIAL_CLASSES:
@@ -898,6 +1048,9 @@ def _classify(module, family: str) -> Tuple[Optional[Callable], str, bool]:
         activation, why = mlp_activation(module)
         if activation is None:
             return None, why, True
+        if mlp_form(module) == "plain":
+            fn, what = _plain_mlp_patch(module)
+            return fn, what, True
         if mlp_form(module) == "packed":
             return (_make_packed_mlp_forward(activation),
                     f"gated_activation_packed ({activation})", True)
@@ -917,11 +1070,15 @@ def patch(model: torch.nn.Module, report, **options) -> None:
     report.family = getattr(config, "model_type", "") or ""
     plan = []
     for path, module in model.named_modules():
-        fn, what, candidate = _classify(module, report.family)
+        fn, what, candidate = _classify(module)
         if fn is not None:
             plan.append((path, module, fn, what))
         elif candidate:
             report.skip(path, module, what)
+    # An MLP fused as a whole runs its activation itself: the activation module is not called.
+    fused_mlps = {path for path, module, _, _ in plan if type(module).__name__.endswith("MLP")}
+    plan = [(path, module, fn, what) for path, module, fn, what in plan
+            if not (fn in _ACTIVATION_FORWARDS.values() and path.rpartition(".")[0] in fused_mlps)]
     patched = 0
     for path, module, fn, what in plan:
         try:

@@ -55,6 +55,8 @@ MODELS = {
     "falcon-7b": "tiiuae/falcon-7b: 32 layers, 4544 wide, multi-query 71/1, LayerNorm, parallel MLP",
     "smollm3-3b": "HuggingFaceTB/SmolLM3-3B: 36 layers, 2048 wide, GQA 16/4, every 4th layer NoPE",
     "olmo2-7b": "allenai/OLMo-2-1124-7B: 32 layers, 4096 wide, q/k norms across heads, post-norm",
+    "phi-2": "microsoft/phi-2: 32 layers, 2560 wide, LayerNorm, parallel attention + MLP, gelu_new",
+    "starcoder2-3b": "bigcode/starcoder2-3b: 30 layers, 3072 wide, GQA 24/2, LayerNorm, gelu-tanh MLP",
     TINY: "2-layer Qwen3-style model, 128 wide (functional check; runs on CPU)",
 }
 
@@ -104,6 +106,19 @@ CONFIGS: Dict[str, dict] = {
         rope_theta=500_000.0, rope_scaling=None, vocab_size=100352, max_position_embeddings=4096,
         attention_bias=False, tie_word_embeddings=False, bos_token_id=None,
         eos_token_id=100257, pad_token_id=100277, initializer_range=0.02),
+    "phi-2": dict(
+        model_type="phi", hidden_size=2560, intermediate_size=10240, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=32, hidden_act="gelu_new",
+        layer_norm_eps=1e-5, partial_rotary_factor=0.4, rope_theta=10000.0, rope_scaling=None,
+        qk_layernorm=False, vocab_size=51200, max_position_embeddings=2048,
+        tie_word_embeddings=False, bos_token_id=50256, eos_token_id=50256,
+        initializer_range=0.02),
+    "starcoder2-3b": dict(
+        model_type="starcoder2", hidden_size=3072, intermediate_size=12288, num_hidden_layers=30,
+        num_attention_heads=24, num_key_value_heads=2, hidden_act="gelu_pytorch_tanh",
+        norm_epsilon=1e-5, rope_theta=999999.4420358813, sliding_window=4096, use_bias=True,
+        vocab_size=49152, max_position_embeddings=16384, bos_token_id=0, eos_token_id=0,
+        initializer_range=0.018042),
     TINY: dict(
         model_type="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, hidden_act="silu",

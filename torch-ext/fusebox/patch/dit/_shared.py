@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -23,7 +22,8 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import FP32LayerNorm, RMSNorm
 
 from ... import functional as fb
-from .._common import add_undo, derived_once, has_hooks, needs_autograd, replace_forward
+from .._common import (add_undo, derived_once, gemm_bias_gelu_tanh, gemm_gelu_tanh_ok, has_hooks,
+                       needs_autograd, replace_forward)
 
 Tensor = torch.Tensor
 FUSED_DTYPES = fb.FUSED_DTYPES
@@ -420,29 +420,14 @@ def _bias_foldable(proj: torch.nn.Module) -> bool:
     return _plain_linear(proj) and proj.bias is not None
 
 
-# The GEMM applies bias + GELU-tanh in its epilogue (``torch._addmm_activation``: cuBLASLt's
-# GELU_BIAS epilogue, the tanh form on CUDA) instead of writing the product for a separate pass
-# to read back. FUSEBOX_GEMM_GELU=0 keeps the separate pass, for side-by-side measurements.
-GEMM_GELU = os.environ.get("FUSEBOX_GEMM_GELU", "1") != "0"
-
-
-def _gemm_gelu_ok(proj: torch.nn.Module, x: Tensor, approximate: str) -> bool:
-    # CUDA only: on CPU the same op applies the exact (erf) GELU. The epilogue takes the bias in
-    # x's dtype (the caller's fusable() has checked the weight's).
-    return (GEMM_GELU and approximate == "tanh" and x.is_cuda and x.dim() >= 2
-            and proj.bias.dtype == x.dtype)
-
-
 def linear_gelu(proj: torch.nn.Module, x: Tensor, approximate: str = "tanh") -> Tensor:
     """``gelu(proj(x))``: on CUDA with the tanh form, one GEMM whose epilogue adds the bias
     and applies the GELU; otherwise the matmul without bias, then bias + GELU in one pass (the
     projection run as a module, then the GELU alone, when its bias cannot move)."""
     kind = GELU_KINDS[approximate]
     if _bias_foldable(proj) and fusable(x, proj.bias, like_x=(proj.weight,)):
-        if _gemm_gelu_ok(proj, x, approximate):
-            flat = torch._addmm_activation(proj.bias, x.reshape(-1, x.shape[-1]), proj.weight.t(),
-                                           use_gelu=True)
-            return flat.view(*x.shape[:-1], proj.out_features)
+        if approximate == "tanh" and gemm_gelu_tanh_ok(x, proj.bias):
+            return gemm_bias_gelu_tanh(x, proj.weight.t(), proj.bias)
         return fb.activation(torch.nn.functional.linear(x, proj.weight), proj.bias, kind)
     h = proj(x)
     if fusable(h):
