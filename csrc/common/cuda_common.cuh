@@ -414,7 +414,7 @@ struct TuningKnobs {
                                       // the data
   std::optional<int> act_flat;        // FUSEBOX_ACT_FLAT: packed rows as one long row (0 or 1)
   std::optional<int> norm_flat;       // FUSEBOX_NORM_FLAT=0: norm rows never take their flat twin
-  std::optional<int> norm_short;      // FUSEBOX_NORM_SHORT=0: short RMS rows take the general 1-vector plan
+  std::optional<int> norm_short;      // FUSEBOX_NORM_SHORT=0: short rows take the general 1-vector plan
   std::optional<int> rope_short;      // FUSEBOX_ROPE_SHORT=0: no short rotary kernel (the per-head or rows
                                       // kernel); 2: rows across heads take it at any size
   std::optional<int> add_flat;        // FUSEBOX_ADD_FLAT: the residual add alone as an elementwise pass of

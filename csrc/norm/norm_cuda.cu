@@ -555,9 +555,9 @@ constexpr bool has_twin() {
 
 // ---------------------------------------------------------------- short rows
 
-// Arguments of short_rms_rows_kernel, the fields its path reads first, first (a kernel's
-// arguments start at byte 16 of a 64-byte line of the constant bank): one line, two with a
-// residual.
+// Arguments of short_rows_kernel, the fields its path reads first, first (a kernel's arguments
+// start at byte 16 of a 64-byte line of the constant bank): one line, two with a residual or a
+// bias (read after the row sum, its line's latency hidden by the sum).
 struct ShortRowArgs {
   const void* x;
   void* out;
@@ -569,32 +569,39 @@ struct ShortRowArgs {
   const void* branch;
   void* residual_out;
   uint32_t branch_stride, residual_stride;
+  const void* bias;  // LayerNorm: [D] of the rows' dtype, or null
 };
 static_assert(offsetof(ShortRowArgs, branch) == 48, "the plain rows' arguments fill the first line");
 
-// Rows of a plain RMS norm (fused_add_rms_norm's residual add first, with RES), one vector per
-// thread, one row per block of blockDim.x threads (a multiple of 32, 128 or more): the
-// decode-sized rms_norm and fused_add_rms_norm calls, whose time is the path from the launch
-// through the loads and the row sum to the stores. The general one-vector plan reads arguments
-// from four or five lines of the constant bank, a stall at the first read of each (Nsight
-// Compute put 10-16 warp samples on each: [h200_5e77ff2] ncu), and sets up its row in 40
-// instructions before the first load; this kernel loads at instruction 20. H200, side by side
-// with the general plan (bench/results/2026-11-27_h200_54a975c/tune/decode_short_rows.txt, four
-// alternating processes): 0.1-0.35 us faster warm, 0.05-0.3 flushed, level with Liger's kernels
-// (rms_norm 16x4096 warm 4.10-4.13 -> 3.78-3.90 us, Liger 3.78-3.90).
-template <typename T, bool RES>
-__global__ void __launch_bounds__(kMaxThreads) short_rms_rows_kernel(const ShortRowArgs a) {
+// Rows of a plain RMS norm (fused_add_rms_norm's residual add first, with RES) or of a plain
+// 16-bit LayerNorm, one vector per thread, one row per block of blockDim.x threads (a multiple
+// of 32, 128 or more): the decode-sized rms_norm, fused_add_rms_norm and layer_norm calls, whose
+// time is the path from the launch through the loads and the row sum to the stores. The general
+// one-vector plan reads arguments from four or five lines of the constant bank, a stall at the
+// first read of each (Nsight Compute put 10-16 warp samples on each: [h200_5e77ff2] ncu), and
+// sets up its row in 40 instructions before the first load; this kernel loads at instruction 20.
+// H200, side by side with the general plan (bench/results/2026-11-27_h200_54a975c/tune/
+// decode_short_rows.txt, four alternating processes): 0.1-0.35 us faster warm, 0.05-0.3 flushed,
+// level with Liger's kernels (rms_norm 16x4096 warm 4.10-4.13 -> 3.78-3.90 us, Liger 3.78-3.90).
+// The LayerNorm takes its moments in one row sum, as the general rows do (see kOnePassMoments).
+template <typename T, bool RES, NormType NORM>
+__global__ void __launch_bounds__(kMaxThreads) short_rows_kernel(const ShortRowArgs a) {
+  constexpr bool kLayer = NORM == NormType::kLayer;
+  static_assert(NORM == NormType::kRMS || (kLayer && !RES && sizeof(T) == 2),
+                "RMS rows, or 16-bit LayerNorm rows without a residual (one-sum moments)");
   constexpr int VEC = 16 / int(sizeof(T));
-  __shared__ float scratch[kMaxThreads / 32];
+  __shared__ float scratch[kLayer ? 2 : 1][kMaxThreads / 32];
   const int vi = int(threadIdx.x);
   const bool active = vi < a.vec_per_row;
   const uint64_t row = blockIdx.x;
   const int col = vi * VEC;
   pdl_wait();
-  Pack<T, VEC> h{}, b{}, w{};
+  Pack<T, VEC> h{}, b{}, w{}, bias{};
+  float pivot = 0.f;  // kLayer: the row's first element, which every thread reads itself
   if (active) {
     h = load_pack<T, VEC>(static_cast<const T*>(a.x) + row * a.x_stride + col);
     if constexpr (RES) b = load_pack<T, VEC>(static_cast<const T*>(a.branch) + row * a.branch_stride + col);
+    if constexpr (kLayer) pivot = load_scalar(static_cast<const T*>(a.x) + row * a.x_stride);
   }
   pdl_release();
   float v[VEC];
@@ -608,22 +615,46 @@ __global__ void __launch_bounds__(kMaxThreads) short_rms_rows_kernel(const Short
     unpack(h, v);
     if (active) store_pack(static_cast<T*>(a.residual_out) + row * a.residual_stride + col, h);
   }
-  float acc = 0.f;
+  float sums[kLayer ? 2 : 1] = {};
+  if constexpr (kLayer) {
+    if (active) {  // the deviations from the pivot and their squares; threads past the row add nothing
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) acc += v[i] * v[i];
+      for (int i = 0; i < VEC; ++i) {
+        const float d = v[i] - pivot;
+        sums[0] += d;
+        sums[1] = fmaf(d, d, sums[1]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) sums[0] += v[i] * v[i];
+  }
   // The weight (the same lines for every block) is read once the row's own lines have come, its
   // latency hidden by the row sum: 0.06 us faster (median of 33 pairs, 21 of them faster) than
   // with the data, 0.13 slower after the sum ([h200_4f8bf14] tune/short_rows_weight_late.txt).
   if (active && a.weight) w = load_pack<T, VEC>(static_cast<const T*>(a.weight) + col);
-  const float rstd = rsqrtf(row_sum(acc, int(blockDim.x), scratch) * a.inv_width + a.eps);
+  if (kLayer && active && a.bias) bias = load_pack<T, VEC>(static_cast<const T*>(a.bias) + col);
+  row_sums(sums, int(blockDim.x), &scratch[0][0], kMaxThreads / 32);
+  float mean = 0.f, var = sums[0] * a.inv_width;
+  if constexpr (kLayer) {
+    mean = pivot + var;  // E[d] + pivot
+    var = fmaxf(sums[1] * a.inv_width - var * var, 0.f);
+  }
+  const float rstd = rsqrtf(var + a.eps);
   if (!active) return;
 #pragma unroll
-  for (int i = 0; i < VEC; ++i) v[i] *= rstd;
+  for (int i = 0; i < VEC; ++i) v[i] = kLayer ? (v[i] - mean) * rstd : v[i] * rstd;
   if (a.weight) {
     float wv[VEC];
     unpack(w, wv);
 #pragma unroll
     for (int i = 0; i < VEC; ++i) v[i] *= a.weight_offset + wv[i];
+  }
+  if (kLayer && a.bias) {
+    float bv[VEC];
+    unpack(bias, bv);
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) v[i] += bv[i];
   }
   store_pack(static_cast<T*>(a.out) + row * a.out_stride + col, pack<T, VEC>(v));
 }
@@ -748,7 +779,7 @@ struct RowOpTraits {
   bool f32_operands;     // ... in fp32
   bool layer_norm;       // the norm is LayerNorm
   bool sixteen_bit_rows;  // x is fp16 or bf16
-  bool short_rows;        // short_rms_rows_kernel can take them at one vector a thread
+  bool short_rows;        // short_rows_kernel can take them at one vector a thread
 };
 
 int threads_per_row(int64_t vec_per_row, int items) {
@@ -766,7 +797,7 @@ int threads_per_row(int64_t vec_per_row, int items) {
 //   640-vector rows 236.5 -> 231.1 with 2).
 // - 1 when one vector per thread needs at most half the GPU's resident threads (decode and
 //   other small calls): the shortest path from the row's loads to its stores, which is what
-//   bounds a call of one wave. Plain RMS rows of this plan take short_rms_rows_kernel.
+//   bounds a call of one wave. Plain RMS and 16-bit LayerNorm rows of this plan take short_rows_kernel.
 // - 2 for a norm without a residual, modulation or any small operand (RMSNorm with no weight)
 //   of rows up to 512 vectors: nothing to stage, and the short plan is leaner than 4 vectors
 //   (2026-11-25, every such case 2-8% faster: LTX 15.02 -> 14.51 us, [4x4096x3072] 52.22 ->
@@ -790,7 +821,7 @@ int threads_per_row(int64_t vec_per_row, int items) {
 //   together with the shuffle row sum against the previous kernels (2026-11-24 tune/4):
 //   2048x2048 13.79 -> 13.17 us, [1x512x4096] 9.50 -> 8.90. The per-sample modulated ops are
 //   slower with 2 (adaln FLUX 23.68 -> 25.33 us, Wan 1.3B 72.0 -> 100.1 at 128d6e5).
-//   Up to two waves, those the short RMS rows take run faster with 1 (that kernel; H200, two or
+//   Up to two waves, those the short rows take run faster with 1 (that kernel; H200, two or
 //   three processes each, bench/results/2026-11-27_h200_f88b77c/tune/fadd_*): [1x512x4096]
 //   8.40-8.53 -> 8.10-8.11 us, 2048x2048 12.48-12.54 -> 12.32-12.38, [1x1024x4096] even.
 // - 2 as well for rows of up to 256 vectors whose modulation or gate changes from row to row
@@ -1138,11 +1169,15 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   const bool params_f32 = param_dtype >= 0 && DType(param_dtype) == DType::kFloat32;
   const bool plain_residual = res && !args.gate.defined() && !mod && normalizes;
   const bool split = split_modulation(args);
-  // Rows short_rms_rows_kernel can take at one vector a thread: a plain RMS norm (after a plain
-  // residual add or none) without modulation, gate, bias or fp32 operands, the output in x's
-  // dtype, one row group, rows of 128 or more whole vectors, strides below 2^31.
-  bool short_rows = args.norm == NormType::kRMS && !mod && !args.gate.defined() && !args.bias.defined() &&
-                    !split && (!args.weight.defined() || args.weight.dtype == args.x.dtype) && !a.out_f32 &&
+  // Rows short_rows_kernel can take at one vector a thread: a plain RMS norm (after a plain
+  // residual add or none) without bias, or a plain 16-bit LayerNorm without a residual; no
+  // modulation, gate or fp32 operands, the output in x's dtype, one row group, rows of 128 or more
+  // whole vectors, strides below 2^31.
+  const bool short_layer_norm = args.norm == NormType::kLayer && !res && dtype_size(args.x.dtype) == 2 &&
+                                (!args.bias.defined() || args.bias.dtype == args.x.dtype);
+  bool short_rows = ((args.norm == NormType::kRMS && !args.bias.defined()) || short_layer_norm) && !mod &&
+                    !args.gate.defined() && !split &&
+                    (!args.weight.defined() || args.weight.dtype == args.x.dtype) && !a.out_f32 &&
                     (!res || plain_residual) && full_vectors && a.index.flat && a.vec_per_row >= kMinBlockThreads &&
                     tuning_knobs().norm_short.value_or(1) != 0;
   for (const RowOperandArg* o : {&a.x, &a.out, &a.branch, &a.residual_out})
@@ -1169,23 +1204,28 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
     return;
   }
 
-  // The short RMS rows (see short_rms_rows_kernel): one vector a thread, one row a block.
-  {
-    if (short_rows && items == 1) {
-      ShortRowArgs k{args.x.data, args.out.data, args.weight.defined() ? args.weight.data : nullptr,
-                     uint32_t(a.x.off.s2), uint32_t(a.out.off.s2), a.eps, a.inv_width, a.weight_offset,
-                     a.vec_per_row, res ? args.branch.data : nullptr, res ? args.residual_out.data : nullptr,
-                     uint32_t(a.branch.off.s2), uint32_t(a.residual_out.off.s2)};
-      const dim3 block(unsigned((a.vec_per_row + 31) / 32 * 32));
-      dispatch_dtype(args.x.dtype, [&](auto t) {
-        using T = decltype(t);
-        if (res)
-          launch(short_rms_rows_kernel<T, true>, dim3(unsigned(a.rows)), block, 0, stream, k);
-        else
-          launch(short_rms_rows_kernel<T, false>, dim3(unsigned(a.rows)), block, 0, stream, k);
-      });
-      return;
-    }
+  // The short rows (see short_rows_kernel): one vector a thread, one row a block.
+  if (short_rows && items == 1) {
+    ShortRowArgs k{args.x.data, args.out.data, args.weight.defined() ? args.weight.data : nullptr,
+                   uint32_t(a.x.off.s2), uint32_t(a.out.off.s2), a.eps, a.inv_width, a.weight_offset,
+                   a.vec_per_row, res ? args.branch.data : nullptr, res ? args.residual_out.data : nullptr,
+                   uint32_t(a.branch.off.s2), uint32_t(a.residual_out.off.s2),
+                   args.bias.defined() ? args.bias.data : nullptr};
+    const dim3 block(unsigned((a.vec_per_row + 31) / 32 * 32));
+    dispatch_dtype(args.x.dtype, [&](auto t) {
+      using T = decltype(t);
+      if constexpr (sizeof(T) == 2) {
+        if (args.norm == NormType::kLayer) {
+          launch(short_rows_kernel<T, false, NormType::kLayer>, dim3(unsigned(a.rows)), block, 0, stream, k);
+          return;
+        }
+      }
+      if (res)
+        launch(short_rows_kernel<T, true, NormType::kRMS>, dim3(unsigned(a.rows)), block, 0, stream, k);
+      else
+        launch(short_rows_kernel<T, false, NormType::kRMS>, dim3(unsigned(a.rows)), block, 0, stream, k);
+    });
+    return;
   }
 
   a.tpr = threads_per_row(a.vec_per_row, items);

@@ -719,7 +719,7 @@ static_assert(offsetof(ShortRopeArgs, cos_ts) == 48, "the first loads' pointers 
 // One token a block, each head on a lane group of 2^tpr_log2 lanes with one unit a lane (a head
 // of whole vectors, wholly rotary, of 2^tpr_log2 units; the token's heads fill at most a
 // block): the decode-sized rope and qk_norm_rope calls of LLM layers, whose time is the path
-// from the launch through the loads to the stores, as for short_rms_rows_kernel. The per-head
+// from the launch through the loads to the stores, as for the norms' short_rows_kernel. The per-head
 // kernel's one-head plan splits its thread index by run-time plan fields (tokens a block, heads
 // a lane group), branches around pass-through channels and reads its arguments from three lines
 // of the constant bank before its first load, at SASS instruction 84 of the bf16 rotary against

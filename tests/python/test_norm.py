@@ -305,6 +305,22 @@ def test_layer_norm(device, gen, dtypes, width, rows, affine):
 
 
 @pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("affine", AFFINE)
+@pytest.mark.parametrize("rows", [1, 16, 300])
+@pytest.mark.parametrize("width", [2560, 3072])
+def test_layer_norm_llm_rows(device, gen, dtypes, affine, rows, width):
+    # Decode-sized LLM rows (Phi-2, StarCoder2-3B): one vector a thread in blocks of 10-12
+    # warps on a GPU (the short rows for 16-bit operands), strided rows included.
+    xd, pd = dtypes
+    w, b = affine_params(gen, affine, width, pd, device)
+    x = randn(gen, (rows, width), xd, device, scale=2.0, offset=0.5)
+    assert_close(call(fusebox.layer_norm, x, w, b, eps=1e-5), ref.layer_norm(x, w, b, 1e-5), xd)
+    x = make_input(gen, "row_slice", (rows, 1, width), xd, device)
+    assert_close(call(fusebox.layer_norm, x, w, b, eps=1e-5), ref.layer_norm(x, w, b, 1e-5), xd,
+                 name="row_slice")
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("width", [7, 769, 4096])
 def test_layer_norm_layouts(device, gen, dtypes, layout, width):

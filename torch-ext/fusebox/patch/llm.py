@@ -69,6 +69,7 @@ from ._common import (
 )
 
 FUSED_DTYPES = F.FUSED_DTYPES
+_FUSED_DTYPE_SET = frozenset(FUSED_DTYPES)
 
 
 def _is_transformers_class(cls) -> bool:
@@ -85,9 +86,14 @@ def applies(module: torch.nn.Module) -> bool:
 
 def _fusable(*tensors: Optional[torch.Tensor]) -> bool:
     """Inputs the fused path takes: supported dtypes, and no gradient to record."""
-    if needs_autograd(*tensors):
+    # Plain loops: every fused forward asks this, and a decode step's host time is its cost
+    # (1.0 us a call against 1.9 with ``all`` over a generator and ``needs_autograd``, CPU).
+    if torch.is_grad_enabled() and needs_autograd(*tensors):
         return False
-    return all(t is None or t.dtype in FUSED_DTYPES for t in tensors)
+    for t in tensors:
+        if t is not None and t.dtype not in _FUSED_DTYPE_SET:
+            return False
+    return True
 
 
 # Classes whose forward a fused forward re-implements. A class of another family whose forward
