@@ -601,7 +601,11 @@ __global__ void __launch_bounds__(kMaxThreads) short_rows_kernel(const ShortRowA
   if (active) {
     h = load_pack<T, VEC>(static_cast<const T*>(a.x) + row * a.x_stride + col);
     if constexpr (RES) b = load_pack<T, VEC>(static_cast<const T*>(a.branch) + row * a.branch_stride + col);
-    if constexpr (kLayer) pivot = load_scalar(static_cast<const T*>(a.x) + row * a.x_stride);
+    if constexpr (kLayer) {
+      pivot = load_scalar(static_cast<const T*>(a.x) + row * a.x_stride);
+      if (a.weight) w = load_pack<T, VEC>(static_cast<const T*>(a.weight) + col);
+      if (a.bias) bias = load_pack<T, VEC>(static_cast<const T*>(a.bias) + col);
+    }
   }
   pdl_release();
   float v[VEC];
@@ -632,8 +636,7 @@ __global__ void __launch_bounds__(kMaxThreads) short_rows_kernel(const ShortRowA
   // The weight (the same lines for every block) is read once the row's own lines have come, its
   // latency hidden by the row sum: 0.06 us faster (median of 33 pairs, 21 of them faster) than
   // with the data, 0.13 slower after the sum ([h200_4f8bf14] tune/short_rows_weight_late.txt).
-  if (active && a.weight) w = load_pack<T, VEC>(static_cast<const T*>(a.weight) + col);
-  if (kLayer && active && a.bias) bias = load_pack<T, VEC>(static_cast<const T*>(a.bias) + col);
+  if (!kLayer && active && a.weight) w = load_pack<T, VEC>(static_cast<const T*>(a.weight) + col);
   row_sums(sums, int(blockDim.x), &scratch[0][0], kMaxThreads / 32);
   float mean = 0.f, var = sums[0] * a.inv_width;
   if constexpr (kLayer) {
