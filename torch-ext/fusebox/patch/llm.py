@@ -1,6 +1,7 @@
 """transformers decoder LLMs (Llama, Mistral, Ministral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
 Qwen3-MoE, GLM-4.5, GPT-OSS, OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2, Gemma3 text,
-Llama 4 text, Falcon, and the classes of other families whose forwards read as these) on fusebox.
+Llama 4 text, Falcon, and the classes of other families whose forwards read as these; the
+LayerNorms, plain MLPs and activations of every other) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
 
@@ -29,12 +30,18 @@ What is replaced, module by module (every other module keeps its forward):
   of the known families' gets that family's fused forward;
 - Cohere, Cohere2 and Cohere2-MoE (Command R, R7B, A): their fp32 ``LayerNorm`` without a bias
   -> ``layer_norm`` (the per-head q/k norms, a weight row per head, keep their code);
-- Falcon (rotary, not ALiBi): its ``LayerNorm`` modules -> ``layer_norm``, and the rotary of q/k
-  read in place from the fused QKV projection -> ``rope`` (for grouped keys, before they are
+- every ``torch.nn.LayerNorm`` over the last dimension -> ``layer_norm``, in any model;
+- MLPs whose forward reads ``h = in(h); h = act(h); h = out(h)`` plus dropouts (GPT-2's ``Conv1D``
+  projections or ``Linear`` ones: GPT-2, GPT-NeoX, Phi, StarCoder2, GPT-J...): on CUDA the tanh
+  GELU forms as one GEMM whose epilogue adds the bias and applies the GELU, other activations as
+  the projection then one ``activation`` pass;
+- activation modules outside such an MLP or a gated one (``NewGELU``, ``FastGELU``,
+  ``GELUTanh``, exact ``GELU``, ``SiLU``) -> one ``activation`` pass;
+- Falcon (rotary, not ALiBi): the rotary of q/k read in place from the fused QKV projection ->
+  ``rope`` (for grouped keys, before they are
   repeated over the heads, which the model's cache then holds as it does unpatched). Multi-query
   keys reach SDPA expanded over the query heads, so a fused attention kernel runs where the
-  unpatched model gets SDPA's fp32 math fallback. Its MLP (one activation launch already) and
-  parallel residual adds keep their code.
+  unpatched model gets SDPA's fp32 math fallback. Its parallel residual adds keep their code.
 
 A patched forward falls back to the original one when autograd needs it (fusebox operators
 have no backward) or when its inputs are outside what the operators take (e.g. float64).
@@ -1021,7 +1028,7 @@ def _layer_patch(module) -> Tuple[Optional[Callable], str]:
 # Classes with their own patch or a known reason to be left, ahead of the name patterns below.
 SPECIAL_CLASSES: Dict[str, Callable[[torch.nn.Module], Tuple[Optional[Callable], str]]] = {
     "FalconAttention": _falcon_attention_patch,
-    "FalconMLP": lambda m: (None, "not gated: up, activation (one launch already), down"),
+    "FalconMLP": lambda m: (None, "not gated: up, activation, down (its activation module is fused)"),
     "FalconDecoderLayer": lambda m: (
         None, "residual adds kept as written (LayerNorm model, parallel attention + MLP)"),
     "Llama4TextL2Norm": _l2_norm_patch,
