@@ -20,7 +20,6 @@ from helpers import (  # noqa: E402
     LLM_KINDS_LEFT,
     FuseboxOps,
     GraphOps,
-    LLM_VOCAB,
     TINY_LLM,
     causal_lm,
     rel_err,
