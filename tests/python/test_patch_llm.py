@@ -524,6 +524,27 @@ def test_fused_forward_steps_aside_while_its_dropout_is_active(family):
     assert rel_err(logits(model, ids), ref) > 1e-3   # (the masks did change the result)
 
 
+@pytest.mark.parametrize("module, cls, layout", [
+    ("gpt2", "GPT2MLP", ("c_fc", "act", "c_proj")),
+    ("starcoder2", "Starcoder2MLP", ("c_fc", "act", "c_proj")),
+    ("phi", "PhiMLP", ("fc1", "activation_fn", "fc2")),
+    ("gpt_neox", "GPTNeoXMLP", ("dense_h_to_4h", "act", "dense_4h_to_h")),
+    ("falcon", "FalconMLP", None),      # the calls nested in one statement
+    ("mpt", "MptMLP", None),            # adds the residual
+    ("nemotron", "NemotronMLP", None),  # one nested return
+    ("bloom", "BloomMLP", None),        # tensor-parallel slices, the residual
+    ("llama", "LlamaMLP", None),        # gated
+])
+def test_plain_mlp_layout_read_from_the_forward(module, cls, layout):
+    import importlib
+
+    from fusebox.patch import llm
+
+    mlp = getattr(importlib.import_module(f"transformers.models.{module}.modeling_{module}"), cls)
+    found = llm.plain_mlp_layout(mlp)
+    assert (found if found is None else tuple(found)) == layout
+
+
 @pytest.mark.parametrize("act", ["gelu_new", "gelu_fast", "gelu_pytorch_tanh", "gelu"])
 def test_activation_module_fused_where_its_mlp_is_not(act):
     """An activation module of an MLP fusebox does not run as a whole (Falcon's: not gated, no
