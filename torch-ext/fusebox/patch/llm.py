@@ -270,7 +270,7 @@ def _fp32_layer_norm_forward(self, x):
 # --------------------------------------------------------------------------- MLP
 
 # transformers activation class -> fusebox activation name. NewGELU and FastGELU are the tanh
-# form written out in the model's dtype (five to eight passes); fusebox evaluates it in fp32.
+# form written out in the model's dtype (eight or nine passes); fusebox evaluates it in fp32.
 _ACTIVATIONS = {
     "SiLUActivation": "silu",
     "SiLU": "silu",
