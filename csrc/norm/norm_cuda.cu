@@ -557,7 +557,7 @@ constexpr bool has_twin() {
 
 // Arguments of short_rows_kernel, the fields its path reads first, first (a kernel's arguments
 // start at byte 16 of a 64-byte line of the constant bank): one line, two with a residual or a
-// bias (read after the row sum, its line's latency hidden by the sum).
+// LayerNorm's bias.
 struct ShortRowArgs {
   const void* x;
   void* out;
@@ -583,7 +583,10 @@ static_assert(offsetof(ShortRowArgs, branch) == 48, "the plain rows' arguments f
 // H200, side by side with the general plan (bench/results/2026-11-27_h200_54a975c/tune/
 // decode_short_rows.txt, four alternating processes): 0.1-0.35 us faster warm, 0.05-0.3 flushed,
 // level with Liger's kernels (rms_norm 16x4096 warm 4.10-4.13 -> 3.78-3.90 us, Liger 3.78-3.90).
-// The LayerNorm takes its moments in one row sum, as the general rows do (see kOnePassMoments).
+// The LayerNorm takes its moments in one row sum, as the general rows do (see kOnePassMoments),
+// and loads its weight and bias with the row: H200, side by side against reading them after the
+// sum and against the general plan (bench/results/2026-11-29_h200_215452d/tune/), 1x2560 4.51 ->
+// 4.19-4.42 us (general 4.46-4.64), 16x2560 4.67-4.70 -> 4.58-4.66 (4.78-4.80).
 template <typename T, bool RES, NormType NORM>
 __global__ void __launch_bounds__(kMaxThreads) short_rows_kernel(const ShortRowArgs a) {
   constexpr bool kLayer = NORM == NormType::kLayer;
@@ -633,15 +636,16 @@ __global__ void __launch_bounds__(kMaxThreads) short_rows_kernel(const ShortRowA
 #pragma unroll
     for (int i = 0; i < VEC; ++i) sums[0] += v[i] * v[i];
   }
-  // The weight (the same lines for every block) is read once the row's own lines have come, its
-  // latency hidden by the row sum: 0.06 us faster (median of 33 pairs, 21 of them faster) than
+  // The RMS rows' weight (the same lines for every block) is read once the row's own lines have
+  // come, its latency hidden by the row sum: 0.06 us faster (median of 33 pairs, 21 of them faster) than
   // with the data, 0.13 slower after the sum ([h200_4f8bf14] tune/short_rows_weight_late.txt).
   if (!kLayer && active && a.weight) w = load_pack<T, VEC>(static_cast<const T*>(a.weight) + col);
   row_sums(sums, int(blockDim.x), &scratch[0][0], kMaxThreads / 32);
-  float mean = 0.f, var = sums[0] * a.inv_width;
+  const float moment = sums[0] * a.inv_width;  // RMS: E[x^2]; LayerNorm: E[x - pivot]
+  float mean = 0.f, var = moment;
   if constexpr (kLayer) {
-    mean = pivot + var;  // E[d] + pivot
-    var = fmaxf(sums[1] * a.inv_width - var * var, 0.f);
+    mean = pivot + moment;
+    var = fmaxf(sums[1] * a.inv_width - moment * moment, 0.f);
   }
   const float rstd = rsqrtf(var + a.eps);
   if (!active) return;
