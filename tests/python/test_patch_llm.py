@@ -442,24 +442,26 @@ def test_cohere_layer_norms_fused(family):
 
 # LayerNorm LLMs: every torch.nn.LayerNorm runs as layer_norm, and the MLPs that read
 # out(act(in(x))) run their activation fused (GELU-tanh in the first projection's GEMM
-# epilogue on CUDA). family -> (config class, tiny values, LayerNorms of 2 layers, MLP's what)
+# epilogue on CUDA), and the partial rotary of Phi and GPT-NeoX runs as rope. family -> (config
+# class, tiny values, LayerNorms of 2 layers, MLP's what, attention's what)
 LAYER_NORM_LLMS = {
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=64), 5,
-             "c_fc with gelu_tanh in its GEMM epilogue (CUDA)"),
-    "gpt_neox": ("GPTNeoXConfig", dict(rotary_pct=0.25), 5, "activation (gelu)"),
+             "c_fc with gelu_tanh in its GEMM epilogue (CUDA)", None),
+    "gpt_neox": ("GPTNeoXConfig", dict(rotary_pct=0.25), 5, "activation (gelu)",
+                 "rope (q/k read from the fused QKV projection)"),
     "phi": ("PhiConfig", dict(partial_rotary_factor=0.5), 3,
-            "fc1 with gelu_tanh in its GEMM epilogue (CUDA)"),
+            "fc1 with gelu_tanh in its GEMM epilogue (CUDA)", "rope"),
     "starcoder2": ("Starcoder2Config", dict(residual_dropout=0.1), 5,
-                   "c_fc with gelu_tanh in its GEMM epilogue (CUDA)"),
+                   "c_fc with gelu_tanh in its GEMM epilogue (CUDA)", None),
     "gptj": ("GPTJConfig", dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64), 3,
-             "fc_in with gelu_tanh in its GEMM epilogue (CUDA)"),
-    "opt": ("OPTConfig", dict(ffn_dim=128, word_embed_proj_dim=64), 5, None),
+             "fc_in with gelu_tanh in its GEMM epilogue (CUDA)", None),
+    "opt": ("OPTConfig", dict(ffn_dim=128, word_embed_proj_dim=64), 5, None, None),
 }
 
 
-def tiny_layer_norm_llm(family, dtype=torch.float32, device="cpu"):
-    cls_name, extra, _, _ = LAYER_NORM_LLMS[family]
-    config = getattr(transformers, cls_name)(**{**TINY_LLM, **extra, "bos_token_id": 1,
+def tiny_layer_norm_llm(family, dtype=torch.float32, device="cpu", **config):
+    cls_name, extra, _, _, _ = LAYER_NORM_LLMS[family]
+    config = getattr(transformers, cls_name)(**{**TINY_LLM, **extra, **config, "bos_token_id": 1,
                                                  "eos_token_id": 2, "pad_token_id": 0})
     return causal_lm(config).to(device=device, dtype=dtype)
 
@@ -468,8 +470,9 @@ def tiny_layer_norm_llm(family, dtype=torch.float32, device="cpu"):
 @pytest.mark.parametrize("family", list(LAYER_NORM_LLMS))
 def test_layer_norm_llm_fused(family, device, monkeypatch):
     """fp32 logits as unpatched, every LayerNorm and the MLPs' activations fused (the tanh GELU
-    by the GEMM epilogue on CUDA), bf16 within the bf16 spread, greedy tokens unchanged."""
-    _, _, norms, mlp_what = LAYER_NORM_LLMS[family]
+    by the GEMM epilogue on CUDA), the partial rotary as rope where the family's attention is
+    known, bf16 within the bf16 spread, greedy tokens unchanged."""
+    _, _, norms, mlp_what, attention_what = LAYER_NORM_LLMS[family]
     epilogues = []
     real = torch._addmm_activation
     monkeypatch.setattr(torch, "_addmm_activation",
@@ -486,11 +489,17 @@ def test_layer_norm_llm_fused(family, device, monkeypatch):
     assert mlps == ({} if mlp_what is None else {f"{k.split(':')[0]}: {mlp_what}": 2 for k in mlps})
     assert bool(mlps) == (mlp_what is not None), str(report)
     assert not any(k.split(":")[0].endswith("Activation") for k in patched), str(report)
+    attention = {k: v for k, v in patched.items() if k.split(":")[0].endswith("Attention")}
+    assert attention == ({} if attention_what is None else
+                         {f"{k.split(':')[0]}: {attention_what}": 2 for k in attention}), attention
+    assert bool(attention) == (attention_what is not None), str(report)
     with FuseboxOps() as ops:
         out = logits(model, ids)
     expected = {"layer_norm": norms}
     if mlp_what is not None:
         expected["act"] = 2
+    if attention_what is not None:
+        expected["rotary"] = 2
     assert ops.calls == expected, ops.calls
     assert len(epilogues) == (2 if device == "cuda" and "epilogue" in (mlp_what or "") else 0)
     assert rel_err(out, ref) < 1e-5
@@ -502,6 +511,21 @@ def test_layer_norm_llm_fused(family, device, monkeypatch):
         patched_tokens = model.generate(prompt, **kwargs)
         fusebox.unpatch(model)
         assert torch.equal(model.generate(prompt, **kwargs), patched_tokens)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_phi_qk_layernorm_before_the_partial_rotary(device):
+    """Phi with per-head q/k LayerNorms: both run as layer_norm ahead of the rope of the first
+    rotary_ndims channels, as in the model (which norms [B, H, S, D], fusebox [B, S, H, D])."""
+    model = tiny_layer_norm_llm("phi", device=device, qk_layernorm=True)
+    ids = token_ids(device=device)
+    ref = logits(model, ids)
+    report = fusebox.patch(model)
+    assert report.summary()["patched"]["PhiAttention: rope"] == 2, str(report)
+    with FuseboxOps() as ops:
+        out = logits(model, ids)
+    assert ops.calls["layer_norm"] == 3 + 2 * 2 and ops.calls["rotary"] == 2, ops.calls
+    assert rel_err(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("family", ["phi3", "starcoder2"])

@@ -37,6 +37,10 @@ What is replaced, module by module (every other module keeps its forward):
   the projection then one ``activation`` pass;
 - activation modules outside such an MLP or a gated one (``NewGELU``, ``FastGELU``,
   ``GELUTanh``, exact ``GELU``, ``SiLU``) -> one ``activation`` pass;
+- Phi and GPT-NeoX (Pythia): the rotary of the first ``rotary_ndims`` channels of each head
+  (the model slices, rotates and concatenates back) -> one ``rope`` that passes the other
+  channels through; GPT-NeoX's q and k read in place from its fused QKV projection, Phi's
+  optional per-head q/k LayerNorms run first;
 - Falcon (rotary, not ALiBi): the rotary of q/k read in place from the fused QKV projection ->
   ``rope`` (for grouped keys, before they are
   repeated over the heads, which the model's cache then holds as it does unpatched). Multi-query
@@ -505,6 +509,12 @@ class AttentionSpec(NamedTuple):
     fused_qkv: bool = False
     # the q/k norms exist only where this attribute is true (GLM-4.5's use_qk_norm)
     qk_norm_flag: Optional[str] = None
+    # partial rotary: the attribute naming how many leading channels of a head turn (Phi's
+    # rotary_ndims; the rest pass through, which rope does for tables narrower than the head)
+    rotary_width: Optional[str] = None
+    # per-head LayerNorms q_layernorm / k_layernorm, applied where this attribute is true (Phi)
+    qk_layer_norm_flag: Optional[str] = None
+    out_proj: str = "o_proj"
 
 
 def _split_extra(extra: Tuple[Tuple[str, str], ...]) -> Tuple[Tuple[str, str, str], ...]:
@@ -544,6 +554,8 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "SmolLM3Attention": AttentionSpec(extra=_SLIDING, rope_flag="use_rope"),
     "Glm4MoeAttention": AttentionSpec(qk_norm=True, qk_norm_flag="use_qk_norm"),
     "Phi3Attention": AttentionSpec(fused_qkv=True, extra=_CONFIG_SLIDING),
+    "PhiAttention": AttentionSpec(rotary_width="rotary_ndims", qk_layer_norm_flag="qk_layernorm",
+                                  out_proj="dense"),
     "Gemma2Attention": AttentionSpec(
         extra=_SLIDING + (("softcap", "attn_logit_softcapping"),)),
     "Gemma3Attention": AttentionSpec(qk_norm=True, extra=_SLIDING),
@@ -631,6 +643,8 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
     # the spec's fields one by one: a spec shared by all layers would cost an identity guard each
     fused_qkv, rope_flag, qk_norm_across, extra = (spec.fused_qkv, spec.rope_flag,
                                                    spec.qk_norm_across, _split_extra(spec.extra))
+    rotary_width, qk_layer_norm_flag, out_proj = (spec.rotary_width, spec.qk_layer_norm_flag,
+                                                  spec.out_proj)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
@@ -642,7 +656,8 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
         tables_as_model = cos.dtype == hidden_states.dtype or (
             fp32_tables and cos.dtype == torch.float32)
         if not _fusable(hidden_states, projection.weight, cos, sin) or cos.dtype != sin.dtype \
-                or not tables_as_model:
+                or not tables_as_model or (rotary_width is not None
+                                           and cos.shape[-1] != getattr(self, rotary_width)):
             return original_forward(self)(hidden_states, position_embeddings, attention_mask,
                                           past_key_values, **kwargs)
         if half_tables or form == "interleaved, first half":
@@ -664,6 +679,8 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
             query = self.q_proj(hidden_states).view(hidden_shape)
             key = self.k_proj(hidden_states).view(hidden_shape)
             value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if qk_layer_norm_flag is not None and getattr(self, qk_layer_norm_flag):
+            query, key = self.q_layernorm(query), self.k_layernorm(key)
         rotate = rope_flag is None or getattr(self, rope_flag)
         if q_style is not None and rotate and _weight_readable(self.q_norm, q_style, query) \
                 and _weight_readable(self.k_norm, k_style, key):
@@ -696,7 +713,7 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
             **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output), attn_weights
+        return getattr(self, out_proj)(attn_output), attn_weights
     return forward
 
 
@@ -780,6 +797,59 @@ def _falcon_attention_patch(module) -> Tuple[Optional[Callable], str]:
                                       "keys expanded so SDPA runs a fused kernel")
 
 
+_NEOX_ATTENTION_PARAMS = ("self", "hidden_states", "attention_mask", "layer_past",
+                          "position_embeddings", "kwargs")
+
+
+def _neox_attention_forward(self, hidden_states, attention_mask, layer_past=None,
+                            position_embeddings=None, **kwargs):
+    cos, sin = position_embeddings if position_embeddings is not None else (None, None)
+    if (cos is None or not _fusable(hidden_states, self.query_key_value.weight, cos, sin)
+            or not cos.dtype == sin.dtype == hidden_states.dtype
+            or cos.shape[-1] != self.rotary_ndims):
+        return original_forward(self)(hidden_states, attention_mask, layer_past,
+                                      position_embeddings, **kwargs)
+    input_shape = hidden_states.shape[:-1]
+    # [B, S, H, 3 * D]: each head's q, k and v side by side; rope reads q and k in place and
+    # turns their first rotary_ndims channels, the rest pass through
+    qkv = self.query_key_value(hidden_states).view(*input_shape, -1, 3 * self.head_size)
+    query, key, value = qkv.chunk(3, dim=-1)
+    query, key = F.rope(query, key, cos, sin)
+    query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    if layer_past is not None:
+        key, value = layer_past.update(key, value, self.layer_idx)
+    attention_interface = _attention_interface(self, type(self).__module__)
+    attn_output, attn_weights = attention_interface(
+        self, query, key, value, attention_mask, scaling=self.scaling,
+        dropout=0.0 if not self.training else self.attention_dropout, **kwargs)
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    return self.dense(attn_output), attn_weights
+
+
+def _neox_attention_patch(module) -> Tuple[Optional[Callable], str]:
+    if _params(type(module).forward) != _NEOX_ATTENTION_PARAMS:
+        return None, "forward signature differs from the supported transformers versions"
+    error = _register_attention_interface(type(module).__module__, ("half", False))
+    if error:
+        return None, error
+    return _neox_attention_forward, "rope (q/k read from the fused QKV projection)"
+
+
+def _register_attention_interface(module_name: str, expected_form=None) -> str:
+    """Records the attention interfaces of the family in ``module_name``; the reason it cannot
+    be fused ("" when it can), also where its rotary is not ``expected_form``."""
+    form = _rotary_form(module_name)
+    if form[0] is None or (expected_form is not None and form[:2] != expected_form):
+        return "apply_rotary_pos_emb is none of the rotations fusebox runs"
+    eager = getattr(sys.modules[module_name], "eager_attention_forward", None)
+    if eager is None:
+        return "no eager_attention_forward next to the class"
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    _ATTENTION_INTERFACES[module_name] = (ALL_ATTENTION_FUNCTIONS, eager)
+    return ""
+
+
 @functools.lru_cache(maxsize=None)
 def _rotary_form(module_name: str) -> Tuple[Optional[str], bool, bool]:
     """(form, half_tables, fp32_tables) of the ``apply_rotary_pos_emb`` next to an attention
@@ -799,15 +869,10 @@ def _attention_patch(module) -> Tuple[Optional[Callable], str]:
         spec, reads_as = ATTENTION[reference], f" (forward as {reference}'s)"
     if _params(type(module).forward) != _ATTENTION_PARAMS:
         return None, "forward signature differs from the supported transformers versions"
+    error = _register_attention_interface(type(module).__module__)
+    if error:
+        return None, error
     form, half_tables, fp32_tables = _rotary_form(type(module).__module__)
-    if form is None:
-        return None, "apply_rotary_pos_emb is none of the rotations fusebox runs"
-    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
-    if eager is None:
-        return None, "no eager_attention_forward next to the class"
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
-    _ATTENTION_INTERFACES[type(module).__module__] = (ALL_ATTENTION_FUNCTIONS, eager)
     if spec.qk_norm_flag is not None and not getattr(module, spec.qk_norm_flag):
         spec = spec._replace(qk_norm=False)
     q_style = k_style = None
@@ -1028,6 +1093,7 @@ def _layer_patch(module) -> Tuple[Optional[Callable], str]:
 # Classes with their own patch or a known reason to be left, ahead of the name patterns below.
 SPECIAL_CLASSES: Dict[str, Callable[[torch.nn.Module], Tuple[Optional[Callable], str]]] = {
     "FalconAttention": _falcon_attention_patch,
+    "GPTNeoXAttention": _neox_attention_patch,
     "FalconMLP": lambda m: (None, "not gated: up, activation, down (its activation module is fused)"),
     "FalconDecoderLayer": lambda m: (
         None, "residual adds kept as written (LayerNorm model, parallel attention + MLP)"),

@@ -55,7 +55,10 @@ MODELS = {
     "falcon-7b": "tiiuae/falcon-7b: 32 layers, 4544 wide, multi-query 71/1, LayerNorm, parallel MLP",
     "smollm3-3b": "HuggingFaceTB/SmolLM3-3B: 36 layers, 2048 wide, GQA 16/4, every 4th layer NoPE",
     "olmo2-7b": "allenai/OLMo-2-1124-7B: 32 layers, 4096 wide, q/k norms across heads, post-norm",
-    "phi-2": "microsoft/phi-2: 32 layers, 2560 wide, LayerNorm, parallel attention + MLP, gelu_new",
+    "phi-2": "microsoft/phi-2: 32 layers, 2560 wide, LayerNorm, parallel attention + MLP, gelu_new, "
+             "rotary on 32 of 80 head channels",
+    "pythia-2.8b": "EleutherAI/pythia-2.8b (GPT-NeoX): 32 layers, 2560 wide, LayerNorm, parallel "
+                   "residual, fused QKV, rotary on 20 of 80 head channels",
     "starcoder2-3b": "bigcode/starcoder2-3b: 30 layers, 3072 wide, GQA 24/2, LayerNorm, gelu-tanh MLP",
     TINY: "2-layer Qwen3-style model, 128 wide (functional check; runs on CPU)",
 }
@@ -113,6 +116,12 @@ CONFIGS: Dict[str, dict] = {
         qk_layernorm=False, vocab_size=51200, max_position_embeddings=2048,
         tie_word_embeddings=False, bos_token_id=50256, eos_token_id=50256,
         initializer_range=0.02),
+    "pythia-2.8b": dict(
+        model_type="gpt_neox", hidden_size=2560, intermediate_size=10240, num_hidden_layers=32,
+        num_attention_heads=32, hidden_act="gelu", rotary_pct=0.25, rotary_emb_base=10000,
+        layer_norm_eps=1e-5, use_parallel_residual=True, vocab_size=50304,
+        max_position_embeddings=2048, tie_word_embeddings=False, bos_token_id=0,
+        eos_token_id=0, initializer_range=0.02),
     "starcoder2-3b": dict(
         model_type="starcoder2", hidden_size=3072, intermediate_size=12288, num_hidden_layers=30,
         num_attention_heads=24, num_key_value_heads=2, hidden_act="gelu_pytorch_tanh",
