@@ -528,6 +528,53 @@ def test_phi_qk_layernorm_before_the_partial_rotary(device):
     assert rel_err(out, ref) < 1e-5
 
 
+# StableLM and Persimmon: Phi's sliced rotary behind the older attention signature
+# (position_ids, output_attentions, use_cache). family -> (config class, tiny values, what)
+SLICED_ROTARY_LLMS = {
+    "stablelm": ("StableLmConfig", dict(partial_rotary_factor=0.25), "rope"),
+    "persimmon": ("PersimmonConfig", dict(partial_rotary_factor=0.5, num_key_value_heads=4),
+                  "rope (q/k read from the fused QKV projection)"),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("qk_layernorm", [False, True], ids=["plain", "qk_layernorm"])
+@pytest.mark.parametrize("family", list(SLICED_ROTARY_LLMS))
+def test_sliced_rotary_attention_of_the_older_signature(family, qk_layernorm, device):
+    """The rotary of the first rotary_ndims channels as one rope, after the q/k LayerNorms where
+    the model has them (StableLM's, one per head, split the heads on dim 1): fp32 logits as
+    unpatched, bf16 within the bf16 spread, greedy tokens unchanged."""
+    cls_name, extra, what = SLICED_ROTARY_LLMS[family]
+    config = getattr(transformers, cls_name)(**{**TINY_LLM, **extra, "qk_layernorm": qk_layernorm,
+                                                 "bos_token_id": 1, "eos_token_id": 2,
+                                                 "pad_token_id": 0})
+    model = causal_lm(config).to(device)
+    if qk_layernorm:   # norms off their init, so a wrong head or axis shows
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "layernorm.norms" in name or "q_layernorm" in name or "k_layernorm" in name:
+                    p.add_(0.3 * torch.randn_like(p))
+    ids = token_ids(device=device)
+    ref = logits(model, ids)
+    model16 = copy.deepcopy(model).to(torch.bfloat16)
+    err_unpatched = rel_err(logits(model16, ids), ref)
+    report = fusebox.patch(model)
+    attention = f"{type(model.model.layers[0].self_attn).__name__}: {what}"
+    assert report.summary()["patched"][attention] == 2, str(report)
+    with FuseboxOps() as ops:
+        out = logits(model, ids)
+    assert ops.calls["rotary"] == 2, ops.calls
+    assert rel_err(out, ref) < 1e-5
+    fusebox.patch(model16)
+    assert rel_err(logits(model16, ids), ref) <= 1.5 * err_unpatched + 2e-3
+    prompt = token_ids(batch=1, seq=6, device=device)
+    kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        patched_tokens = model.generate(prompt, **kwargs)
+        fusebox.unpatch(model)
+        assert torch.equal(model.generate(prompt, **kwargs), patched_tokens)
+
+
 @pytest.mark.parametrize("family", ["phi3", "starcoder2"])
 def test_fused_forward_steps_aside_while_its_dropout_is_active(family):
     """Dropouts of train mode are applied as the model applies them: Phi-3's residual dropouts

@@ -37,10 +37,10 @@ What is replaced, module by module (every other module keeps its forward):
   the projection then one ``activation`` pass;
 - activation modules outside such an MLP or a gated one (``NewGELU``, ``FastGELU``,
   ``GELUTanh``, exact ``GELU``, ``SiLU``) -> one ``activation`` pass;
-- Phi and GPT-NeoX (Pythia): the rotary of the first ``rotary_ndims`` channels of each head
+- Phi, GPT-NeoX (Pythia), StableLM and Persimmon: the rotary of the first ``rotary_ndims`` channels of each head
   (the model slices, rotates and concatenates back) -> one ``rope`` that passes the other
-  channels through; GPT-NeoX's q and k read in place from its fused QKV projection, Phi's
-  optional per-head q/k LayerNorms run first;
+  channels through; GPT-NeoX's and Persimmon's q and k read in place from their fused QKV
+  projections, the models' optional per-head q/k LayerNorms run first;
 - Falcon (rotary, not ALiBi): the rotary of q/k read in place from the fused QKV projection ->
   ``rope`` (for grouped keys, before they are
   repeated over the heads, which the model's cache then holds as it does unpatched). Multi-query
@@ -835,6 +835,66 @@ def _neox_attention_patch(module) -> Tuple[Optional[Callable], str]:
     return _neox_attention_forward, "rope (q/k read from the fused QKV projection)"
 
 
+_LEGACY_ATTENTION_PARAMS = ("self", "hidden_states", "attention_mask", "position_ids",
+                            "past_key_values", "output_attentions", "use_cache",
+                            "position_embeddings", "kwargs")
+
+
+def _make_legacy_rotary_attention_forward(fused_qkv: bool, out_proj: str,
+                                          pass_position_ids: bool) -> Callable:
+    """StableLM's and Persimmon's attention: q and k of ``[B, H, S, D]``, their optional q/k
+    LayerNorms, then the rotary of the first ``rotary_ndims`` channels as one ``rope`` (heads
+    first) where the model slices, rotates and concatenates. ``fused_qkv``: q, k and v from
+    ``_split_heads`` of one projection (Persimmon)."""
+
+    def forward(self, hidden_states, attention_mask=None, position_ids=None, past_key_values=None,
+                output_attentions=False, use_cache=False, position_embeddings=None, **kwargs):
+        cos, sin = position_embeddings if position_embeddings is not None else (None, None)
+        weight = (self.query_key_value if fused_qkv else self.q_proj).weight
+        if (cos is None or not _fusable(hidden_states, weight, cos, sin)
+                or not cos.dtype == sin.dtype == hidden_states.dtype
+                or cos.shape[-1] != self.rotary_ndims):
+            return original_forward(self)(hidden_states, attention_mask, position_ids,
+                                          past_key_values, output_attentions, use_cache,
+                                          position_embeddings, **kwargs)
+        bsz, q_len, _ = hidden_states.size()
+        if fused_qkv:
+            query, key, value = self._split_heads(self.query_key_value(hidden_states))
+        else:
+            query = self.q_proj(hidden_states).view(bsz, q_len, -1, self.head_dim)
+            key = self.k_proj(hidden_states).view(bsz, q_len, -1, self.head_dim)
+            value = self.v_proj(hidden_states).view(bsz, q_len, -1, self.head_dim)
+        query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+        if self.qk_layernorm:    # (StableLM's per-head norms split the heads on dim 1)
+            query, key = self.q_layernorm(query), self.k_layernorm(key)
+        query, key = F.rope(query, key, cos, sin, heads_first=True)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        if pass_position_ids:
+            kwargs["position_ids"] = position_ids
+        attention_interface = _attention_interface(self, type(self).__module__)
+        attn_output, attn_weights = attention_interface(
+            self, query, key, value, attention_mask,
+            dropout=0.0 if not self.training else self.config.attention_dropout,
+            scaling=self.scaling, **kwargs)
+        attn_output = attn_output.reshape(bsz, q_len, -1)
+        return getattr(self, out_proj)(attn_output), attn_weights
+    return forward
+
+
+def _legacy_rotary_attention_patch(fused_qkv: bool, out_proj: str, pass_position_ids: bool):
+    fused = _make_legacy_rotary_attention_forward(fused_qkv, out_proj, pass_position_ids)
+
+    def patch_(module) -> Tuple[Optional[Callable], str]:
+        if _params(type(module).forward) != _LEGACY_ATTENTION_PARAMS:
+            return None, "forward signature differs from the supported transformers versions"
+        error = _register_attention_interface(type(module).__module__, ("half", False))
+        if error:
+            return None, error
+        return fused, "rope" + (" (q/k read from the fused QKV projection)" if fused_qkv else "")
+    return patch_
+
+
 def _register_attention_interface(module_name: str, expected_form=None) -> str:
     """Records the attention interfaces of the family in ``module_name``; the reason it cannot
     be fused ("" when it can), also where its rotary is not ``expected_form``."""
@@ -1094,6 +1154,8 @@ def _layer_patch(module) -> Tuple[Optional[Callable], str]:
 SPECIAL_CLASSES: Dict[str, Callable[[torch.nn.Module], Tuple[Optional[Callable], str]]] = {
     "FalconAttention": _falcon_attention_patch,
     "GPTNeoXAttention": _neox_attention_patch,
+    "StableLmAttention": _legacy_rotary_attention_patch(False, "o_proj", pass_position_ids=True),
+    "PersimmonAttention": _legacy_rotary_attention_patch(True, "dense", pass_position_ids=False),
     "FalconMLP": lambda m: (None, "not gated: up, activation, down (its activation module is fused)"),
     "FalconDecoderLayer": lambda m: (
         None, "residual adds kept as written (LayerNorm model, parallel attention + MLP)"),
