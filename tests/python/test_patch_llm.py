@@ -459,6 +459,20 @@ LAYER_NORM_LLMS = {
 }
 
 
+def assert_bf16_and_greedy_as_unpatched(model, model16, ref, err_unpatched, ids):
+    """``model`` is patched, ``model16`` its unpatched bf16 copy: patched, the copy's logits
+    stay within the bf16 spread of the fp32 ``ref``, and ``model`` decodes the same greedy
+    tokens as after ``unpatch``."""
+    fusebox.patch(model16)
+    assert rel_err(logits(model16, ids), ref) <= 1.5 * err_unpatched + 2e-3
+    prompt = token_ids(batch=1, seq=6, device=ids.device)
+    kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        patched_tokens = model.generate(prompt, **kwargs)
+        fusebox.unpatch(model)
+        assert torch.equal(model.generate(prompt, **kwargs), patched_tokens)
+
+
 def tiny_layer_norm_llm(family, dtype=torch.float32, device="cpu", **config):
     cls_name, extra, _, _, _ = LAYER_NORM_LLMS[family]
     config = getattr(transformers, cls_name)(**{**TINY_LLM, **extra, **config, "bos_token_id": 1,
@@ -503,14 +517,7 @@ def test_layer_norm_llm_fused(family, device, monkeypatch):
     assert ops.calls == expected, ops.calls
     assert len(epilogues) == (2 if device == "cuda" and "epilogue" in (mlp_what or "") else 0)
     assert rel_err(out, ref) < 1e-5
-    fusebox.patch(model16)
-    assert rel_err(logits(model16, ids), ref) <= 1.5 * err_unpatched + 2e-3
-    prompt = token_ids(batch=1, seq=6, device=device)
-    kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        patched_tokens = model.generate(prompt, **kwargs)
-        fusebox.unpatch(model)
-        assert torch.equal(model.generate(prompt, **kwargs), patched_tokens)
+    assert_bf16_and_greedy_as_unpatched(model, model16, ref, err_unpatched, ids)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -565,14 +572,7 @@ def test_sliced_rotary_attention_of_the_older_signature(family, qk_layernorm, de
         out = logits(model, ids)
     assert ops.calls["rotary"] == 2, ops.calls
     assert rel_err(out, ref) < 1e-5
-    fusebox.patch(model16)
-    assert rel_err(logits(model16, ids), ref) <= 1.5 * err_unpatched + 2e-3
-    prompt = token_ids(batch=1, seq=6, device=device)
-    kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
-    with torch.no_grad():
-        patched_tokens = model.generate(prompt, **kwargs)
-        fusebox.unpatch(model)
-        assert torch.equal(model.generate(prompt, **kwargs), patched_tokens)
+    assert_bf16_and_greedy_as_unpatched(model, model16, ref, err_unpatched, ids)
 
 
 @pytest.mark.parametrize("family", ["phi3", "starcoder2"])

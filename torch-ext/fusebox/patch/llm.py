@@ -826,13 +826,18 @@ def _neox_attention_forward(self, hidden_states, attention_mask, layer_past=None
     return self.dense(attn_output), attn_weights
 
 
-def _neox_attention_patch(module) -> Tuple[Optional[Callable], str]:
-    if _params(type(module).forward) != _NEOX_ATTENTION_PARAMS:
-        return None, "forward signature differs from the supported transformers versions"
-    error = _register_attention_interface(type(module).__module__, ("half", False))
-    if error:
-        return None, error
-    return _neox_attention_forward, "rope (q/k read from the fused QKV projection)"
+def _sliced_rotary_patch(params: Tuple[str, ...], fused: Callable, what: str) -> Callable:
+    """The patch of an attention class whose forward has ``params`` and whose module rotates
+    as Llama's does (GPT-NeoX, StableLM, Persimmon): ``fused`` where both hold."""
+    def patch_(module) -> Tuple[Optional[Callable], str]:
+        if _params(type(module).forward) != params:
+            return None, "forward signature differs from the supported transformers versions"
+        error = _register_attention_interface(type(module).__module__, ("half", False))
+        return (None, error) if error else (fused, what)
+    return patch_
+
+
+_QKV_IN_PLACE = "rope (q/k read from the fused QKV projection)"
 
 
 _LEGACY_ATTENTION_PARAMS = ("self", "hidden_states", "attention_mask", "position_ids",
@@ -880,19 +885,6 @@ def _make_legacy_rotary_attention_forward(fused_qkv: bool, out_proj: str,
         attn_output = attn_output.reshape(bsz, q_len, -1)
         return getattr(self, out_proj)(attn_output), attn_weights
     return forward
-
-
-def _legacy_rotary_attention_patch(fused_qkv: bool, out_proj: str, pass_position_ids: bool):
-    fused = _make_legacy_rotary_attention_forward(fused_qkv, out_proj, pass_position_ids)
-
-    def patch_(module) -> Tuple[Optional[Callable], str]:
-        if _params(type(module).forward) != _LEGACY_ATTENTION_PARAMS:
-            return None, "forward signature differs from the supported transformers versions"
-        error = _register_attention_interface(type(module).__module__, ("half", False))
-        if error:
-            return None, error
-        return fused, "rope" + (" (q/k read from the fused QKV projection)" if fused_qkv else "")
-    return patch_
 
 
 def _register_attention_interface(module_name: str, expected_form=None) -> str:
@@ -1153,9 +1145,15 @@ def _layer_patch(module) -> Tuple[Optional[Callable], str]:
 # Classes with their own patch or a known reason to be left, ahead of the name patterns below.
 SPECIAL_CLASSES: Dict[str, Callable[[torch.nn.Module], Tuple[Optional[Callable], str]]] = {
     "FalconAttention": _falcon_attention_patch,
-    "GPTNeoXAttention": _neox_attention_patch,
-    "StableLmAttention": _legacy_rotary_attention_patch(False, "o_proj", pass_position_ids=True),
-    "PersimmonAttention": _legacy_rotary_attention_patch(True, "dense", pass_position_ids=False),
+    "GPTNeoXAttention": _sliced_rotary_patch(_NEOX_ATTENTION_PARAMS, _neox_attention_forward,
+                                             _QKV_IN_PLACE),
+    "StableLmAttention": _sliced_rotary_patch(
+        _LEGACY_ATTENTION_PARAMS,
+        _make_legacy_rotary_attention_forward(False, "o_proj", pass_position_ids=True), "rope"),
+    "PersimmonAttention": _sliced_rotary_patch(
+        _LEGACY_ATTENTION_PARAMS,
+        _make_legacy_rotary_attention_forward(True, "dense", pass_position_ids=False),
+        _QKV_IN_PLACE),
     "FalconMLP": lambda m: (None, "not gated: up, activation, down (its activation module is fused)"),
     "FalconDecoderLayer": lambda m: (
         None, "residual adds kept as written (LayerNorm model, parallel attention + MLP)"),
