@@ -452,7 +452,7 @@ LAYER_NORM_LLMS = {
     "phi": ("PhiConfig", dict(partial_rotary_factor=0.5), 3,
             "fc1 with gelu_tanh in its GEMM epilogue (CUDA)", "rope"),
     "starcoder2": ("Starcoder2Config", dict(residual_dropout=0.1), 5,
-                   "c_fc with gelu_tanh in its GEMM epilogue (CUDA)", None),
+                   "c_fc with gelu_tanh in its GEMM epilogue (CUDA)", "rope"),
     "gptj": ("GPTJConfig", dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64), 3,
              "fc_in with gelu_tanh in its GEMM epilogue (CUDA)", None),
     "opt": ("OPTConfig", dict(ffn_dim=128, word_embed_proj_dim=64), 5, None, None),
@@ -588,8 +588,9 @@ def test_fused_forward_steps_aside_while_its_dropout_is_active(family):
     torch.manual_seed(3)
     with FuseboxOps() as ops:
         out = logits(model, ids)
-    if family == "starcoder2":
-        assert "act" not in ops.calls and ops.calls["layer_norm"] == 5
+    if family == "starcoder2":   # (its attention's output dropout too)
+        assert "act" not in ops.calls and "rotary" not in ops.calls
+        assert ops.calls["layer_norm"] == 5
     assert rel_err(out, ref) < 1e-5
     model.eval()
     assert rel_err(logits(model, ids), ref) > 1e-3   # (the masks did change the result)
@@ -708,11 +709,25 @@ BY_SOURCE = {
 }
 
 
-@pytest.mark.parametrize("family", list(BY_SOURCE))
+# Attention classes named in the table whose forward differs from Llama's in what the fused
+# forward checks or applies: OLMo's clip_qkv (patched where unset), Seed-OSS's output dropout;
+# FlexOlmo's reads as OLMo-2's
+MORE_ATTENTION = {
+    "olmo": ("OlmoConfig", {}, ("OlmoAttention",)),
+    "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2},
+              ("OlmoeAttention", "OlmoeDecoderLayer")),
+    "flex_olmo": ("FlexOlmoConfig", {"num_experts": 4, "num_experts_per_tok": 2},
+                  ("FlexOlmoAttention",)),
+    "seed_oss": ("SeedOssConfig", {"residual_dropout": 0.1}, ("SeedOssAttention",)),
+}
+
+
+@pytest.mark.parametrize("family", list(BY_SOURCE) + list(MORE_ATTENTION))
 def test_families_fused_by_their_forward_source(family):
     """Classes not named in the tables get a named family's fused forward where theirs reads
-    the same, with the rotation the probe finds; logits as unpatched."""
-    cls_name, extra, fused = BY_SOURCE[family]
+    the same, with the rotation the probe finds, and the named classes of MORE_ATTENTION theirs;
+    logits as unpatched."""
+    cls_name, extra, fused = {**BY_SOURCE, **MORE_ATTENTION}[family]
     model = causal_lm(getattr(transformers, cls_name)(**{**_TINY_BASE, **extra}))
     ids = token_ids()
     ref = logits(model, ids)
@@ -724,6 +739,43 @@ def test_families_fused_by_their_forward_source(family):
     fusebox.patch(model16)
     err_patched = rel_err(logits(model16, ids), ref)
     assert err_patched <= 1.5 * err_unpatched + 2e-3, (err_patched, err_unpatched)
+
+
+@pytest.mark.parametrize("family", ["olmo", "olmoe"])
+def test_attention_with_clip_qkv_left_alone(family):
+    """OLMo's clip_qkv clamps q, k and v, which the fused forward does not: a model that sets
+    it keeps its attention, and the report says why."""
+    cls_name, extra, _ = MORE_ATTENTION[family]
+    model = causal_lm(getattr(transformers, cls_name)(**{**_TINY_BASE, **extra, "clip_qkv": 0.5}))
+    ids = token_ids()
+    ref = logits(model, ids)
+    report = fusebox.patch(model)
+    reasons = {e.kind: e.what for e in report.skipped}
+    kind = type(model.model.layers[0].self_attn).__name__
+    assert reasons[kind] == "config.clip_qkv is set (the fused forward does not apply it)"
+    with FuseboxOps() as ops:
+        assert rel_err(logits(model, ids), ref) < 1e-5
+    assert "rotary" not in ops.calls
+
+
+def test_seed_oss_steps_aside_while_its_dropouts_are_active():
+    """Seed-OSS applies a dropout after its attention's and its MLP's output projections: in
+    train mode both fused forwards step aside, so the same random masks come out."""
+    cls_name, extra, _ = MORE_ATTENTION["seed_oss"]
+    model = causal_lm(getattr(transformers, cls_name)(**{**_TINY_BASE, **extra})).train()
+    ids = token_ids()
+    torch.manual_seed(3)
+    ref = logits(model, ids)
+    fusebox.patch(model)
+    torch.manual_seed(3)
+    with FuseboxOps() as ops:
+        out = logits(model, ids)
+    assert "rotary" not in ops.calls and "gated_act" not in ops.calls
+    assert rel_err(out, ref) < 1e-5
+    model.eval()
+    with FuseboxOps() as ops:
+        assert rel_err(logits(model, ids), ref) > 1e-3   # (the masks did change the result)
+    assert ops.calls["rotary"] == 2 and ops.calls["gated_act"] == 2
 
 
 def test_non_transformers_module_untouched():

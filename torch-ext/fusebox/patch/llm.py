@@ -1,6 +1,7 @@
 """transformers decoder LLMs (Llama, Mistral, Ministral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, GLM-4.5, GPT-OSS, OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2, Gemma3 text,
-Llama 4 text, Falcon, and the classes of other families whose forwards read as these; the
+Qwen3-MoE, GLM-4.5, GPT-OSS, OLMo, OLMoE, OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2,
+Gemma3 text, Llama 4 text, StarCoder2, Seed-OSS, Falcon, and the classes of other families whose
+forwards read as these; the partial rotary of Phi, GPT-NeoX, StableLM and Persimmon; the
 LayerNorms, plain MLPs and activations of every other) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
@@ -112,7 +113,8 @@ def _fusable(*tensors: Optional[torch.Tensor]) -> bool:
 # formula are checked as for the named classes): many transformers models copy these.
 _ATTENTION_REFERENCES = (("llama", "LlamaAttention"), ("mistral", "MistralAttention"),
                          ("qwen2", "Qwen2Attention"), ("qwen3", "Qwen3Attention"),
-                         ("gemma2", "Gemma2Attention"), ("gemma3", "Gemma3Attention"))
+                         ("gemma2", "Gemma2Attention"), ("gemma3", "Gemma3Attention"),
+                         ("olmo2", "Olmo2Attention"))
 _LAYER_REFERENCES = (("llama", "LlamaDecoderLayer"), ("mixtral", "MixtralDecoderLayer"),
                      ("gemma2", "Gemma2DecoderLayer"), ("gpt_oss", "GptOssDecoderLayer"),
                      ("olmo2", "Olmo2DecoderLayer"))
@@ -471,9 +473,15 @@ _ACTIVATION_FORWARDS = {kind: _make_activation_forward(kind) for kind in set(_AC
                         | {"gelu"}}
 
 
-def _make_mlp_forward(activation: str) -> Callable:
+def _has_dropout(module: torch.nn.Module) -> bool:
+    """Whether the module's forward applies a dropout (Seed-OSS's MLP, after its down
+    projection): its fused forward, which has none, steps aside in train mode."""
+    return "dropout" in source_text(type(module).forward)
+
+
+def _make_mlp_forward(activation: str, dropout: bool) -> Callable:
     def forward(self, x):
-        if not _fusable(x, self.gate_proj.weight):
+        if (dropout and self.training) or not _fusable(x, self.gate_proj.weight):
             return original_forward(self)(x)
         gate = self.gate_proj(x)
         up = self.up_proj(x)
@@ -483,9 +491,9 @@ def _make_mlp_forward(activation: str) -> Callable:
     return forward
 
 
-def _make_packed_mlp_forward(activation: str) -> Callable:
+def _make_packed_mlp_forward(activation: str, dropout: bool) -> Callable:
     def forward(self, hidden_states):
-        if not _fusable(hidden_states, self.gate_up_proj.weight):
+        if (dropout and self.training) or not _fusable(hidden_states, self.gate_up_proj.weight):
             return original_forward(self)(hidden_states)
         return self.down_proj(F.gated_activation_packed(self.gate_up_proj(hidden_states),
                                                         activation, gate_first=True))
@@ -515,6 +523,11 @@ class AttentionSpec(NamedTuple):
     # per-head LayerNorms q_layernorm / k_layernorm, applied where this attribute is true (Phi)
     qk_layer_norm_flag: Optional[str] = None
     out_proj: str = "o_proj"
+    # the attribute holding the dropout probability applied to the output projection (StarCoder2,
+    # Seed-OSS): the fused forward steps aside while it is active
+    out_dropout: Optional[str] = None
+    # config values the fused forward does not apply (OLMo's clip_qkv): patched where they are None
+    none_configs: Tuple[str, ...] = ()
 
 
 def _split_extra(extra: Tuple[Tuple[str, str], ...]) -> Tuple[Tuple[str, str, str], ...]:
@@ -550,6 +563,11 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "Qwen3MoeAttention": _QWEN3_ATTENTION,
     "GptOssAttention": AttentionSpec(extra=_SLIDING + (("s_aux", "sinks"),)),
     "Olmo2Attention": AttentionSpec(qk_norm=True, qk_norm_across=True),
+    "OlmoAttention": AttentionSpec(none_configs=("clip_qkv",)),
+    "OlmoeAttention": AttentionSpec(qk_norm=True, qk_norm_across=True, extra=_CONFIG_SLIDING,
+                                    none_configs=("clip_qkv",)),
+    "Starcoder2Attention": AttentionSpec(extra=_CONFIG_SLIDING, out_dropout="residual_dropout"),
+    "SeedOssAttention": AttentionSpec(out_dropout="residual_dropout"),
     "Olmo3Attention": AttentionSpec(qk_norm=True, qk_norm_across=True, extra=_SLIDING),
     "SmolLM3Attention": AttentionSpec(extra=_SLIDING, rope_flag="use_rope"),
     "Glm4MoeAttention": AttentionSpec(qk_norm=True, qk_norm_flag="use_qk_norm"),
@@ -643,8 +661,8 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
     # the spec's fields one by one: a spec shared by all layers would cost an identity guard each
     fused_qkv, rope_flag, qk_norm_across, extra = (spec.fused_qkv, spec.rope_flag,
                                                    spec.qk_norm_across, _split_extra(spec.extra))
-    rotary_width, qk_layer_norm_flag, out_proj = (spec.rotary_width, spec.qk_layer_norm_flag,
-                                                  spec.out_proj)
+    rotary_width, qk_layer_norm_flag, out_proj, out_dropout = (
+        spec.rotary_width, spec.qk_layer_norm_flag, spec.out_proj, spec.out_dropout)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
@@ -657,7 +675,8 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
             fp32_tables and cos.dtype == torch.float32)
         if not _fusable(hidden_states, projection.weight, cos, sin) or cos.dtype != sin.dtype \
                 or not tables_as_model or (rotary_width is not None
-                                           and cos.shape[-1] != getattr(self, rotary_width)):
+                                           and cos.shape[-1] != getattr(self, rotary_width)) \
+                or (out_dropout is not None and self.training and getattr(self, out_dropout)):
             return original_forward(self)(hidden_states, position_embeddings, attention_mask,
                                           past_key_values, **kwargs)
         if half_tables or form == "interleaved, first half":
@@ -921,6 +940,9 @@ def _attention_patch(module) -> Tuple[Optional[Callable], str]:
         spec, reads_as = ATTENTION[reference], f" (forward as {reference}'s)"
     if _params(type(module).forward) != _ATTENTION_PARAMS:
         return None, "forward signature differs from the supported transformers versions"
+    for name in spec.none_configs:
+        if getattr(module.config, name, None) is not None:
+            return None, f"config.{name} is set (the fused forward does not apply it)"
     error = _register_attention_interface(type(module).__module__)
     if error:
         return None, error
@@ -1191,9 +1213,10 @@ def _classify(module) -> Tuple[Optional[Callable], str, bool]:
             fn, what = _plain_mlp_patch(module)
             return fn, what, True
         if mlp_form(module) == "packed":
-            return (_make_packed_mlp_forward(activation),
+            return (_make_packed_mlp_forward(activation, _has_dropout(module)),
                     f"gated_activation_packed ({activation})", True)
-        return _make_mlp_forward(activation), f"gated_activation ({activation})", True
+        return (_make_mlp_forward(activation, _has_dropout(module)),
+                f"gated_activation ({activation})", True)
     if name.endswith("Attention"):
         fn, what = _attention_patch(module)
         return fn, what, True
