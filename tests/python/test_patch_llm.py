@@ -719,6 +719,12 @@ MORE_ATTENTION = {
     "flex_olmo": ("FlexOlmoConfig", {"num_experts": 4, "num_experts_per_tok": 2},
                   ("FlexOlmoAttention",)),
     "seed_oss": ("SeedOssConfig", {"residual_dropout": 0.1}, ("SeedOssAttention",)),
+    # q scaled by 1 + beta * log(1 + floor(position / 4)) after the rotary: tokens 4 and on
+    "ministral3": ("Ministral3Config", {"rope_parameters": {
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 64.0, "beta_fast": 32.0,
+        "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+        "original_max_position_embeddings": 4, "llama_4_scaling_beta": 0.5}},
+        ("Ministral3Attention", "Ministral3DecoderLayer")),
 }
 
 

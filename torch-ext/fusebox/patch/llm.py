@@ -1,7 +1,7 @@
-"""transformers decoder LLMs (Llama, Mistral, Ministral, Mixtral, Qwen2, Qwen2-MoE, Qwen3,
-Qwen3-MoE, GLM-4.5, GPT-OSS, OLMo, OLMoE, OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2,
-Gemma3 text, Llama 4 text, StarCoder2, Seed-OSS, Falcon, and the classes of other families whose
-forwards read as these; the partial rotary of Phi, GPT-NeoX, StableLM and Persimmon; the
+"""transformers decoder LLMs (Llama, Mistral, Ministral, Ministral 3, Mixtral, Qwen2,
+Qwen2-MoE, Qwen3, Qwen3-MoE, GLM-4.5, GPT-OSS, OLMo, OLMoE, OLMo-2, OLMo-3, SmolLM3, Phi-3/4,
+Gemma, Gemma2, Gemma3 text, Llama 4 text, StarCoder2, Seed-OSS, Falcon, and the classes of other
+families whose forwards read as these; the partial rotary of Phi, GPT-NeoX, StableLM and Persimmon; the
 LayerNorms, plain MLPs and activations of every other) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
@@ -528,6 +528,9 @@ class AttentionSpec(NamedTuple):
     out_dropout: Optional[str] = None
     # config values the fused forward does not apply (OLMo's clip_qkv): patched where they are None
     none_configs: Tuple[str, ...] = ()
+    # q scaled by position after the rotary, by the module's get_llama_4_attn_scale with the
+    # config's llama_4_scaling_beta (Ministral 3); the forward takes position_ids
+    position_scale: bool = False
 
 
 def _split_extra(extra: Tuple[Tuple[str, str], ...]) -> Tuple[Tuple[str, str, str], ...]:
@@ -559,6 +562,7 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "MixtralAttention": _MISTRAL_ATTENTION,
     "Qwen2Attention": _QWEN2_ATTENTION,
     "MinistralAttention": _QWEN2_ATTENTION,
+    "Ministral3Attention": AttentionSpec(extra=_CONFIG_SLIDING, position_scale=True),
     "Qwen3Attention": _QWEN3_ATTENTION,
     "Qwen3MoeAttention": _QWEN3_ATTENTION,
     "GptOssAttention": AttentionSpec(extra=_SLIDING + (("s_aux", "sinks"),)),
@@ -580,6 +584,8 @@ ATTENTION: Dict[str, AttentionSpec] = {
 }
 _ATTENTION_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_mask",
                      "past_key_values", "kwargs")
+_POSITION_SCALE_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_mask",
+                          "position_ids", "past_key_values", "kwargs")
 # (transformers' attention registry, the module's eager_attention_forward) by the module name of
 # each patched attention class
 _ATTENTION_INTERFACES: Dict[str, Tuple[object, Callable]] = {}
@@ -655,9 +661,10 @@ def _grouped_masked_sdpa(module, query, key, value, attention_mask, dropout=0.0,
 
 def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, fp32_tables: bool,
                             q_style: Optional[NormStyle], k_style: Optional[NormStyle],
-                            family: str) -> Callable:
+                            family: str, position_scale: Optional[Callable] = None) -> Callable:
     """The fused attention forward; ``family`` is the module of the class (the key of its
-    attention interfaces in ``_ATTENTION_INTERFACES``)."""
+    attention interfaces in ``_ATTENTION_INTERFACES``); ``position_scale``: the module's
+    ``get_llama_4_attn_scale`` (``spec.position_scale``)."""
     # the spec's fields one by one: a spec shared by all layers would cost an identity guard each
     fused_qkv, rope_flag, qk_norm_across, extra = (spec.fused_qkv, spec.rope_flag,
                                                    spec.qk_norm_across, _split_extra(spec.extra))
@@ -678,7 +685,8 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
                                            and cos.shape[-1] != getattr(self, rotary_width)) \
                 or (out_dropout is not None and self.training and getattr(self, out_dropout)):
             return original_forward(self)(hidden_states, position_embeddings, attention_mask,
-                                          past_key_values, **kwargs)
+                                          past_key_values=past_key_values, **kwargs)
+        position_ids = kwargs.pop("position_ids") if position_scale is not None else None
         if half_tables or form == "interleaved, first half":
             # (GPT-OSS: tables of half the head; GLM, Ernie: the first half's entries paired)
             cos, sin = derived_once(cos, form, lambda: rotary_tables(form, cos, sin, half_tables))
@@ -716,6 +724,11 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
             if rotate:
                 query, key = F.rope(query, key, cos, sin, interleaved=interleaved)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
+        if position_scale is not None:   # (as the model scales the rotated q)
+            rope = self.config.rope_parameters
+            query = query * position_scale(
+                position_ids, rope.get("llama_4_scaling_beta"),
+                rope.get("original_max_position_embeddings")).to(query.dtype)
 
         if past_key_values is not None:
             key, value = past_key_values.update(key, value, self.layer_idx)
@@ -733,6 +746,15 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         return getattr(self, out_proj)(attn_output), attn_weights
+
+    if position_scale is None:
+        return forward
+    fused = forward
+
+    def forward(self, hidden_states, position_embeddings, attention_mask, position_ids,
+                past_key_values=None, **kwargs):   # (the signature of the model's forward)
+        return fused(self, hidden_states, position_embeddings, attention_mask, past_key_values,
+                     position_ids=position_ids, **kwargs)
     return forward
 
 
@@ -938,8 +960,15 @@ def _attention_patch(module) -> Tuple[Optional[Callable], str]:
         if reference is None:
             return None, "no fused attention for this class"
         spec, reads_as = ATTENTION[reference], f" (forward as {reference}'s)"
-    if _params(type(module).forward) != _ATTENTION_PARAMS:
+    if _params(type(module).forward) != (_POSITION_SCALE_PARAMS if spec.position_scale
+                                         else _ATTENTION_PARAMS):
         return None, "forward signature differs from the supported transformers versions"
+    position_scale = None
+    if spec.position_scale:
+        position_scale = getattr(sys.modules[type(module).__module__], "get_llama_4_attn_scale",
+                                 None)
+        if position_scale is None:
+            return None, "no get_llama_4_attn_scale next to the class"
     for name in spec.none_configs:
         if getattr(module.config, name, None) is not None:
             return None, f"config.{name} is set (the fused forward does not apply it)"
@@ -955,7 +984,7 @@ def _attention_patch(module) -> Tuple[Optional[Callable], str]:
         if q_style is None or k_style is None or q_style != k_style:
             return None, "q_norm/k_norm formula not recognized"
     return _make_attention_forward(spec, form, half_tables, fp32_tables, q_style, k_style,
-                                   type(module).__module__), (
+                                   type(module).__module__, position_scale), (
         ("qk_norm_rope" if spec.qk_norm else "rope") + reads_as)
 
 
