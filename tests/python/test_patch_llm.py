@@ -39,10 +39,13 @@ def logits(model, ids):
 
 
 def build(name, **kwargs):
-    """A tiny model of a family (LLM_FAMILIES), of a Falcon layout (FALCON_VARIANTS) or of a
-    LayerNorm LLM (LAYER_NORM_LLMS)."""
+    """A tiny model of a family (LLM_FAMILIES), of a Falcon layout (FALCON_VARIANTS), of a
+    LayerNorm LLM (LAYER_NORM_LLMS) or of MORE_ATTENTION's families."""
     if name in FALCON_VARIANTS:
         return tiny_falcon(name, **kwargs)
+    if name in MORE_ATTENTION:
+        cls_name, extra, _ = MORE_ATTENTION[name]
+        return causal_lm(getattr(transformers, cls_name)(**{**_TINY_BASE, **extra}))
     return tiny_layer_norm_llm(name, **kwargs) if name in LAYER_NORM_LLMS else tiny_llm(name, **kwargs)
 
 
@@ -344,9 +347,10 @@ def test_module_with_a_foreign_forward_is_skipped():
 
 
 def test_unknown_model_untouched():
-    # Nemotron: LayerNorm1P, (1 + weight), a LayerNorm subclass; squared-ReLU MLP
-    model = causal_lm(transformers.NemotronConfig(**{**TINY_LLM, "eos_token_id": 2,
-                                                     "pad_token_id": 0, "bos_token_id": 1}))
+    # CPM-Ant: its own attention (a position bias, no rotary), its own norm and FFN classes
+    model = causal_lm(transformers.CpmAntConfig(
+        vocab_size=TINY_LLM["vocab_size"], hidden_size=64, num_attention_heads=4, dim_head=16,
+        dim_ff=128, num_hidden_layers=2))
     ids = token_ids()
     ref = logits(model, ids)
     report = fusebox.patch(model)
@@ -710,9 +714,18 @@ BY_SOURCE = {
 
 
 # Attention classes named in the table whose forward differs from Llama's in what the fused
-# forward checks or applies: OLMo's clip_qkv (patched where unset), Seed-OSS's output dropout;
-# FlexOlmo's reads as OLMo-2's
+# forward checks or applies: OLMo's clip_qkv (patched where unset), Seed-OSS's output dropout,
+# Ministral 3's q scale, HunYuan's q/k norms after the rotary, Nemotron's partial rotary (and its
+# LayerNorm1P), MiniMax-M2's q/k norms across heads over a partial rotary; FlexOlmo's reads as
+# OLMo-2's
 MORE_ATTENTION = {
+    "apertus": ("ApertusConfig", {}, ("ApertusAttention",)),
+    "nemotron": ("NemotronConfig", {"partial_rotary_factor": 0.5},
+                 ("NemotronAttention", "NemotronLayerNorm1P")),
+    "minimax_m2": ("MiniMaxM2Config", {"num_local_experts": 4, "num_experts_per_tok": 2,
+                                       "head_dim": 16, "rotary_dim": 8},
+                   ("MiniMaxM2Attention", "MiniMaxM2DecoderLayer")),
+    "hunyuan_v1_dense": ("HunYuanDenseV1Config", {"head_dim": 16}, ("HunYuanDenseV1Attention",)),
     "olmo": ("OlmoConfig", {}, ("OlmoAttention",)),
     "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2},
               ("OlmoeAttention", "OlmoeDecoderLayer")),
@@ -735,6 +748,10 @@ def test_families_fused_by_their_forward_source(family):
     logits as unpatched."""
     cls_name, extra, fused = {**BY_SOURCE, **MORE_ATTENTION}[family]
     model = causal_lm(getattr(transformers, cls_name)(**{**_TINY_BASE, **extra}))
+    with torch.no_grad():   # norm weights off their init, so where a norm applies shows
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
     ids = token_ids()
     ref = logits(model, ids)
     model16 = copy.deepcopy(model).to(torch.bfloat16)
@@ -897,7 +914,11 @@ COMPILED_OPS = {"llama": {"rms_norm", "rotary", "gated_act"},
                 "llama4": {"rms_norm", "gated_act"},
                 "falcon-40b": {"rotary", "layer_norm"},
                 "gpt2": {"layer_norm", "act"},
-                "phi": {"layer_norm", "act"}}
+                "phi": {"layer_norm", "act", "rotary"},
+                "gpt_neox": {"layer_norm", "act", "rotary"},
+                "ministral3": {"rms_norm", "rotary", "gated_act"},
+                "nemotron": {"layer_norm", "rotary"},
+                "hunyuan_v1_dense": {"rms_norm", "rotary", "gated_act"}}
 
 
 @pytest.mark.parametrize("family", list(COMPILED_OPS))

@@ -1,7 +1,7 @@
 """transformers decoder LLMs (Llama, Mistral, Ministral, Ministral 3, Mixtral, Qwen2,
 Qwen2-MoE, Qwen3, Qwen3-MoE, GLM-4.5, GPT-OSS, OLMo, OLMoE, OLMo-2, OLMo-3, SmolLM3, Phi-3/4,
-Gemma, Gemma2, Gemma3 text, Llama 4 text, StarCoder2, Seed-OSS, Falcon, and the classes of other
-families whose forwards read as these; the partial rotary of Phi, GPT-NeoX, StableLM and Persimmon; the
+Gemma, Gemma2, Gemma3 text, Llama 4 text, StarCoder2, Seed-OSS, Apertus, MiniMax-M2, HunYuan,
+Nemotron, Falcon, and the classes of other families whose forwards read as these; the partial rotary of Phi, GPT-NeoX, StableLM and Persimmon; the
 LayerNorms, plain MLPs and activations of every other) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
@@ -246,6 +246,24 @@ def _layer_norm_forward(self, x):
     if not _fusable(x, self.weight, self.bias):
         return original_forward(self)(x)
     return F.layer_norm(x, self.weight, self.bias, self.eps)
+
+
+def _layer_norm_1p_patch(module: torch.nn.Module) -> Tuple[Optional[Callable], str]:
+    """Nemotron's ``LayerNorm1P``: torch's LayerNorm of ``weight + 1``, outside autocast."""
+    src = source_text(type(module).forward)
+    if "self.weight+1.0" not in src or "F.layer_norm(*args)" not in src:
+        return None, "LayerNorm1P formula not recognized"
+    if len(module.normalized_shape) != 1 or module.weight is None:
+        return None, "LayerNorm1P over more than the last dimension, or without a weight"
+    return _layer_norm_1p_forward, "layer_norm (weight + 1)"
+
+
+def _layer_norm_1p_forward(self, x):
+    # (the weight + 1 is formed as the model forms it, in the weight's dtype; under autocast the
+    # model casts its arguments first)
+    if torch.is_autocast_enabled(x.device.type) or not _fusable(x, self.weight, self.bias):
+        return original_forward(self)(x)
+    return F.layer_norm(x, self.weight + 1.0, self.bias, self.eps)
 
 
 # Cohere's LayerNorm without a bias, in fp32 and rounded once: fusebox's layer_norm formula
@@ -528,6 +546,9 @@ class AttentionSpec(NamedTuple):
     out_dropout: Optional[str] = None
     # config values the fused forward does not apply (OLMo's clip_qkv): patched where they are None
     none_configs: Tuple[str, ...] = ()
+    # per-head norms of q and k applied after the rotary (HunYuan's query_layernorm and
+    # key_layernorm): rope, then the two norm modules
+    post_rope_norms: Optional[Tuple[str, str]] = None
     # q scaled by position after the rotary, by the module's get_llama_4_attn_scale with the
     # config's llama_4_scaling_beta (Ministral 3); the forward takes position_ids
     position_scale: bool = False
@@ -567,6 +588,12 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "Qwen3MoeAttention": _QWEN3_ATTENTION,
     "GptOssAttention": AttentionSpec(extra=_SLIDING + (("s_aux", "sinks"),)),
     "Olmo2Attention": AttentionSpec(qk_norm=True, qk_norm_across=True),
+    "MiniMaxM2Attention": AttentionSpec(qk_norm=True, qk_norm_across=True),
+    "ApertusAttention": AttentionSpec(qk_norm=True),
+    "NemotronAttention": _LLAMA_ATTENTION,   # (its apply_rotary_pos_emb takes partial tables)
+    "HunYuanDenseV1Attention": AttentionSpec(post_rope_norms=("query_layernorm",
+                                                              "key_layernorm")),
+    "HunYuanMoEV1Attention": AttentionSpec(post_rope_norms=("query_layernorm", "key_layernorm")),
     "OlmoAttention": AttentionSpec(none_configs=("clip_qkv",)),
     "OlmoeAttention": AttentionSpec(qk_norm=True, qk_norm_across=True, extra=_CONFIG_SLIDING,
                                     none_configs=("clip_qkv",)),
@@ -668,8 +695,9 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
     # the spec's fields one by one: a spec shared by all layers would cost an identity guard each
     fused_qkv, rope_flag, qk_norm_across, extra = (spec.fused_qkv, spec.rope_flag,
                                                    spec.qk_norm_across, _split_extra(spec.extra))
-    rotary_width, qk_layer_norm_flag, out_proj, out_dropout = (
-        spec.rotary_width, spec.qk_layer_norm_flag, spec.out_proj, spec.out_dropout)
+    rotary_width, qk_layer_norm_flag, out_proj, out_dropout, post_rope_norms = (
+        spec.rotary_width, spec.qk_layer_norm_flag, spec.out_proj, spec.out_dropout,
+        spec.post_rope_norms)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
@@ -723,6 +751,9 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
                 query, key = self.q_norm(query), self.k_norm(key)
             if rotate:
                 query, key = F.rope(query, key, cos, sin, interleaved=interleaved)
+            if post_rope_norms is not None:
+                query = getattr(self, post_rope_norms[0])(query)
+                key = getattr(self, post_rope_norms[1])(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
         if position_scale is not None:   # (as the model scales the rotated q)
             rope = self.config.rope_parameters
@@ -1209,6 +1240,7 @@ SPECIAL_CLASSES: Dict[str, Callable[[torch.nn.Module], Tuple[Optional[Callable],
     "FalconDecoderLayer": lambda m: (
         None, "residual adds kept as written (LayerNorm model, parallel attention + MLP)"),
     "Llama4TextL2Norm": _l2_norm_patch,
+    "NemotronLayerNorm1P": _layer_norm_1p_patch,
 }
 
 
