@@ -43,6 +43,8 @@ def build(name, **kwargs):
     LayerNorm LLM (LAYER_NORM_LLMS) or of MORE_ATTENTION's families."""
     if name in FALCON_VARIANTS:
         return tiny_falcon(name, **kwargs)
+    if name == "gemma4_text":
+        return tiny_gemma4()
     if name in MORE_ATTENTION:
         cls_name, extra, _ = MORE_ATTENTION[name]
         return causal_lm(getattr(transformers, cls_name)(**{**_TINY_BASE, **extra}))
@@ -764,6 +766,50 @@ def test_families_fused_by_their_forward_source(family):
     assert err_patched <= 1.5 * err_unpatched + 2e-3, (err_patched, err_unpatched)
 
 
+def tiny_gemma4(device="cpu"):
+    """Gemma 4 text, 4 layers: sliding and full layers of two head sizes, the last two reusing
+    the keys and values of the first two, full layers' values from their keys, per-layer
+    inputs; the norm weights and layer scalars off their init."""
+    config = transformers.Gemma4TextConfig(**{
+        **_TINY_BASE, "num_hidden_layers": 4, "head_dim": 16, "global_head_dim": 32,
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 8,
+        "num_kv_shared_layers": 2, "attention_k_eq_v": True, "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": TINY_LLM["vocab_size"]})
+    model = causal_lm(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+        for i, layer in enumerate(model.model.layers):
+            layer.layer_scalar.fill_(0.6 + 0.2 * i)
+    return model.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemma4_text(device):
+    """Gemma 4: its RMSNorms (weightless v_norm included) as rms_norm, q and k normed and
+    rotated per head in one launch (q alone in the layers that share keys and values), the
+    layers' residual adds with their norms; fp32 logits as unpatched, bf16 within the bf16
+    spread, greedy tokens unchanged."""
+    model = tiny_gemma4(device)
+    ids = token_ids(device=device)
+    ref = logits(model, ids)
+    model16 = copy.deepcopy(model).to(torch.bfloat16)
+    err_unpatched = rel_err(logits(model16, ids), ref)
+    patched = fusebox.patch(model).summary()["patched"]
+    assert patched["Gemma4TextAttention: qk_norm_rope"] == 4
+    assert patched["Gemma4RMSNorm: rms_norm (no weight)"] == 2      # the two layers' v_norm
+    assert patched["Gemma4TextDecoderLayer: fused_add_rms_norm (attention residual + "
+                   "pre_feedforward_layernorm), rms_norm_add (post_feedforward_layernorm + "
+                   "residual and post_per_layer_input_norm + residual)"] == 4
+    with FuseboxOps() as ops:
+        out = logits(model, ids)
+    assert ops.calls["rotary"] == 4 and ops.calls["gated_act"] == 4, ops.calls
+    assert ops.calls["fused_add_rms_norm"] == 4 and ops.calls["rms_norm_add"] == 8, ops.calls
+    assert rel_err(out, ref) < 1e-5
+    assert_bf16_and_greedy_as_unpatched(model, model16, ref, err_unpatched, ids)
+
+
 @pytest.mark.parametrize("family", ["olmo", "olmoe"])
 def test_attention_with_clip_qkv_left_alone(family):
     """OLMo's clip_qkv clamps q, k and v, which the fused forward does not: a model that sets
@@ -918,7 +964,9 @@ COMPILED_OPS = {"llama": {"rms_norm", "rotary", "gated_act"},
                 "gpt_neox": {"layer_norm", "act", "rotary"},
                 "ministral3": {"rms_norm", "rotary", "gated_act"},
                 "nemotron": {"layer_norm", "rotary"},
-                "hunyuan_v1_dense": {"rms_norm", "rotary", "gated_act"}}
+                "hunyuan_v1_dense": {"rms_norm", "rotary", "gated_act"},
+                "gemma4_text": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm",
+                                "rms_norm_add"}}
 
 
 @pytest.mark.parametrize("family", list(COMPILED_OPS))

@@ -1,8 +1,9 @@
 """transformers decoder LLMs (Llama, Mistral, Ministral, Ministral 3, Mixtral, Qwen2,
 Qwen2-MoE, Qwen3, Qwen3-MoE, GLM-4.5, GPT-OSS, OLMo, OLMoE, OLMo-2, OLMo-3, SmolLM3, Phi-3/4,
-Gemma, Gemma2, Gemma3 text, Llama 4 text, StarCoder2, Seed-OSS, Apertus, MiniMax-M2, HunYuan,
-Nemotron, Falcon, and the classes of other families whose forwards read as these; the partial rotary of Phi, GPT-NeoX, StableLM and Persimmon; the
-LayerNorms, plain MLPs and activations of every other) on fusebox.
+Gemma, Gemma2, Gemma3 text, Gemma 4 text, Llama 4 text, StarCoder2, Seed-OSS, Apertus,
+MiniMax-M2, HunYuan, Nemotron, Falcon, and the classes of other families whose forwards read as
+these; the partial rotary of Phi, GPT-NeoX, StableLM and Persimmon; the LayerNorms, plain MLPs
+and activations of every other) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
 
@@ -160,6 +161,11 @@ _GEMMA_NORM = ("output*(1.0+self.weight.float())", "returnoutput.type_as(x)")
 _T5_NORM = ("variance_epsilon", "return(self.weight*hidden_states).to(input_dtype)")
 # Llama 4's: Llama's rounding and weighting, written with ``eps`` and a ``_norm`` helper
 _LLAMA4_NORM = ("output=self._norm(x.float()).type_as(x)", "returnoutput*self.weight")
+# Gemma 4's: T5's (the optional weight applied in fp32, then one rounding), the inverse root
+# written as pow(., -0.5); ``with_scale=False`` has no weight (its v_norm)
+_GEMMA4_NORM = ("normed_output=self._norm(hidden_states.float())",
+                "normed_output=normed_output*self.weight.float()",
+                "returnnormed_output.type_as(hidden_states)")
 
 
 def norm_style(module: torch.nn.Module) -> Optional[NormStyle]:
@@ -177,7 +183,15 @@ def norm_style(module: torch.nn.Module) -> Optional[NormStyle]:
         return NormStyle(float(module.eps), 1.0, False)
     if all(s in src for s in _LLAMA4_NORM) and hasattr(module, "eps"):
         return NormStyle(float(module.eps), 0.0, True)
+    if all(s in src for s in _GEMMA4_NORM) and hasattr(module, "eps"):
+        return NormStyle(float(module.eps), 0.0, False)
     return None
+
+
+def _weightless_gemma4_norm(module: torch.nn.Module) -> bool:
+    """A Gemma 4 RMSNorm without its weight (``with_scale=False``)."""
+    return (getattr(module, "with_scale", True) is False and hasattr(module, "eps")
+            and all(s in source_text(type(module).forward) for s in _GEMMA4_NORM))
 
 
 # Llama 4's weightless RMSNorm of q and k (after their rotary): ``norm(x.float()).type_as(x)``
@@ -869,6 +883,74 @@ def _falcon_attention_patch(module) -> Tuple[Optional[Callable], str]:
                                       "keys expanded so SDPA runs a fused kernel")
 
 
+_GEMMA4_ATTENTION_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_mask",
+                            "shared_kv_states", "past_key_values", "kwargs")
+
+
+def _gemma4_attention_forward(self, hidden_states, position_embeddings, attention_mask,
+                              shared_kv_states, past_key_values=None, **kwargs):
+    cos, sin = position_embeddings
+    shared = self.is_kv_shared_layer
+    style = self.q_norm.__dict__.get(NORM_STYLE_ATTR)
+    if (not _fusable(hidden_states, self.q_proj.weight, cos, sin) or style is None
+            or not cos.dtype == sin.dtype == hidden_states.dtype
+            or not _weight_readable(self.q_norm, style, hidden_states)
+            or not (shared or _weight_readable(self.k_norm, style, hidden_states))):
+        return original_forward(self)(hidden_states, position_embeddings, attention_mask,
+                                      shared_kv_states, past_key_values=past_key_values, **kwargs)
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    # q and k [B, S, H, D], normed per head and rotated in one launch (the model: norm, round,
+    # rotate); a layer that shares the keys and values of an earlier one rotates q alone
+    query = self.q_proj(hidden_states).view(hidden_shape)
+    if shared:
+        query, _ = F.qk_norm_rope(query, None, self.q_norm.weight, None, cos, sin, eps=style.eps)
+        key, value = shared_kv_states[self.layer_type]
+        key, value = key.to(query.device), value.to(query.device)
+    else:
+        key = self.k_proj(hidden_states).view(hidden_shape)
+        value = self.v_proj(hidden_states).view(hidden_shape) if self.v_proj is not None else key
+        query, key = F.qk_norm_rope(query, key, self.q_norm.weight, self.k_norm.weight, cos, sin,
+                                    eps=style.eps)
+        key, value = key.transpose(1, 2), self.v_norm(value).transpose(1, 2)
+    query = query.transpose(1, 2)
+    if past_key_values is not None and not shared:
+        key, value = past_key_values.update(key, value, self.layer_idx)
+    if self.store_full_length_kv:
+        shared_kv_states[self.layer_type] = key, value
+    attention_interface = _attention_interface(self, type(self).__module__)
+    attn_output, attn_weights = attention_interface(
+        self, query, key, value, attention_mask,
+        dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
+        sliding_window=self.sliding_window, **kwargs)
+    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+    return self.o_proj(attn_output), attn_weights
+
+
+def _single_tensor_rotary(fn):
+    """Gemma 4's ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim)`` as the probe calls one
+    of q and k."""
+    return lambda q, k, cos, sin, unsqueeze_dim=1: (fn(q, cos, sin, unsqueeze_dim),
+                                                    fn(k, cos, sin, unsqueeze_dim))
+
+
+def _gemma4_attention_patch(module) -> Tuple[Optional[Callable], str]:
+    if _params(type(module).forward) != _GEMMA4_ATTENTION_PARAMS:
+        return None, "forward signature differs from the supported transformers versions"
+    q_style = norm_style(module.q_norm)
+    k_style = norm_style(module.k_norm) if hasattr(module, "k_norm") else q_style
+    if q_style is None or q_style != k_style:
+        return None, "q_norm/k_norm formula not recognized"
+    fn = getattr(sys.modules[type(module).__module__], "apply_rotary_pos_emb", None)
+    error = _register_attention_interface(type(module).__module__, ("half", False),
+                                          probe_rotary(_single_tensor_rotary(fn)))
+    if error:
+        return None, error
+    module.q_norm.__dict__[NORM_STYLE_ATTR] = q_style
+    add_undo(module, functools.partial(module.q_norm.__dict__.pop, NORM_STYLE_ATTR, None))
+    return _gemma4_attention_forward, "qk_norm_rope"
+
+
 _NEOX_ATTENTION_PARAMS = ("self", "hidden_states", "attention_mask", "layer_past",
                           "position_embeddings", "kwargs")
 
@@ -959,11 +1041,12 @@ def _make_legacy_rotary_attention_forward(fused_qkv: bool, out_proj: str,
     return forward
 
 
-def _register_attention_interface(module_name: str, expected_form=None) -> str:
+def _register_attention_interface(module_name: str, expected_form=None, form=None) -> str:
     """Records the attention interfaces of the family in ``module_name``; the reason it cannot
-    be fused ("" when it can), also where its rotary is not ``expected_form``."""
-    form = _rotary_form(module_name)
-    if form[0] is None or (expected_form is not None and form[:2] != expected_form):
+    be fused ("" when it can), also where its rotary (``form``: (form, half_tables), by default
+    what a probe of the module's ``apply_rotary_pos_emb`` finds) is not ``expected_form``."""
+    form = _rotary_form(module_name)[:2] if form is None else form
+    if form[0] is None or (expected_form is not None and form != expected_form):
         return "apply_rotary_pos_emb is none of the rotations fusebox runs"
     eager = getattr(sys.modules[module_name], "eager_attention_forward", None)
     if eager is None:
@@ -1129,6 +1212,33 @@ def _sandwich_layer_forward(self, hidden_states, position_embeddings=None, atten
     return _norm_add(norm, _style(norm), self.mlp(normed), hidden_states)
 
 
+def _gemma4_layer_forward(self, hidden_states, per_layer_input=None, shared_kv_states=None,
+                          position_embeddings=None, attention_mask=None, position_ids=None,
+                          past_key_values=None, **kwargs):
+    """Gemma 4's layer: Gemma3's sandwich (the attention add and pre_feedforward_layernorm one
+    ``fused_add_rms_norm``, post_feedforward_layernorm and its add one ``rms_norm_add``), then
+    the per-layer input's branch with post_per_layer_input_norm and its add one
+    ``rms_norm_add``, then the layer's scalar."""
+    if not _fusable(hidden_states, self.pre_feedforward_layernorm.weight):
+        return original_forward(self)(hidden_states, per_layer_input, shared_kv_states,
+                                      position_embeddings, attention_mask, position_ids,
+                                      past_key_values, **kwargs)
+    normed, hidden_states = _attention_then_add_norm(
+        self, self.pre_feedforward_layernorm, hidden_states, self.post_attention_layernorm,
+        position_embeddings=position_embeddings, attention_mask=attention_mask,
+        shared_kv_states=shared_kv_states, position_ids=position_ids,
+        past_key_values=past_key_values, **kwargs)
+    norm = self.post_feedforward_layernorm
+    hidden_states = _norm_add(norm, _style(norm), self.mlp(normed), hidden_states)
+    if self.hidden_size_per_layer_input:
+        branch = self.act_fn(self.per_layer_input_gate(hidden_states)) * per_layer_input
+        norm = self.post_per_layer_input_norm
+        hidden_states = _norm_add(norm, _style(norm), self.per_layer_projection(branch),
+                                  hidden_states)
+    hidden_states *= self.layer_scalar
+    return hidden_states
+
+
 def _postnorm_layer_forward(self, hidden_states, attention_mask=None, position_ids=None,
                             past_key_values=None, use_cache=False, position_embeddings=None,
                             **kwargs):
@@ -1199,6 +1309,23 @@ DECODER_LAYERS: Dict[str, LayerTemplate] = {
 }
 
 
+_GEMMA4_LAYER_PARAMS = ("self", "hidden_states", "per_layer_input", "shared_kv_states",
+                        "position_embeddings", "attention_mask", "position_ids",
+                        "past_key_values", "kwargs")
+
+
+def _gemma4_layer_patch(module) -> Tuple[Optional[Callable], str]:
+    if module.enable_moe_block:
+        return None, "an expert block beside the MLP: the layer keeps its forward"
+    norms = ("pre_feedforward_layernorm", "post_feedforward_layernorm")
+    if module.hidden_size_per_layer_input:
+        norms += ("post_per_layer_input_norm",)
+    what = ("fused_add_rms_norm (attention residual + pre_feedforward_layernorm), rms_norm_add ("
+            + " and ".join(f"{name} + residual" for name in norms[1:]) + ")")
+    return _apply_layer_template(
+        module, LayerTemplate(_GEMMA4_LAYER_PARAMS, norms, _gemma4_layer_forward, what), "")
+
+
 def _layer_patch(module) -> Tuple[Optional[Callable], str]:
     template, reads_as = DECODER_LAYERS.get(type(module).__name__), ""
     if template is None:
@@ -1206,6 +1333,13 @@ def _layer_patch(module) -> Tuple[Optional[Callable], str]:
         if reference is None:
             return None, "no fused decoder layer for this class"
         template, reads_as = DECODER_LAYERS[reference], f" (forward as {reference}'s)"
+    return _apply_layer_template(module, template, reads_as)
+
+
+def _apply_layer_template(module, template: LayerTemplate,
+                          reads_as: str) -> Tuple[Optional[Callable], str]:
+    """``template``'s forward for ``module`` where its signature and norms are the template's
+    (each norm's style kept on it for the forward); else (None, why)."""
     if _params(type(module).forward) != template.params:
         return None, "forward signature differs from the supported transformers versions"
     styles = [norm_style(getattr(module, name)) for name in template.norms]
@@ -1241,6 +1375,8 @@ SPECIAL_CLASSES: Dict[str, Callable[[torch.nn.Module], Tuple[Optional[Callable],
         None, "residual adds kept as written (LayerNorm model, parallel attention + MLP)"),
     "Llama4TextL2Norm": _l2_norm_patch,
     "NemotronLayerNorm1P": _layer_norm_1p_patch,
+    "Gemma4TextAttention": _gemma4_attention_patch,
+    "Gemma4TextDecoderLayer": _gemma4_layer_patch,
 }
 
 
@@ -1263,6 +1399,8 @@ def _classify(module) -> Tuple[Optional[Callable], str, bool]:
         return fn, what, bool(what)
     if name.endswith("RMSNorm"):
         style = norm_style(module)
+        if style is None and _weightless_gemma4_norm(module):
+            return _l2_norm_forward, "rms_norm (no weight)", True
         if style is None:
             return None, "RMSNorm formula not recognized", True
         return _make_rms_norm_forward(style), "rms_norm", True
