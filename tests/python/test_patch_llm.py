@@ -45,6 +45,8 @@ def build(name, **kwargs):
         return tiny_falcon(name, **kwargs)
     if name == "gemma4_text":
         return tiny_gemma4()
+    if name == "qwen3_5_text":
+        return tiny_qwen3_5()
     if name in MORE_ATTENTION:
         cls_name, extra, _ = MORE_ATTENTION[name]
         return causal_lm(getattr(transformers, cls_name)(**{**_TINY_BASE, **extra}))
@@ -810,6 +812,48 @@ def test_gemma4_text(device):
     assert_bf16_and_greedy_as_unpatched(model, model16, ref, err_unpatched, ids)
 
 
+def tiny_qwen3_5(device="cpu", moe=False):
+    """Qwen3.5 text, 4 layers: linear attention, then gated self-attention (q and an output gate
+    from one projection, per-head (1 + w) q/k norms, rotary on a quarter of the head), twice;
+    the norm weights off their init."""
+    extra = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                 shared_expert_intermediate_size=32) if moe else {}
+    config = getattr(transformers, "Qwen3_5MoeTextConfig" if moe else "Qwen3_5TextConfig")(**{
+        **_TINY_BASE, "num_hidden_layers": 4, "head_dim": 16, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "layer_types": ["linear_attention", "full_attention"] * 2, **extra})
+    model = causal_lm(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    return model.to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
+def test_qwen3_5_text(device, moe):
+    """Qwen3.5: the gated self-attention's q/k norms and rotary in one launch, the output gate
+    as the model applies it; every layer's mixer add and post_attention_layernorm in one op,
+    after linear attention too; fp32 logits as unpatched, bf16 within the bf16 spread, greedy
+    tokens unchanged."""
+    model = tiny_qwen3_5(device, moe)
+    ids = token_ids(device=device)
+    ref = logits(model, ids)
+    model16 = copy.deepcopy(model).to(torch.bfloat16)
+    err_unpatched = rel_err(logits(model16, ids), ref)
+    patched = fusebox.patch(model).summary()["patched"]
+    prefix = "Qwen3_5Moe" if moe else "Qwen3_5"
+    assert patched[f"{prefix}Attention: qk_norm_rope"] == 2, patched
+    assert patched[f"{prefix}DecoderLayer: fused_add_rms_norm (token mixer residual + "
+                   "post_attention_layernorm)"] == 4, patched
+    with FuseboxOps() as ops:
+        out = logits(model, ids)
+    assert ops.calls["rotary"] == 2 and ops.calls["fused_add_rms_norm"] == 4, ops.calls
+    assert rel_err(out, ref) < 1e-5
+    assert_bf16_and_greedy_as_unpatched(model, model16, ref, err_unpatched, ids)
+
+
 @pytest.mark.parametrize("family", ["olmo", "olmoe"])
 def test_attention_with_clip_qkv_left_alone(family):
     """OLMo's clip_qkv clamps q, k and v, which the fused forward does not: a model that sets
@@ -966,7 +1010,8 @@ COMPILED_OPS = {"llama": {"rms_norm", "rotary", "gated_act"},
                 "nemotron": {"layer_norm", "rotary"},
                 "hunyuan_v1_dense": {"rms_norm", "rotary", "gated_act"},
                 "gemma4_text": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm",
-                                "rms_norm_add"}}
+                                "rms_norm_add"},
+                "qwen3_5_text": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm"}}
 
 
 @pytest.mark.parametrize("family", list(COMPILED_OPS))

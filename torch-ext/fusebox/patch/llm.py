@@ -1,9 +1,9 @@
 """transformers decoder LLMs (Llama, Mistral, Ministral, Ministral 3, Mixtral, Qwen2,
-Qwen2-MoE, Qwen3, Qwen3-MoE, GLM-4.5, GPT-OSS, OLMo, OLMoE, OLMo-2, OLMo-3, SmolLM3, Phi-3/4,
-Gemma, Gemma2, Gemma3 text, Gemma 4 text, Llama 4 text, StarCoder2, Seed-OSS, Apertus,
-MiniMax-M2, HunYuan, Nemotron, Falcon, and the classes of other families whose forwards read as
-these; the partial rotary of Phi, GPT-NeoX, StableLM and Persimmon; the LayerNorms, plain MLPs
-and activations of every other) on fusebox.
+Qwen2-MoE, Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5 and its MoE, GLM-4.5, GPT-OSS, OLMo, OLMoE,
+OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2, Gemma3 text, Gemma 4 text, Llama 4 text,
+StarCoder2, Seed-OSS, Apertus, MiniMax-M2, HunYuan, Nemotron, Falcon, and the classes of other
+families whose forwards read as these; the partial rotary of Phi, GPT-NeoX, StableLM and
+Persimmon; the LayerNorms, plain MLPs and activations of every other) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
 
@@ -563,6 +563,9 @@ class AttentionSpec(NamedTuple):
     # per-head norms of q and k applied after the rotary (HunYuan's query_layernorm and
     # key_layernorm): rope, then the two norm modules
     post_rope_norms: Optional[Tuple[str, str]] = None
+    # q_proj writes each head's q and an output gate side by side; the attention output is
+    # multiplied by sigmoid(gate) before o_proj (Qwen3-Next, Qwen3.5)
+    gated_output: bool = False
     # q scaled by position after the rotary, by the module's get_llama_4_attn_scale with the
     # config's llama_4_scaling_beta (Ministral 3); the forward takes position_ids
     position_scale: bool = False
@@ -622,6 +625,9 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "Gemma2Attention": AttentionSpec(
         extra=_SLIDING + (("softcap", "attn_logit_softcapping"),)),
     "Gemma3Attention": AttentionSpec(qk_norm=True, extra=_SLIDING),
+    "Qwen3NextAttention": AttentionSpec(qk_norm=True, gated_output=True),
+    "Qwen3_5Attention": AttentionSpec(qk_norm=True, gated_output=True),
+    "Qwen3_5MoeAttention": AttentionSpec(qk_norm=True, gated_output=True),
 }
 _ATTENTION_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_mask",
                      "past_key_values", "kwargs")
@@ -709,9 +715,9 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
     # the spec's fields one by one: a spec shared by all layers would cost an identity guard each
     fused_qkv, rope_flag, qk_norm_across, extra = (spec.fused_qkv, spec.rope_flag,
                                                    spec.qk_norm_across, _split_extra(spec.extra))
-    rotary_width, qk_layer_norm_flag, out_proj, out_dropout, post_rope_norms = (
+    rotary_width, qk_layer_norm_flag, out_proj, out_dropout, post_rope_norms, gated_output = (
         spec.rotary_width, spec.qk_layer_norm_flag, spec.out_proj, spec.out_dropout,
-        spec.post_rope_norms)
+        spec.post_rope_norms, spec.gated_output)
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
@@ -745,7 +751,13 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
             key = qkv[..., q_width:q_width + kv_width].view(hidden_shape)
             value = qkv[..., q_width + kv_width:].view(hidden_shape).transpose(1, 2)
         else:
-            query = self.q_proj(hidden_states).view(hidden_shape)
+            if gated_output:   # (q a strided view the rotary op reads in place)
+                query, gate = torch.chunk(
+                    self.q_proj(hidden_states).view(*input_shape, -1, self.head_dim * 2), 2,
+                    dim=-1)
+                gate = gate.reshape(*input_shape, -1)
+            else:
+                query = self.q_proj(hidden_states).view(hidden_shape)
             key = self.k_proj(hidden_states).view(hidden_shape)
             value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
         if qk_layer_norm_flag is not None and getattr(self, qk_layer_norm_flag):
@@ -790,6 +802,8 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
             **kwargs,
         )
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        if gated_output:
+            attn_output = attn_output * torch.sigmoid(gate)
         return getattr(self, out_proj)(attn_output), attn_weights
 
     if position_scale is None:
@@ -1196,6 +1210,27 @@ def _rotary_first_layer_forward(self, hidden_states, position_embeddings=None,
     return hidden_states + self.mlp(normed)
 
 
+def _hybrid_layer_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                          position_ids=None, past_key_values=None, **kwargs):
+    """Qwen3-Next's and Qwen3.5's pre-norm layer, whose token mixer is linear attention or
+    self-attention by layer, with the mixer's residual add and the norm after it fused."""
+    if not _fusable(hidden_states, self.post_attention_layernorm.weight):
+        return original_forward(self)(hidden_states, position_embeddings, attention_mask,
+                                      position_ids, past_key_values, **kwargs)
+    if self.block_type != "linear_attention":
+        normed, hidden_states = _attention_then_add_norm(
+            self, self.post_attention_layernorm, hidden_states,
+            position_embeddings=position_embeddings, attention_mask=attention_mask,
+            position_ids=position_ids, past_key_values=past_key_values, **kwargs)
+    else:
+        mixed = self.linear_attn(hidden_states=self.input_layernorm(hidden_states),
+                                 cache_params=past_key_values, attention_mask=attention_mask,
+                                 **kwargs)
+        norm = self.post_attention_layernorm
+        normed, hidden_states = _add_norm(norm, _style(norm), mixed, hidden_states)
+    return hidden_states + _mlp_output(self.mlp(normed))
+
+
 def _sandwich_layer_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                             position_ids=None, past_key_values=None, **kwargs):
     """Gemma2/3's sandwich layer, ``h = x + norm2(attn(norm1(x))); out = h + norm4(mlp(norm3(h)))``:
@@ -1281,6 +1316,8 @@ _ROTARY_FIRST_PARAMS = ("self", "hidden_states", "position_embeddings", "attenti
                         "position_ids", "past_key_values", "kwargs")
 _PRENORM_ROTARY_FIRST = LayerTemplate(_ROTARY_FIRST_PARAMS, ("post_attention_layernorm",),
                                       _rotary_first_layer_forward, _PRENORM_WHAT)
+_HYBRID = LayerTemplate(_ROTARY_FIRST_PARAMS, ("post_attention_layernorm",),
+                        _hybrid_layer_forward, "fused_add_rms_norm (token mixer residual + post_attention_layernorm)")
 _SANDWICH = LayerTemplate(
     _ROTARY_FIRST_PARAMS, ("pre_feedforward_layernorm", "post_feedforward_layernorm"),
     _sandwich_layer_forward,
@@ -1306,6 +1343,9 @@ DECODER_LAYERS: Dict[str, LayerTemplate] = {
     "Olmo2DecoderLayer": _POSTNORM,
     "Olmo3DecoderLayer": _POSTNORM,
     "Llama4TextDecoderLayer": _PRENORM_FEED_FORWARD,
+    "Qwen3NextDecoderLayer": _HYBRID,
+    "Qwen3_5DecoderLayer": _HYBRID,
+    "Qwen3_5MoeDecoderLayer": _HYBRID,
 }
 
 
