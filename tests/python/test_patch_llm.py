@@ -583,12 +583,18 @@ def test_sliced_rotary_attention_of_the_older_signature(family, qk_layernorm, de
     assert_bf16_and_greedy_as_unpatched(model, model16, ref, err_unpatched, ids)
 
 
-@pytest.mark.parametrize("family", ["phi3", "starcoder2"])
+# family -> the fused ops that step aside in train mode (None: not checked by name) and run in eval
+STEPS_ASIDE = {"phi3": None, "starcoder2": ("act", "rotary"), "seed_oss": ("gated_act", "rotary")}
+
+
+@pytest.mark.parametrize("family", list(STEPS_ASIDE))
 def test_fused_forward_steps_aside_while_its_dropout_is_active(family):
     """Dropouts of train mode are applied as the model applies them: Phi-3's residual dropouts
-    (its fused layer has none) and StarCoder2's dropout after its MLP's output projection (its
-    fused MLP has none). The fused forward steps aside, so the same random masks come out."""
-    model = (tiny_llm("phi3") if family == "phi3" else tiny_layer_norm_llm("starcoder2")).train()
+    (its fused layer has none), StarCoder2's after its attention's and MLP's output projections,
+    Seed-OSS's likewise (its fused attention and MLP have none). The fused forwards step aside,
+    so the same random masks come out."""
+    model = (tiny_layer_norm_llm("starcoder2") if family == "starcoder2" else
+             build(family) if family in MORE_ATTENTION else tiny_llm(family)).train()
     ids = token_ids()
     torch.manual_seed(3)
     ref = logits(model, ids)
@@ -596,12 +602,15 @@ def test_fused_forward_steps_aside_while_its_dropout_is_active(family):
     torch.manual_seed(3)
     with FuseboxOps() as ops:
         out = logits(model, ids)
-    if family == "starcoder2":   # (its attention's output dropout too)
-        assert "act" not in ops.calls and "rotary" not in ops.calls
+    aside = STEPS_ASIDE[family] or ()
+    assert not any(op in ops.calls for op in aside), ops.calls
+    if family == "starcoder2":
         assert ops.calls["layer_norm"] == 5
     assert rel_err(out, ref) < 1e-5
     model.eval()
-    assert rel_err(logits(model, ids), ref) > 1e-3   # (the masks did change the result)
+    with FuseboxOps() as ops:
+        assert rel_err(logits(model, ids), ref) > 1e-3   # (the masks did change the result)
+    assert all(ops.calls[op] == 2 for op in aside), ops.calls
 
 
 @pytest.mark.parametrize("module, cls, layout", [
@@ -751,11 +760,8 @@ def test_families_fused_by_their_forward_source(family):
     the same, with the rotation the probe finds, and the named classes of MORE_ATTENTION theirs;
     logits as unpatched."""
     cls_name, extra, fused = {**BY_SOURCE, **MORE_ATTENTION}[family]
-    model = causal_lm(getattr(transformers, cls_name)(**{**_TINY_BASE, **extra}))
-    with torch.no_grad():   # norm weights off their init, so where a norm applies shows
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.3 * torch.randn_like(p))
+    # norm weights off their init, so where a norm applies shows
+    model = vectors_off_init(causal_lm(getattr(transformers, cls_name)(**{**_TINY_BASE, **extra})))
     ids = token_ids()
     ref = logits(model, ids)
     model16 = copy.deepcopy(model).to(torch.bfloat16)
@@ -768,6 +774,16 @@ def test_families_fused_by_their_forward_source(family):
     assert err_patched <= 1.5 * err_unpatched + 2e-3, (err_patched, err_unpatched)
 
 
+def vectors_off_init(model, scale=0.3):
+    """``model`` with every 1-D parameter (norm weights, biases) moved off its init: a norm
+    applied in the wrong place or order then changes the logits."""
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(scale * torch.randn_like(p))
+    return model
+
+
 def tiny_gemma4(device="cpu"):
     """Gemma 4 text, 4 layers: sliding and full layers of two head sizes, the last two reusing
     the keys and values of the first two, full layers' values from their keys, per-layer
@@ -777,11 +793,8 @@ def tiny_gemma4(device="cpu"):
         "layer_types": ["sliding_attention", "full_attention"] * 2, "sliding_window": 8,
         "num_kv_shared_layers": 2, "attention_k_eq_v": True, "hidden_size_per_layer_input": 16,
         "vocab_size_per_layer_input": TINY_LLM["vocab_size"]})
-    model = causal_lm(config)
+    model = vectors_off_init(causal_lm(config))
     with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.3 * torch.randn_like(p))
         for i, layer in enumerate(model.model.layers):
             layer.layer_scalar.fill_(0.6 + 0.2 * i)
     return model.to(device)
@@ -822,12 +835,7 @@ def tiny_qwen3_5(device="cpu", moe=False):
         **_TINY_BASE, "num_hidden_layers": 4, "head_dim": 16, "linear_key_head_dim": 16,
         "linear_value_head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
         "layer_types": ["linear_attention", "full_attention"] * 2, **extra})
-    model = causal_lm(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 1:
-                p.add_(0.3 * torch.randn_like(p))
-    return model.to(device)
+    return vectors_off_init(causal_lm(config)).to(device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -869,26 +877,6 @@ def test_attention_with_clip_qkv_left_alone(family):
     with FuseboxOps() as ops:
         assert rel_err(logits(model, ids), ref) < 1e-5
     assert "rotary" not in ops.calls
-
-
-def test_seed_oss_steps_aside_while_its_dropouts_are_active():
-    """Seed-OSS applies a dropout after its attention's and its MLP's output projections: in
-    train mode both fused forwards step aside, so the same random masks come out."""
-    cls_name, extra, _ = MORE_ATTENTION["seed_oss"]
-    model = causal_lm(getattr(transformers, cls_name)(**{**_TINY_BASE, **extra})).train()
-    ids = token_ids()
-    torch.manual_seed(3)
-    ref = logits(model, ids)
-    fusebox.patch(model)
-    torch.manual_seed(3)
-    with FuseboxOps() as ops:
-        out = logits(model, ids)
-    assert "rotary" not in ops.calls and "gated_act" not in ops.calls
-    assert rel_err(out, ref) < 1e-5
-    model.eval()
-    with FuseboxOps() as ops:
-        assert rel_err(logits(model, ids), ref) > 1e-3   # (the masks did change the result)
-    assert ops.calls["rotary"] == 2 and ops.calls["gated_act"] == 2
 
 
 def test_non_transformers_module_untouched():
