@@ -1,7 +1,7 @@
 """transformers decoder LLMs (Llama, Mistral, Ministral, Ministral 3, Mixtral, Qwen2,
 Qwen2-MoE, Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5 and its MoE, GLM-4.5, GPT-OSS, OLMo, OLMoE,
 OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2, Gemma3 text, Gemma 4 text, Llama 4 text,
-StarCoder2, Seed-OSS, Apertus, MiniMax-M2, HunYuan, Nemotron, Falcon, and the classes of other
+StarCoder2, Seed-OSS, Apertus, EXAONE 4, MiniMax-M2, HunYuan, Nemotron, Falcon, and the classes of other
 families whose forwards read as these; the partial rotary of Phi, GPT-NeoX, StableLM and
 Persimmon; the LayerNorms, plain MLPs and activations of every other) on fusebox.
 
@@ -566,6 +566,9 @@ class AttentionSpec(NamedTuple):
     # q_proj writes each head's q and an output gate side by side; the attention output is
     # multiplied by sigmoid(gate) before o_proj (Qwen3-Next, Qwen3.5)
     gated_output: bool = False
+    # EXAONE 4's hybrid layers: sliding-window layers rotate, global ones do not where the model
+    # has a window at all, and only sliding layers pass their window on
+    hybrid_nope: bool = False
     # q scaled by position after the rotary, by the module's get_llama_4_attn_scale with the
     # config's llama_4_scaling_beta (Ministral 3); the forward takes position_ids
     position_scale: bool = False
@@ -625,6 +628,7 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "Gemma2Attention": AttentionSpec(
         extra=_SLIDING + (("softcap", "attn_logit_softcapping"),)),
     "Gemma3Attention": AttentionSpec(qk_norm=True, extra=_SLIDING),
+    "Exaone4Attention": AttentionSpec(qk_norm=True, hybrid_nope=True),
     "Qwen3NextAttention": AttentionSpec(qk_norm=True, gated_output=True),
     "Qwen3_5Attention": AttentionSpec(qk_norm=True, gated_output=True),
     "Qwen3_5MoeAttention": AttentionSpec(qk_norm=True, gated_output=True),
@@ -718,6 +722,7 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
     rotary_width, qk_layer_norm_flag, out_proj, out_dropout, post_rope_norms, gated_output = (
         spec.rotary_width, spec.qk_layer_norm_flag, spec.out_proj, spec.out_dropout,
         spec.post_rope_norms, spec.gated_output)
+    hybrid_nope = spec.hybrid_nope
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
@@ -763,6 +768,9 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
         if qk_layer_norm_flag is not None and getattr(self, qk_layer_norm_flag):
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         rotate = rope_flag is None or getattr(self, rope_flag)
+        if hybrid_nope:
+            rotate = self.sliding_window is None or self.is_sliding
+            kwargs["sliding_window"] = self.sliding_window if self.is_sliding else None
         if q_style is not None and rotate and _weight_readable(self.q_norm, q_style, query) \
                 and _weight_readable(self.k_norm, k_style, key):
             query, key = F.qk_norm_rope(
