@@ -1,9 +1,9 @@
 """transformers decoder LLMs (Llama, Mistral, Ministral, Ministral 3, Mixtral, Qwen2,
 Qwen2-MoE, Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5 and its MoE, GLM-4.5, GPT-OSS, OLMo, OLMoE,
 OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2, Gemma3 text, Gemma 4 text, Llama 4 text,
-StarCoder2, Seed-OSS, Apertus, EXAONE 4, MiniMax-M2, HunYuan, Nemotron, Falcon, and the classes of other
-families whose forwards read as these; the partial rotary of Phi, GPT-NeoX, StableLM and
-Persimmon; the LayerNorms, plain MLPs and activations of every other) on fusebox.
+StarCoder2, Seed-OSS, Apertus, EXAONE 4, MiniMax-M2, HunYuan, Nemotron, Falcon, and the classes
+of other families whose forwards read as these; the partial rotary of Phi, GPT-NeoX, StableLM
+and Persimmon; the LayerNorms, plain MLPs and activations of every other) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
 
