@@ -730,7 +730,7 @@ BY_SOURCE = {
 # forward checks or applies: OLMo's clip_qkv (patched where unset), Seed-OSS's output dropout,
 # Ministral 3's q scale, HunYuan's q/k norms after the rotary, EXAONE 4's global NoPE layers,
 # Nemotron's partial rotary (and its LayerNorm1P), MiniMax-M2's q/k norms across heads over a
-# partial rotary; FlexOlmo's reads as OLMo-2's
+# partial rotary, LFM2's names; FlexOlmo's reads as OLMo-2's
 MORE_ATTENTION = {
     "apertus": ("ApertusConfig", {}, ("ApertusAttention",)),
     "nemotron": ("NemotronConfig", {"partial_rotary_factor": 0.5},
@@ -739,6 +739,8 @@ MORE_ATTENTION = {
                                        "head_dim": 16, "rotary_dim": 8},
                    ("MiniMaxM2Attention", "MiniMaxM2DecoderLayer")),
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", {"head_dim": 16}, ("HunYuanDenseV1Attention",)),
+    # a short-convolution layer, then attention with q_layernorm / k_layernorm and out_proj
+    "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"]}, ("Lfm2Attention",)),
     # a sliding layer with its rotary, then a global layer without (NoPE)
     "exaone4": ("Exaone4Config", {"sliding_window": 8,
                                   "layer_types": ["sliding_attention", "full_attention"]},

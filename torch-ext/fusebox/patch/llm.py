@@ -1,8 +1,8 @@
 """transformers decoder LLMs (Llama, Mistral, Ministral, Ministral 3, Mixtral, Qwen2,
 Qwen2-MoE, Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5 and its MoE, GLM-4.5, GPT-OSS, OLMo, OLMoE,
 OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2, Gemma3 text, Gemma 4 text, Llama 4 text,
-StarCoder2, Seed-OSS, Apertus, EXAONE 4, MiniMax-M2, HunYuan, Nemotron, Falcon, and the classes
-of other families whose forwards read as these; the partial rotary of Phi, GPT-NeoX, StableLM
+StarCoder2, Seed-OSS, Apertus, LFM2, EXAONE 4, MiniMax-M2, HunYuan, Nemotron, Falcon, and the
+classes of other families whose forwards read as these; the partial rotary of Phi, GPT-NeoX, StableLM
 and Persimmon; the LayerNorms, plain MLPs and activations of every other) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
@@ -549,6 +549,8 @@ class AttentionSpec(NamedTuple):
     fused_qkv: bool = False
     # the q/k norms exist only where this attribute is true (GLM-4.5's use_qk_norm)
     qk_norm_flag: Optional[str] = None
+    # the q/k norm modules' names (LFM2's q_layernorm / k_layernorm)
+    qk_norm_names: Tuple[str, str] = ("q_norm", "k_norm")
     # partial rotary: the attribute naming how many leading channels of a head turn (Phi's
     # rotary_ndims; the rest pass through, which rope does for tables narrower than the head)
     rotary_width: Optional[str] = None
@@ -629,6 +631,8 @@ ATTENTION: Dict[str, AttentionSpec] = {
         extra=_SLIDING + (("softcap", "attn_logit_softcapping"),)),
     "Gemma3Attention": AttentionSpec(qk_norm=True, extra=_SLIDING),
     "Exaone4Attention": AttentionSpec(qk_norm=True, hybrid_nope=True),
+    "Lfm2Attention": AttentionSpec(qk_norm=True, qk_norm_names=("q_layernorm", "k_layernorm"),
+                                   out_proj="out_proj"),
     "Qwen3NextAttention": AttentionSpec(qk_norm=True, gated_output=True),
     "Qwen3_5Attention": AttentionSpec(qk_norm=True, gated_output=True),
     "Qwen3_5MoeAttention": AttentionSpec(qk_norm=True, gated_output=True),
@@ -722,7 +726,7 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
     rotary_width, qk_layer_norm_flag, out_proj, out_dropout, post_rope_norms, gated_output = (
         spec.rotary_width, spec.qk_layer_norm_flag, spec.out_proj, spec.out_dropout,
         spec.post_rope_norms, spec.gated_output)
-    hybrid_nope = spec.hybrid_nope
+    hybrid_nope, (q_norm_name, k_norm_name) = spec.hybrid_nope, spec.qk_norm_names
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
@@ -771,18 +775,20 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
         if hybrid_nope:
             rotate = self.sliding_window is None or self.is_sliding
             kwargs["sliding_window"] = self.sliding_window if self.is_sliding else None
-        if q_style is not None and rotate and _weight_readable(self.q_norm, q_style, query) \
-                and _weight_readable(self.k_norm, k_style, key):
+        if q_style is not None:
+            q_norm, k_norm = getattr(self, q_norm_name), getattr(self, k_norm_name)
+        if q_style is not None and rotate and _weight_readable(q_norm, q_style, query) \
+                and _weight_readable(k_norm, k_style, key):
             query, key = F.qk_norm_rope(
-                query, key, self.q_norm.weight, self.k_norm.weight, cos, sin, eps=q_style.eps,
+                query, key, q_norm.weight, k_norm.weight, cos, sin, eps=q_style.eps,
                 across_heads=qk_norm_across, interleaved=interleaved,
                 weight_offset=q_style.weight_offset)
         else:
             if q_style is not None and qk_norm_across:
-                query = self.q_norm(query.flatten(-2)).view(hidden_shape)
-                key = self.k_norm(key.flatten(-2)).view(hidden_shape)
+                query = q_norm(query.flatten(-2)).view(hidden_shape)
+                key = k_norm(key.flatten(-2)).view(hidden_shape)
             elif q_style is not None:
-                query, key = self.q_norm(query), self.k_norm(key)
+                query, key = q_norm(query), k_norm(key)
             if rotate:
                 query, key = F.rope(query, key, cos, sin, interleaved=interleaved)
             if post_rope_norms is not None:
@@ -804,7 +810,8 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
             attention_interface = _grouped_masked_sdpa
         attn_output, attn_weights = attention_interface(
             self, query, key, value, attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout,
+            # (LFM2's attention has no dropout)
+            dropout=0.0 if not self.training else getattr(self, "attention_dropout", 0.0),
             scaling=self.scaling,
             **_extra_kwargs(self, extra),
             **kwargs,
@@ -1116,7 +1123,7 @@ def _attention_patch(module) -> Tuple[Optional[Callable], str]:
         spec = spec._replace(qk_norm=False)
     q_style = k_style = None
     if spec.qk_norm:
-        q_style, k_style = norm_style(module.q_norm), norm_style(module.k_norm)
+        q_style, k_style = (norm_style(getattr(module, name)) for name in spec.qk_norm_names)
         if q_style is None or k_style is None or q_style != k_style:
             return None, "q_norm/k_norm formula not recognized"
     return _make_attention_forward(spec, form, half_tables, fp32_tables, q_style, k_style,
