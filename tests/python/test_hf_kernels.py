@@ -272,6 +272,35 @@ def test_kernelize_t5_formula_rms_norm(repo, kernel, weight_dtype):
         assert rel_err(y, ref) < 4e-3
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_kernelize_zero_centered_rms_norm(repo, kernel, dtype):
+    """Qwen3.5's RMSNorm, hub name "RMSNormZeroCentered": ``norm(x) * (1 + weight)`` in fp32,
+    rounded once to x's dtype; kernelized, the same values, eager and compiled."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm
+
+    assert Qwen3_5RMSNorm.kernel_layer_name == "RMSNormZeroCentered"
+    torch.manual_seed(0)
+    norm = Qwen3_5RMSNorm(64, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.add_(0.3 * torch.randn(64))
+    norm = norm.to(dtype)
+    x = torch.randn(3, 5, 64).to(dtype)
+    with torch.no_grad():
+        ref = norm(x)
+    mode = kernels.Mode.INFERENCE
+    with kernels.use_kernel_mapping(
+            _mapping(repo, "cpu", mode, {"RMSNormZeroCentered": "RMSNormZeroCentered"}),
+            inherit_mapping=False):
+        kernels.kernelize(torch.nn.Sequential(norm), mode=mode, device="cpu")
+    assert norm.forward.__func__ is kernel.layers.RMSNormZeroCentered.forward
+    with torch.no_grad():
+        compiled = torch.compile(norm, fullgraph=True, backend="eager")(x)
+        out = norm(x)
+    for y in (compiled, out):
+        assert y.dtype == dtype
+        assert rel_err(y, ref) < (4e-3 if dtype == torch.bfloat16 else 1e-6)
+
+
 def test_training_mode_is_refused(repo):
     """The layers have no backward: kernels refuses them for a TRAINING registration."""
     model = tiny_llama("cpu").train()

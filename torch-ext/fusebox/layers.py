@@ -220,6 +220,20 @@ class RMSNorm(_Layer):
         return _rms_norm(hidden_states, self.weight, self.variance_epsilon, _t5_formula(type(self)))
 
 
+class RMSNormZeroCentered(_Layer):
+    """Qwen3.5's RMSNorm: ``(norm(x) * (1 + weight)).to(x.dtype)``, in fp32 (the weight is held
+    as its offset from one)."""
+    weight: torch.Tensor
+    eps: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype in F.FUSED_DTYPES and self.weight.dtype in F.FUSED_DTYPES:
+            return F.rms_norm(x, self.weight, self.eps, 1.0)
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).type_as(x)
+
+
 class RotaryPosEmb(_Layer):
     def forward(self, q, k, cos, sin, unsqueeze_dim=1):
         return _rope(self, q, k, cos, sin, unsqueeze_dim)
@@ -235,4 +249,4 @@ GeluAndMul = _packed_gate_layer("GeluAndMul", "gelu")
 GeluTanhAndMul = _packed_gate_layer("GeluTanhAndMul", "gelu_tanh")
 
 __all__ = ["FastGELU", "GeLU", "GeluAndMul", "GeluTanh", "GeluTanhAndMul", "NewGELU", "RMSNorm",
-           "RotaryPosEmb", "SiLU", "SiluAndMul"]
+           "RMSNormZeroCentered", "RotaryPosEmb", "SiLU", "SiluAndMul"]
