@@ -390,7 +390,7 @@ LLM_FAMILIES = {
 
 
 # module kinds a family has no fused forward for: MoE blocks (the experts keep their code), Llama
-# 4's attention (its rotary multiplies complex numbers)
+# 4's attention on its NoPE layers (their temperature tuning keeps the model's code)
 LLM_KINDS_LEFT = {"mixtral": ("MLP",), "gpt_oss": ("MLP",), "llama4": ("Attention",)}
 
 

@@ -868,6 +868,30 @@ def test_qwen3_5_text(device, moe):
     assert_bf16_and_greedy_as_unpatched(model, model16, ref, err_unpatched, ids)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rope", ["default", "yarn"])
+def test_llama4_rotary_layers(device, rope):
+    """Llama 4 rotates q and k by complex products, then normalizes them without a weight: one
+    qk_norm_rope with the complex table written out as interleaved cos/sin (a rotation by
+    tables of modulus one keeps the norm, so the order does not matter). YaRN's tables carry an
+    attention scaling, which the norm after the rotation takes out: there the rope runs, then
+    the norm. Its NoPE layer keeps its code."""
+    scaled = {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 5e5,
+                                  "original_max_position_embeddings": 64}}
+    model = build("llama4", device=device, **(scaled if rope == "yarn" else {}))
+    ids = token_ids(device=device)
+    ref = logits(model, ids)
+    report = fusebox.patch(model)
+    what = "qk_norm_rope" if rope == "default" else "rope, then qk_norm"
+    assert report.summary()["patched"][f"Llama4TextAttention: {what}"] == 1, str(report)
+    skipped = {e.path: e.what for e in report.skipped}
+    assert skipped["model.layers.1.self_attn"].startswith("a NoPE layer"), skipped
+    with FuseboxOps() as ops:
+        out = logits(model, ids)
+    assert ops.calls["rotary"] == 1, ops.calls
+    assert rel_err(out, ref) < 1e-5
+
+
 @pytest.mark.parametrize("family", ["olmo", "olmoe"])
 def test_attention_with_clip_qkv_left_alone(family):
     """OLMo's clip_qkv clamps q, k and v, which the fused forward does not: a model that sets
@@ -995,7 +1019,7 @@ COMPILED_OPS = {"llama": {"rms_norm", "rotary", "gated_act"},
                 "olmo2": {"rms_norm", "rotary", "gated_act", "rms_norm_add"},
                 "smollm3": {"rms_norm", "rotary", "gated_act"},
                 "phi3": {"rms_norm", "rotary", "gated_act_packed"},
-                "llama4": {"rms_norm", "gated_act"},
+                "llama4": {"rms_norm", "gated_act", "rotary"},
                 "falcon-40b": {"rotary", "layer_norm"},
                 "gpt2": {"layer_norm", "act"},
                 "phi": {"layer_norm", "act", "rotary"},

@@ -15,7 +15,8 @@ What is replaced, module by module (every other module keeps its forward):
   (Phi's packed ``gate_up_proj`` -> ``gated_activation_packed``; Llama 4's dense layers and
   shared experts);
 - the attention of the known families: q/k RoPE -> ``rope``, or ``qk_norm_rope`` where the
-  model normalizes q and k (per head: Qwen3, Gemma3, GLM-4.5; across heads: OLMo). The
+  model normalizes q and k (per head: Qwen3, Gemma3/4, GLM-4.5, Qwen3.5; across heads: OLMo;
+  without a weight, after Llama 4's complex rotation). The
   rotation is what a probe of the module's ``apply_rotary_pos_emb`` finds (``layers``). The
   KV-cache update and the attention interface (``config._attn_implementation``) are called
   exactly as the original does;
@@ -956,6 +957,86 @@ def _gemma4_attention_forward(self, hidden_states, position_embeddings, attentio
     return self.o_proj(attn_output), attn_weights
 
 
+_LLAMA4_ATTENTION_PARAMS = _ATTENTION_PARAMS
+# rope types whose tables are of modulus one (no attention scaling in them)
+_UNSCALED_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "llama3"})
+
+
+def _make_llama4_attention_forward(norm_first: bool) -> Callable:
+    """Llama 4's attention on its rotary layers: q and k rotated by the complex ``freqs_cis``
+    written out as interleaved cos/sin tables, then normalized without a weight where the layer
+    has ``qk_norm``. ``norm_first``: both in one ``qk_norm_rope``, normalizing first, the same
+    since a rotation by tables of modulus one keeps each pair's length."""
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
+                past_key_values=None, **kwargs):
+        freqs = position_embeddings
+        if (not _fusable(hidden_states, self.q_proj.weight) or freqs is None
+                or freqs.dtype != torch.complex64):
+            return original_forward(self)(hidden_states, position_embeddings, attention_mask,
+                                          past_key_values=past_key_values, **kwargs)
+        norm = getattr(self, "qk_norm", None)
+        freqs = freqs.to(hidden_states.device)
+        cos, sin = derived_once(freqs, "llama4 tables", lambda: rotary_tables(
+            "interleaved", freqs.real, freqs.imag, half_tables=True))
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query = self.q_proj(hidden_states).view(hidden_shape)
+        key = self.k_proj(hidden_states).view(hidden_shape)
+        value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if norm is not None and norm_first:
+            query, key = F.qk_norm_rope(query, key, None, None, cos, sin, eps=norm.eps,
+                                        interleaved=True)
+        else:
+            query, key = F.rope(query, key, cos, sin, interleaved=True)
+            if norm is not None:
+                query, key = norm(query), norm(key)
+        query, key = query.transpose(1, 2), key.transpose(1, 2)
+        if past_key_values is not None:
+            key, value = past_key_values.update(key, value, self.layer_idx)
+        attention_interface = _attention_interface(self, type(self).__module__)
+        attn_output, attn_weights = attention_interface(
+            self, query, key, value, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+            **kwargs)
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        return self.o_proj(attn_output), attn_weights
+    return forward
+
+
+def _llama4_attention_patch(module) -> Tuple[Optional[Callable], str]:
+    if _params(type(module).forward) != _LLAMA4_ATTENTION_PARAMS:
+        return None, "forward signature differs from the supported transformers versions"
+    norm = getattr(module, "qk_norm", None)
+    if norm is not None and _l2_norm_patch(norm)[0] is None:
+        return None, "qk_norm formula not recognized"
+    module_name = type(module).__module__
+    error = _register_attention_interface(module_name, ("interleaved", True),
+                                          _llama4_rotary_form(module_name))
+    if error:
+        return None, error
+    if not module.use_rope:
+        return None, "a NoPE layer (its temperature tuning keeps the model's code)"
+    rope_type = (getattr(module.config, "rope_parameters", None) or {}).get("rope_type", "default")
+    norm_first = norm is not None and rope_type in _UNSCALED_ROPE_TYPES
+    return _make_llama4_attention_forward(norm_first), (
+        "qk_norm_rope" if norm_first else "rope" + (", then qk_norm" if norm is not None else ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _llama4_rotary_form(module_name: str) -> Tuple[Optional[str], bool]:
+    """Llama 4's ``apply_rotary_emb(xq, xk, freqs_cis)`` probed as the other families' are,
+    with its complex table formed from the probe's half-width tables."""
+    fn = getattr(sys.modules[module_name], "apply_rotary_emb", None)
+    if fn is None:
+        return None, False
+
+    def as_probed(q, k, cos, sin):   # (q and k [B, H, S, D] there, [B, S, H, D] here)
+        q_out, k_out = fn(q.transpose(1, 2), k.transpose(1, 2), torch.complex(cos, sin))
+        return q_out.transpose(1, 2), k_out.transpose(1, 2)
+    return probe_rotary(as_probed)
+
+
 def _single_tensor_rotary(fn):
     """Gemma 4's ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim)`` as the probe calls one
     of q and k."""
@@ -1431,6 +1512,7 @@ SPECIAL_CLASSES: Dict[str, Callable[[torch.nn.Module], Tuple[Optional[Callable],
     "Llama4TextL2Norm": _l2_norm_patch,
     "NemotronLayerNorm1P": _layer_norm_1p_patch,
     "Gemma4TextAttention": _gemma4_attention_patch,
+    "Llama4TextAttention": _llama4_attention_patch,
     "Gemma4TextDecoderLayer": _gemma4_layer_patch,
 }
 
