@@ -2,8 +2,8 @@
 Qwen2-MoE, Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5 and its MoE, GLM-4.5, GPT-OSS, OLMo, OLMoE,
 OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2, Gemma3 text, Gemma 4 text, Llama 4 text,
 StarCoder2, Seed-OSS, Apertus, LFM2, EXAONE 4, MiniMax-M2, HunYuan, Nemotron, Falcon, and the
-classes of other families whose forwards read as these; the partial rotary of Phi, GPT-NeoX, StableLM
-and Persimmon; the LayerNorms, plain MLPs and activations of every other) on fusebox.
+classes of other families whose forwards read as these; the partial rotary of Phi, GPT-NeoX,
+StableLM and Persimmon; the LayerNorms, plain MLPs and activations of every other) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
 
@@ -40,10 +40,14 @@ What is replaced, module by module (every other module keeps its forward):
   the projection then one ``activation`` pass;
 - activation modules outside such an MLP or a gated one (``NewGELU``, ``FastGELU``,
   ``GELUTanh``, exact ``GELU``, ``SiLU``) -> one ``activation`` pass;
-- Phi, GPT-NeoX (Pythia), StableLM and Persimmon: the rotary of the first ``rotary_ndims`` channels of each head
-  (the model slices, rotates and concatenates back) -> one ``rope`` that passes the other
-  channels through; GPT-NeoX's and Persimmon's q and k read in place from their fused QKV
-  projections, the models' optional per-head q/k LayerNorms run first;
+- Phi, GPT-NeoX (Pythia), StableLM and Persimmon: the rotary of the first ``rotary_ndims``
+  channels of each head (the model slices, rotates and concatenates back) -> one ``rope`` that
+  passes the other channels through; GPT-NeoX's and Persimmon's q and k read in place from their
+  fused QKV projections, the models' optional per-head q/k LayerNorms run first;
+- the families whose attention differs from Llama's in a detail the fused forward applies (see
+  ``AttentionSpec``), Gemma 4 text (its q/k norms, rotary and shared keys and values; its
+  layer's residual adds with their norms), Qwen3-Next/Qwen3.5 (gated attention; the hybrid
+  layer's mixer add with its norm) and Llama 4 (its complex rotary as interleaved ``rope``);
 - Falcon (rotary, not ALiBi): the rotary of q/k read in place from the fused QKV projection ->
   ``rope`` (for grouped keys, before they are
   repeated over the heads, which the model's cache then holds as it does unpatched). Multi-query
@@ -1412,8 +1416,9 @@ _ROTARY_FIRST_PARAMS = ("self", "hidden_states", "position_embeddings", "attenti
                         "position_ids", "past_key_values", "kwargs")
 _PRENORM_ROTARY_FIRST = LayerTemplate(_ROTARY_FIRST_PARAMS, ("post_attention_layernorm",),
                                       _rotary_first_layer_forward, _PRENORM_WHAT)
-_HYBRID = LayerTemplate(_ROTARY_FIRST_PARAMS, ("post_attention_layernorm",),
-                        _hybrid_layer_forward, "fused_add_rms_norm (token mixer residual + post_attention_layernorm)")
+_HYBRID = LayerTemplate(
+    _ROTARY_FIRST_PARAMS, ("post_attention_layernorm",), _hybrid_layer_forward,
+    "fused_add_rms_norm (token mixer residual + post_attention_layernorm)")
 _SANDWICH = LayerTemplate(
     _ROTARY_FIRST_PARAMS, ("pre_feedforward_layernorm", "post_feedforward_layernorm"),
     _sandwich_layer_forward,
