@@ -741,6 +741,12 @@ MORE_ATTENTION = {
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", {"head_dim": 16}, ("HunYuanDenseV1Attention",)),
     # a short-convolution layer, then attention with q_layernorm / k_layernorm and out_proj
     "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"]}, ("Lfm2Attention",)),
+    # q/k LayerNorms of a weight row per head, called as they are, then the interleaved rotary
+    "cohere": ("CohereConfig", {"use_qk_norm": True}, ("CohereAttention",)),
+    # Command R7B / A: rotary on the sliding layer, none on the global one
+    "cohere2": ("Cohere2Config", {"sliding_window": 8,
+                                  "layer_types": ["sliding_attention", "full_attention"]},
+                ("Cohere2Attention",)),
     # a sliding layer with its rotary, then a global layer without (NoPE)
     "exaone4": ("Exaone4Config", {"sliding_window": 8,
                                   "layer_types": ["sliding_attention", "full_attention"]},

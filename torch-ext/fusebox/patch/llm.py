@@ -32,7 +32,8 @@ What is replaced, module by module (every other module keeps its forward):
 - an attention or decoder layer of another family whose forward reads, word for word, as one
   of the known families' gets that family's fused forward;
 - Cohere, Cohere2 and Cohere2-MoE (Command R, R7B, A): their fp32 ``LayerNorm`` without a bias
-  -> ``layer_norm`` (the per-head q/k norms, a weight row per head, keep their code);
+  -> ``layer_norm`` (the per-head q/k norms, a weight row per head, keep their code); Cohere's
+  and Cohere2's interleaved rotary -> ``rope``;
 - every ``torch.nn.LayerNorm`` over the last dimension -> ``layer_norm``, in any model;
 - MLPs whose forward reads ``h = in(h); h = act(h); h = out(h)`` plus dropouts (GPT-2's ``Conv1D``
   projections or ``Linear`` ones: GPT-2, GPT-NeoX, Phi, StarCoder2, GPT-J...): on CUDA the tanh
@@ -559,8 +560,9 @@ class AttentionSpec(NamedTuple):
     # partial rotary: the attribute naming how many leading channels of a head turn (Phi's
     # rotary_ndims; the rest pass through, which rope does for tables narrower than the head)
     rotary_width: Optional[str] = None
-    # per-head LayerNorms q_layernorm / k_layernorm, applied where this attribute is true (Phi)
-    qk_layer_norm_flag: Optional[str] = None
+    # q/k norm modules (qk_norm_names) called as they are, before the rotary, where this
+    # attribute is true (Phi's per-head LayerNorms, Cohere's of a weight row per head)
+    qk_norm_modules_flag: Optional[str] = None
     out_proj: str = "o_proj"
     # the attribute holding the dropout probability applied to the output projection (StarCoder2,
     # Seed-OSS): the fused forward steps aside while it is active
@@ -630,12 +632,16 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "SmolLM3Attention": AttentionSpec(extra=_SLIDING, rope_flag="use_rope"),
     "Glm4MoeAttention": AttentionSpec(qk_norm=True, qk_norm_flag="use_qk_norm"),
     "Phi3Attention": AttentionSpec(fused_qkv=True, extra=_CONFIG_SLIDING),
-    "PhiAttention": AttentionSpec(rotary_width="rotary_ndims", qk_layer_norm_flag="qk_layernorm",
+    "PhiAttention": AttentionSpec(rotary_width="rotary_ndims", qk_norm_modules_flag="qk_layernorm",
+                                  qk_norm_names=("q_layernorm", "k_layernorm"),
                                   out_proj="dense"),
     "Gemma2Attention": AttentionSpec(
         extra=_SLIDING + (("softcap", "attn_logit_softcapping"),)),
     "Gemma3Attention": AttentionSpec(qk_norm=True, extra=_SLIDING),
     "Exaone4Attention": AttentionSpec(qk_norm=True, hybrid_nope=True),
+    "CohereAttention": AttentionSpec(qk_norm_modules_flag="use_qk_norm"),
+    # (Command R7B, A: rotary on the sliding-window layers only)
+    "Cohere2Attention": AttentionSpec(rope_flag="sliding_window", extra=_SLIDING),
     "Lfm2Attention": AttentionSpec(qk_norm=True, qk_norm_names=("q_layernorm", "k_layernorm"),
                                    out_proj="out_proj"),
     "Qwen3NextAttention": AttentionSpec(qk_norm=True, gated_output=True),
@@ -728,8 +734,8 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
     # the spec's fields one by one: a spec shared by all layers would cost an identity guard each
     fused_qkv, rope_flag, qk_norm_across, extra = (spec.fused_qkv, spec.rope_flag,
                                                    spec.qk_norm_across, _split_extra(spec.extra))
-    rotary_width, qk_layer_norm_flag, out_proj, out_dropout, post_rope_norms, gated_output = (
-        spec.rotary_width, spec.qk_layer_norm_flag, spec.out_proj, spec.out_dropout,
+    rotary_width, qk_norm_modules_flag, out_proj, out_dropout, post_rope_norms, gated_output = (
+        spec.rotary_width, spec.qk_norm_modules_flag, spec.out_proj, spec.out_dropout,
         spec.post_rope_norms, spec.gated_output)
     hybrid_nope, (q_norm_name, k_norm_name) = spec.hybrid_nope, spec.qk_norm_names
 
@@ -774,8 +780,9 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
                 query = self.q_proj(hidden_states).view(hidden_shape)
             key = self.k_proj(hidden_states).view(hidden_shape)
             value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
-        if qk_layer_norm_flag is not None and getattr(self, qk_layer_norm_flag):
-            query, key = self.q_layernorm(query), self.k_layernorm(key)
+        if qk_norm_modules_flag is not None and getattr(self, qk_norm_modules_flag):
+            query = getattr(self, q_norm_name)(query)
+            key = getattr(self, k_norm_name)(key)
         rotate = rope_flag is None or getattr(self, rope_flag)
         if hybrid_nope:
             rotate = self.sliding_window is None or self.is_sliding
