@@ -968,7 +968,6 @@ def _gemma4_attention_forward(self, hidden_states, position_embeddings, attentio
     return self.o_proj(attn_output), attn_weights
 
 
-_LLAMA4_ATTENTION_PARAMS = _ATTENTION_PARAMS
 # rope types whose tables are of modulus one (no attention scaling in them)
 _UNSCALED_ROPE_TYPES = frozenset({"default", "linear", "dynamic", "llama3"})
 
@@ -1016,7 +1015,7 @@ def _make_llama4_attention_forward(norm_first: bool) -> Callable:
 
 
 def _llama4_attention_patch(module) -> Tuple[Optional[Callable], str]:
-    if _params(type(module).forward) != _LLAMA4_ATTENTION_PARAMS:
+    if _params(type(module).forward) != _ATTENTION_PARAMS:
         return None, "forward signature differs from the supported transformers versions"
     norm = getattr(module, "qk_norm", None)
     if norm is not None and _l2_norm_patch(norm)[0] is None:
