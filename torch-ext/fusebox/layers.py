@@ -46,9 +46,15 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, t5: bool) -> to
     if x.dtype in F.FUSED_DTYPES and weight.dtype in F.FUSED_DTYPES:
         # the output dtype is x's or float32 for every pair of these
         return F.rms_norm(x, weight, eps, 0.0, out_dtype)
-    x32 = x.float()
-    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    normed = _normed_fp32(x, eps)
     return (weight * normed).to(out_dtype) if t5 else weight * normed.to(x.dtype)
+
+
+def _normed_fp32(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x)`` in fp32, as the transformers norms compute it (for dtypes the op does not
+    take)."""
+    x32 = x.float()
+    return x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
 
 
 _T5_FORMULA = {}   # host class -> whether it applies the weight before the rounding
@@ -229,9 +235,7 @@ class RMSNormZeroCentered(_Layer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in F.FUSED_DTYPES and self.weight.dtype in F.FUSED_DTYPES:
             return F.rms_norm(x, self.weight, self.eps, 1.0)
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (normed * (1.0 + self.weight.float())).type_as(x)
+        return (_normed_fp32(x, self.eps) * (1.0 + self.weight.float())).type_as(x)
 
 
 class RotaryPosEmb(_Layer):

@@ -1002,15 +1002,9 @@ def _make_llama4_attention_forward(norm_first: bool) -> Callable:
             if norm is not None:
                 query, key = norm(query), norm(key)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
-        attention_interface = _attention_interface(self, type(self).__module__)
-        attn_output, attn_weights = attention_interface(
-            self, query, key, value, attention_mask,
-            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
-            **kwargs)
-        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-        return self.o_proj(attn_output), attn_weights
+        return _attend(self, query, key, value, attention_mask, past_key_values, self.o_proj,
+                       dropout=0.0 if not self.training else self.attention_dropout,
+                       scaling=self.scaling, **kwargs)
     return forward
 
 
@@ -1071,6 +1065,17 @@ def _gemma4_attention_patch(module) -> Tuple[Optional[Callable], str]:
     return _gemma4_attention_forward, "qk_norm_rope"
 
 
+def _attend(self, query, key, value, attention_mask, cache, out_proj, **kwargs):
+    """The end of a transformers attention forward once q and k are rotated (q, k and v
+    ``[B, H, S, D]``): the KV-cache update, the attention implementation the config names, the
+    output projection ``out_proj``. ``kwargs``: the interface's (dropout, scaling, ...)."""
+    if cache is not None:
+        key, value = cache.update(key, value, self.layer_idx)
+    attn_output, attn_weights = _attention_interface(self, type(self).__module__)(
+        self, query, key, value, attention_mask, **kwargs)
+    return out_proj(attn_output.flatten(2).contiguous()), attn_weights
+
+
 _NEOX_ATTENTION_PARAMS = ("self", "hidden_states", "attention_mask", "layer_past",
                           "position_embeddings", "kwargs")
 
@@ -1090,14 +1095,9 @@ def _neox_attention_forward(self, hidden_states, attention_mask, layer_past=None
     query, key, value = qkv.chunk(3, dim=-1)
     query, key = F.rope(query, key, cos, sin)
     query, key, value = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
-    if layer_past is not None:
-        key, value = layer_past.update(key, value, self.layer_idx)
-    attention_interface = _attention_interface(self, type(self).__module__)
-    attn_output, attn_weights = attention_interface(
-        self, query, key, value, attention_mask, scaling=self.scaling,
-        dropout=0.0 if not self.training else self.attention_dropout, **kwargs)
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return self.dense(attn_output), attn_weights
+    return _attend(self, query, key, value, attention_mask, layer_past, self.dense,
+                   scaling=self.scaling,
+                   dropout=0.0 if not self.training else self.attention_dropout, **kwargs)
 
 
 def _sliced_rotary_patch(params: Tuple[str, ...], fused: Callable, what: str) -> Callable:
@@ -1147,17 +1147,12 @@ def _make_legacy_rotary_attention_forward(fused_qkv: bool, out_proj: str,
         if self.qk_layernorm:    # (StableLM's per-head norms split the heads on dim 1)
             query, key = self.q_layernorm(query), self.k_layernorm(key)
         query, key = F.rope(query, key, cos, sin, heads_first=True)
-        if past_key_values is not None:
-            key, value = past_key_values.update(key, value, self.layer_idx)
         if pass_position_ids:
             kwargs["position_ids"] = position_ids
-        attention_interface = _attention_interface(self, type(self).__module__)
-        attn_output, attn_weights = attention_interface(
-            self, query, key, value, attention_mask,
-            dropout=0.0 if not self.training else self.config.attention_dropout,
-            scaling=self.scaling, **kwargs)
-        attn_output = attn_output.reshape(bsz, q_len, -1)
-        return getattr(self, out_proj)(attn_output), attn_weights
+        return _attend(self, query, key, value, attention_mask, past_key_values,
+                       getattr(self, out_proj),
+                       dropout=0.0 if not self.training else self.config.attention_dropout,
+                       scaling=self.scaling, **kwargs)
     return forward
 
 
