@@ -766,15 +766,17 @@ MORE_ATTENTION = {
 }
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", list(BY_SOURCE) + list(MORE_ATTENTION))
-def test_families_fused_by_their_forward_source(family):
+def test_families_fused_by_their_forward_source(family, device):
     """Classes not named in the tables get a named family's fused forward where theirs reads
     the same, with the rotation the probe finds, and the named classes of MORE_ATTENTION theirs;
     logits as unpatched."""
     cls_name, extra, fused = {**BY_SOURCE, **MORE_ATTENTION}[family]
     # norm weights off their init, so where a norm applies shows
     model = vectors_off_init(causal_lm(getattr(transformers, cls_name)(**{**_TINY_BASE, **extra})))
-    ids = token_ids()
+    model = model.to(device)
+    ids = token_ids(device=device)
     ref = logits(model, ids)
     model16 = copy.deepcopy(model).to(torch.bfloat16)
     err_unpatched = rel_err(logits(model16, ids), ref)
