@@ -652,6 +652,34 @@ def test_activation_module_fused_where_its_mlp_is_not(act):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family,module", [
+    ("llama", "model.layers.0.input_layernorm"),                 # RMSNorm
+    ("gemma3", "model.layers.0.self_attn.k_norm"),                # (1 + w) RMSNorm of a head
+    ("gpt2", "transformer.h.0.ln_1"),                              # LayerNorm
+    ("falcon-7b", "transformer.h.0.mlp.act"),                      # activation module
+])
+def test_module_input_strided_along_its_rows(family, module, device):
+    """A patched norm or activation called on a view whose last dimension is strided (Inkling's
+    k_norm gets its short convolution's output transposed) returns what the unpatched module
+    returns, where the operators alone refuse such a view."""
+    model = (tiny_layer_norm_llm(family, device=device) if family in LAYER_NORM_LLMS
+             else build(family, device=device) if family in FALCON_VARIANTS
+             else tiny_llm(family, device=device))
+    target = model.get_submodule(module)
+    width = target.weight.shape[0] if getattr(target, "weight", None) is not None else 48
+    x = torch.randn(2, width, 7, device=device).transpose(1, 2)   # [2, 7, width], row stride 7
+    assert x.stride(-1) != 1
+    with torch.no_grad():
+        ref = target(x)
+        fusebox.patch(model)
+        assert _common.TAG_ATTR in target.__dict__, module
+        with FuseboxOps() as ops:
+            out = target(x)
+    assert sum(ops.calls.values()) == 1, ops.calls
+    assert out.shape == ref.shape and rel_err(out, ref) < 1e-6
+
+
 def test_activation_without_a_kernel_reported_by_its_mlp():
     model = tiny_llm("llama", hidden_act="relu2")
     report = fusebox.patch(model)

@@ -31,6 +31,19 @@ def _check_choice(name: str, value: str, choices: Sequence[str]) -> None:
         raise ValueError(f"fusebox: {name} must be one of {list(choices)}; got {value!r}")
 
 
+def has_unit_stride_rows(x: Tensor) -> bool:
+    """Is ``x``'s last dimension contiguous, as the operators read rows?"""
+    return x.dim() == 0 or x.shape[-1] <= 1 or x.stride(-1) == 1
+
+
+def unit_stride_rows(x: Tensor) -> Tensor:
+    """``x`` where its last dimension is contiguous, else a contiguous copy. The operators read
+    strided views in place but need unit stride along a row; the drop-in module forwards
+    (``fusebox.patch``, ``fusebox.layers``) take whatever the module they replace takes, e.g. a
+    transposed view, which an eager norm would copy too."""
+    return x if has_unit_stride_rows(x) else x.contiguous()
+
+
 # --------------------------------------------------------------------------- normalization
 
 

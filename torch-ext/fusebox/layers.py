@@ -45,7 +45,7 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, t5: bool) -> to
     out_dtype = x.dtype if t5 else torch.promote_types(x.dtype, weight.dtype)
     if x.dtype in F.FUSED_DTYPES and weight.dtype in F.FUSED_DTYPES:
         # the output dtype is x's or float32 for every pair of these
-        return F.rms_norm(x, weight, eps, 0.0, out_dtype)
+        return F.rms_norm(F.unit_stride_rows(x), weight, eps, 0.0, out_dtype)
     normed = _normed_fp32(x, eps)
     return (weight * normed).to(out_dtype) if t5 else weight * normed.to(x.dtype)
 
@@ -207,13 +207,13 @@ def _layer(name: str, forward, doc: str) -> type:
 
 def _activation_layer(name: str, kind: str) -> type:
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        return F.activation(input, None, kind)
+        return F.activation(F.unit_stride_rows(input), None, kind)
     return _layer(name, forward, f"``{kind}(x)``.")
 
 
 def _packed_gate_layer(name: str, kind: str) -> type:
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gated_activation_packed(x, kind, True)
+        return F.gated_activation_packed(F.unit_stride_rows(x), kind, True)
     return _layer(name, forward, f"``{kind}(x[..., :N]) * x[..., N:]`` of a packed [..., 2N] x.")
 
 
@@ -234,7 +234,7 @@ class RMSNormZeroCentered(_Layer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype in F.FUSED_DTYPES and self.weight.dtype in F.FUSED_DTYPES:
-            return F.rms_norm(x, self.weight, self.eps, 1.0)
+            return F.rms_norm(F.unit_stride_rows(x), self.weight, self.eps, 1.0)
         return (_normed_fp32(x, self.eps) * (1.0 + self.weight.float())).type_as(x)
 
 

@@ -214,7 +214,7 @@ def _l2_norm_patch(module: torch.nn.Module) -> Tuple[Optional[Callable], str]:
 def _l2_norm_forward(self, x):
     if not _fusable(x):
         return original_forward(self)(x)
-    return F.rms_norm(x, None, self.eps)
+    return F.rms_norm(F.unit_stride_rows(x), None, self.eps)
 
 
 def _make_rms_norm_forward(style: NormStyle) -> Callable:
@@ -223,7 +223,8 @@ def _make_rms_norm_forward(style: NormStyle) -> Callable:
         if not _fusable(hidden_states, weight):
             return original_forward(self)(hidden_states)
         out_dtype = style.out_dtype(hidden_states, weight)
-        return F.rms_norm(hidden_states, weight, style.eps, style.weight_offset, out_dtype)
+        return F.rms_norm(F.unit_stride_rows(hidden_states), weight, style.eps, style.weight_offset,
+                          out_dtype)
     return forward
 
 
@@ -265,7 +266,7 @@ def _layer_norm_patch(module: torch.nn.Module) -> Tuple[Optional[Callable], str]
 def _layer_norm_forward(self, x):
     if not _fusable(x, self.weight, self.bias):
         return original_forward(self)(x)
-    return F.layer_norm(x, self.weight, self.bias, self.eps)
+    return F.layer_norm(F.unit_stride_rows(x), self.weight, self.bias, self.eps)
 
 
 def _layer_norm_1p_patch(module: torch.nn.Module) -> Tuple[Optional[Callable], str]:
@@ -283,7 +284,7 @@ def _layer_norm_1p_forward(self, x):
     # model casts its arguments first)
     if torch.is_autocast_enabled(x.device.type) or not _fusable(x, self.weight, self.bias):
         return original_forward(self)(x)
-    return F.layer_norm(x, self.weight + 1.0, self.bias, self.eps)
+    return F.layer_norm(F.unit_stride_rows(x), self.weight + 1.0, self.bias, self.eps)
 
 
 # Cohere's LayerNorm without a bias, in fp32 and rounded once: fusebox's layer_norm formula
@@ -308,7 +309,7 @@ def _fp32_layer_norm_patch(module: torch.nn.Module) -> Tuple[Optional[Callable],
 def _fp32_layer_norm_forward(self, x):
     if not _fusable(x, self.weight):
         return original_forward(self)(x)
-    return F.layer_norm(x, self.weight, None, self.variance_epsilon)
+    return F.layer_norm(F.unit_stride_rows(x), self.weight, None, self.variance_epsilon)
 
 
 # --------------------------------------------------------------------------- MLP
@@ -503,7 +504,7 @@ def _make_activation_forward(kind: str) -> Callable:
     def forward(self, input):
         if not _fusable(input):
             return original_forward(self)(input)
-        return F.activation(input, None, kind)
+        return F.activation(F.unit_stride_rows(input), None, kind)
     return forward
 
 

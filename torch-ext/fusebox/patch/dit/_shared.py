@@ -22,6 +22,10 @@ from diffusers.models.embeddings import apply_rotary_emb
 from diffusers.models.normalization import FP32LayerNorm, RMSNorm
 
 from ... import functional as fb
+# rows as the operators read them: a patch embedding's transposed output is copied once, as an
+# eager norm would copy it
+from ...functional import has_unit_stride_rows as has_contiguous_rows  # noqa: F401
+from ...functional import unit_stride_rows as rows  # noqa: F401
 from .._common import (add_undo, derived_once, gemm_bias_gelu_tanh, gemm_gelu_tanh_ok, has_hooks,
                        needs_autograd, replace_forward)
 
@@ -66,11 +70,6 @@ def grad_needed(module: torch.nn.Module, *inputs: Optional[Tensor]) -> bool:
     return needs_autograd(*inputs) or any(p.requires_grad for p in module.parameters())
 
 
-def has_contiguous_rows(t: Tensor) -> bool:
-    """Are ``t``'s rows (its last dimension) contiguous, as the operators read them?"""
-    return t.dim() == 0 or t.stride(-1) == 1 or t.shape[-1] == 1
-
-
 def broadcasts_to(t: Tensor, target: Tensor) -> bool:
     """Does ``t`` broadcast to ``target``'s shape as it is? (``torch.broadcast_shapes`` answers
     the same in 29-34 us of Python a call on one CPU thread, this in 1.4-2.3:
@@ -78,12 +77,6 @@ def broadcasts_to(t: Tensor, target: Tensor) -> bool:
     if t.dim() > target.dim():
         return False
     return all(a == 1 or a == b for a, b in zip(reversed(t.shape), reversed(target.shape)))
-
-
-def rows(t: Tensor) -> Tensor:
-    """``t`` with contiguous rows, as the operators read them (a patch embedding's transposed
-    output is copied once, as an eager norm would copy it)."""
-    return t if has_contiguous_rows(t) else t.contiguous()
 
 
 # --------------------------------------------------------------------------- bookkeeping
