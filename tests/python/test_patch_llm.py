@@ -40,13 +40,16 @@ def logits(model, ids):
 
 def build(name, **kwargs):
     """A tiny model of a family (LLM_FAMILIES), of a Falcon layout (FALCON_VARIANTS), of a
-    LayerNorm LLM (LAYER_NORM_LLMS) or of MORE_ATTENTION's families."""
+    LayerNorm LLM (LAYER_NORM_LLMS), of MORE_ATTENTION's families, Gemma 4, Qwen3.5 or
+    DeepSeek-V3."""
     if name in FALCON_VARIANTS:
         return tiny_falcon(name, **kwargs)
     if name == "gemma4_text":
         return tiny_gemma4()
     if name == "qwen3_5_text":
         return tiny_qwen3_5()
+    if name == "deepseek_v3":
+        return tiny_deepseek_v3()
     if name in MORE_ATTENTION:
         cls_name, extra, _ = MORE_ATTENTION[name]
         return causal_lm(getattr(transformers, cls_name)(**{**_TINY_BASE, **extra}))
@@ -744,8 +747,15 @@ BY_SOURCE = {
                                          "v_head_dim": 16, "n_routed_experts": 4,
                                          "num_experts_per_tok": 2, "moe_intermediate_size": 32,
                                          "first_k_dense_replace": 1, "n_group": 1,
-                                         "topk_group": 1},
-                    ("DeepseekV3DecoderLayer",)),
+                                         "topk_group": 1, "num_key_value_heads": 4},
+                    ("DeepseekV3Attention", "DeepseekV3DecoderLayer")),
+    # GLM-4.7-Flash: DeepSeek-V3's latent attention, word for word
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", {"q_lora_rank": 32, "kv_lora_rank": 16,
+                                            "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+                                            "v_head_dim": 16, "n_routed_experts": 4,
+                                            "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                            "num_key_value_heads": 4},
+                      ("Glm4MoeLiteAttention",)),
     # interleaved pairs turned by the tables' first half, behind a Llama-like attention forward
     # (GLM-4: over half the head)
     "ernie4_5": ("Ernie4_5Config", {}, ("Ernie4_5Attention", "Ernie4_5DecoderLayer")),
@@ -824,6 +834,54 @@ def vectors_off_init(model, scale=0.3):
             if p.dim() == 1:
                 p.add_(scale * torch.randn_like(p))
     return model
+
+
+def tiny_deepseek_v3(device="cpu", interleave=True, q_lora=True):
+    """DeepSeek-V3, 2 layers (a dense one, then a MoE one): latent attention with a q LoRA (or
+    a plain q projection), the rotary on 8 of each head's 16 q/k channels, interleaved pairs
+    or half-split; the norm weights off their init."""
+    _, extra, _ = BY_SOURCE["deepseek_v3"]
+    config = transformers.DeepseekV3Config(**{**_TINY_BASE, **extra, "rope_interleave": interleave,
+                                              "q_lora_rank": 32 if q_lora else None})
+    return vectors_off_init(causal_lm(config)).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "half"])
+@pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "q_proj"])
+def test_deepseek_v3_latent_attention(device, interleave, q_lora):
+    """DeepSeek-V3's latent attention: the rotary of q's last channels and of the shared key
+    channels in one ``rope``, interleaved pairs laid out as the model lays them, so the cache
+    holds what it holds unpatched; fp32 logits as unpatched, bf16 within the bf16 spread,
+    greedy tokens unchanged."""
+    model = tiny_deepseek_v3(device, interleave, q_lora)
+    ids = token_ids(device=device)
+    prompt = token_ids(batch=1, seq=6, device=device)
+    kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
+
+    def run(m):
+        with torch.no_grad():
+            out = m(ids, use_cache=True)
+        return out.logits, [(layer.keys, layer.values) for layer in out.past_key_values.layers]
+
+    ref, ref_cache = run(model)
+    with torch.no_grad():
+        ref_tokens = model.generate(prompt, **kwargs)
+    model16 = copy.deepcopy(model).to(torch.bfloat16)
+    err_unpatched = rel_err(logits(model16, ids), ref)
+    report = fusebox.patch(model)
+    assert {"DeepseekV3Attention", "DeepseekV3DecoderLayer"} <= {e.kind for e in report.patched}
+    with FuseboxOps() as ops:
+        out, cache = run(model)
+    assert ops.calls["rotary"] == 2, ops.calls     # one a layer
+    assert rel_err(out, ref) < 1e-5
+    for (keys, values), (ref_keys, ref_values) in zip(cache, ref_cache):
+        assert rel_err(keys, ref_keys) < 1e-6 and rel_err(values, ref_values) < 1e-6
+    with torch.no_grad():
+        assert torch.equal(model.generate(prompt, **kwargs), ref_tokens)
+    fusebox.patch(model16)
+    err_patched = rel_err(logits(model16, ids), ref)
+    assert err_patched <= 1.5 * err_unpatched + 2e-3, (err_patched, err_unpatched)
 
 
 def tiny_gemma4(device="cpu"):
@@ -1065,7 +1123,8 @@ COMPILED_OPS = {"llama": {"rms_norm", "rotary", "gated_act"},
                 "hunyuan_v1_dense": {"rms_norm", "rotary", "gated_act"},
                 "gemma4_text": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm",
                                 "rms_norm_add"},
-                "qwen3_5_text": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm"}}
+                "qwen3_5_text": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm"},
+                "deepseek_v3": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm"}}
 
 
 @pytest.mark.parametrize("family", list(COMPILED_OPS))

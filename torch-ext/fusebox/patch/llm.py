@@ -1,9 +1,10 @@
 """transformers decoder LLMs (Llama, Mistral, Ministral, Ministral 3, Mixtral, Qwen2,
 Qwen2-MoE, Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5 and its MoE, GLM-4.5, GPT-OSS, OLMo, OLMoE,
 OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2, Gemma3 text, Gemma 4 text, Llama 4 text,
-StarCoder2, Seed-OSS, Apertus, LFM2, EXAONE 4, MiniMax-M2, HunYuan, Nemotron, Falcon, and the
-classes of other families whose forwards read as these; the partial rotary of Phi, GPT-NeoX,
-StableLM and Persimmon; the LayerNorms, plain MLPs and activations of every other) on fusebox.
+StarCoder2, Seed-OSS, Apertus, LFM2, EXAONE 4, MiniMax-M2, HunYuan, Nemotron, DeepSeek-V3,
+Falcon, and the classes of other families whose forwards read as these; the partial rotary of
+Phi, GPT-NeoX, StableLM and Persimmon; the LayerNorms, plain MLPs and activations of every
+other) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
 
@@ -49,6 +50,10 @@ What is replaced, module by module (every other module keeps its forward):
   ``AttentionSpec``), Gemma 4 text (its q/k norms, rotary and shared keys and values; its
   layer's residual adds with their norms), Qwen3-Next/Qwen3.5 (gated attention; the hybrid
   layer's mixer add with its norm) and Llama 4 (its complex rotary as interleaved ``rope``);
+- DeepSeek-V3's multi-head latent attention (also Kimi K2's, GLM-4.7-Flash's and the other
+  classes that read as it): the rotary of q's last ``qk_rope_head_dim`` channels and of the
+  shared key channels -> one ``rope``, interleaved pairs written back in the model's
+  de-interleaved order, so the latent cache holds what it holds unpatched;
 - Falcon (rotary, not ALiBi): the rotary of q/k read in place from the fused QKV projection ->
   ``rope`` (for grouped keys, before they are
   repeated over the heads, which the model's cache then holds as it does unpatched). Multi-query
@@ -75,6 +80,7 @@ import torch
 
 from .. import functional as F
 from ..layers import probe_rotary, rotary_rounds_to_input, rotary_tables
+from ..layers import _turned as turned
 from ._common import (
     add_undo,
     derived_once,
@@ -1077,6 +1083,96 @@ def _attend(self, query, key, value, attention_mask, cache, out_proj, **kwargs):
     return out_proj(attn_output.flatten(2).contiguous()), attn_weights
 
 
+# --------------------------------------------------------------------------- latent attention
+
+_MLA_REFERENCE = (("deepseek_v3", "DeepseekV3Attention"),)
+
+
+def _deinterleaved(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s channel pairs ``(2i, 2i + 1)`` laid out at ``(i, i + D/2)``: the order in which
+    DeepSeek's interleaved rotary returns its pairs (a view)."""
+    return x.unflatten(-1, (-1, 2)).transpose(-1, -2)
+
+
+@functools.lru_cache(maxsize=None)
+def _mla_rotary_ok(module_name: str) -> bool:
+    """Whether the module's ``apply_rotary_pos_emb_interleave`` turns each pair ``(2i, 2i + 1)``
+    by the tables' first half and returns the pairs de-interleaved, and its
+    ``apply_rotary_pos_emb`` is the half-split form: what the fused forward computes (a probe on
+    the CPU, as for the other families)."""
+    module = sys.modules[module_name]
+    if probe_rotary(getattr(module, "apply_rotary_pos_emb", None)) != ("half", False):
+        return False
+    fn = getattr(module, "apply_rotary_pos_emb_interleave", None)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.randn(1, 2, 3, 8, generator=gen) for _ in range(2))
+    cos, sin = (torch.randn(1, 3, 8, generator=gen) for _ in range(2))
+    try:
+        outs = fn(q, k, cos, sin)
+    except Exception:  # noqa: BLE001 - any failure means "not this form"
+        return False
+    c, s = (t[:, None] for t in rotary_tables("interleaved, first half", cos, sin))
+    return all(torch.allclose(out, _deinterleaved(turned(x, c, s, True)).flatten(-2))
+               for x, out in zip((q, k), outs))
+
+
+def _mla_attention_patch(module) -> Tuple[Optional[Callable], str]:
+    if _params(type(module).forward) != _ATTENTION_PARAMS:
+        return None, "forward signature differs from the supported transformers versions"
+    if not _mla_rotary_ok(type(module).__module__):
+        return None, "apply_rotary_pos_emb(_interleave) is none of the rotations fusebox runs"
+    error = _register_attention_interface(type(module).__module__, form=("mla", False))
+    return (None, error) if error else (_mla_attention_forward, "rope (latent attention)")
+
+
+def _mla_attention_forward(self, hidden_states, position_embeddings, attention_mask,
+                           past_key_values=None, **kwargs):
+    """DeepSeek-V3's multi-head latent attention with the rotary of q's last
+    ``qk_rope_head_dim`` channels and of the shared key channels in one ``rope``. Interleaved
+    (``config.rope_interleave``) pairs come back de-interleaved, as the model lays them out, so
+    the cache holds what it holds unpatched."""
+    cos, sin = position_embeddings
+    q_in = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+    if (not _fusable(hidden_states, q_in.weight, cos, sin)
+            or not cos.dtype == sin.dtype == hidden_states.dtype
+            or cos.shape[-1] != self.qk_rope_head_dim):
+        return original_forward(self)(hidden_states, position_embeddings, attention_mask,
+                                      past_key_values=past_key_values, **kwargs)
+    batch_size, seq_length = hidden_states.shape[:-1]
+    if self.q_lora_rank is None:
+        q_states = self.q_proj(hidden_states)
+    else:
+        q_states = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+    # [B, S, H, D]: the rotary op reads q's rotated channels and the key's in place
+    q_states = q_states.view(batch_size, seq_length, -1, self.qk_head_dim)
+    q_pass, q_rot = torch.split(q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
+    kv_nope, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states),
+                                 [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
+    kv_nope = self.kv_a_layernorm(kv_nope).view(batch_size, 1, seq_length, self.kv_lora_rank)
+    interleaved = bool(self.config.rope_interleave)
+    if interleaved:
+        form = "interleaved, first half"
+        cos, sin = derived_once(cos, form, lambda: rotary_tables(form, cos, sin))
+    q_rot, k_rot = F.rope(q_rot, k_rot.unsqueeze(2), cos, sin, interleaved=interleaved)
+    query = q_states.new_empty(q_states.shape)
+    query[..., :self.qk_nope_head_dim].copy_(q_pass)
+    q_out = query[..., self.qk_nope_head_dim:]
+    if interleaved:
+        q_out.unflatten(-1, (2, -1)).copy_(_deinterleaved(q_rot))
+        k_rot = _deinterleaved(k_rot).flatten(-2)   # (the one copy of the shared key channels)
+    else:
+        q_out.copy_(q_rot)
+    k_rot = k_rot.transpose(1, 2)
+    if past_key_values is not None:
+        kv_nope, k_rot = past_key_values.update(kv_nope, k_rot, self.layer_idx)
+    key_states, value_states = self.expand_kv(kv_nope, k_rot)
+    attn_output, attn_weights = _attention_interface(self, type(self).__module__)(
+        self, query.transpose(1, 2), key_states, value_states, attention_mask,
+        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
+        **kwargs)
+    return self.o_proj(attn_output.reshape(batch_size, seq_length, -1).contiguous()), attn_weights
+
+
 _NEOX_ATTENTION_PARAMS = ("self", "hidden_states", "attention_mask", "layer_past",
                           "position_embeddings", "kwargs")
 
@@ -1561,7 +1657,13 @@ def _classify(module) -> Tuple[Optional[Callable], str, bool]:
         return (_make_mlp_forward(activation, _has_dropout(module)),
                 f"gated_activation ({activation})", True)
     if name.endswith("Attention"):
-        fn, what = _attention_patch(module)
+        if name == _MLA_REFERENCE[0][1]:
+            fn, what = _mla_attention_patch(module)
+        elif _forward_reads_as(type(module), _MLA_REFERENCE):
+            fn, what = _mla_attention_patch(module)
+            what += f" (forward as {_MLA_REFERENCE[0][1]}'s)" if fn is not None else ""
+        else:
+            fn, what = _attention_patch(module)
         return fn, what, True
     if name.endswith("DecoderLayer"):
         fn, what = _layer_patch(module)
