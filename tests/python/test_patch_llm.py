@@ -48,8 +48,8 @@ def build(name, **kwargs):
         return tiny_gemma4()
     if name == "qwen3_5_text":
         return tiny_qwen3_5()
-    if name == "deepseek_v3":
-        return tiny_deepseek_v3()
+    if name in LATENT_ATTENTION:
+        return tiny_latent_attention(name)
     if name in MORE_ATTENTION:
         cls_name, extra, _ = MORE_ATTENTION[name]
         return causal_lm(getattr(transformers, cls_name)(**{**_TINY_BASE, **extra}))
@@ -734,28 +734,23 @@ def test_attention_left_alone_when_its_rotary_differs(monkeypatch):
         llm._rotary_form.cache_clear()
 
 
+_TINY_BASE = dict(TINY_LLM, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+# tiny multi-head latent attention: LoRA ranks, 8 rotated of each head's 16 q/k channels
+_MLA = {"q_lora_rank": 32, "kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
+        "v_head_dim": 16, "num_key_value_heads": 4}
+_MLA_MOE = {"n_routed_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+            "first_k_dense_replace": 1, "n_group": 1, "topk_group": 1}
 # Families fused through classes whose forward reads as a named family's: (config class, extra
 # config values, the classes fused)
-_TINY_BASE = dict(TINY_LLM, pad_token_id=0, bos_token_id=1, eos_token_id=2)
 BY_SOURCE = {
     "arcee": ("ArceeConfig", {}, ("ArceeAttention", "ArceeDecoderLayer")),
     "granite": ("GraniteConfig", {"residual_multiplier": 0.5, "attention_multiplier": 0.3,
                                   "embedding_multiplier": 2.0, "logits_scaling": 2.0},
                 ("GraniteAttention",)),
-    "deepseek_v3": ("DeepseekV3Config", {"q_lora_rank": 32, "kv_lora_rank": 16,
-                                         "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-                                         "v_head_dim": 16, "n_routed_experts": 4,
-                                         "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                                         "first_k_dense_replace": 1, "n_group": 1,
-                                         "topk_group": 1, "num_key_value_heads": 4},
+    "deepseek_v3": ("DeepseekV3Config", {**_MLA, **_MLA_MOE},
                     ("DeepseekV3Attention", "DeepseekV3DecoderLayer")),
     # GLM-4.7-Flash: DeepSeek-V3's latent attention, word for word
-    "glm4_moe_lite": ("Glm4MoeLiteConfig", {"q_lora_rank": 32, "kv_lora_rank": 16,
-                                            "qk_rope_head_dim": 8, "qk_nope_head_dim": 8,
-                                            "v_head_dim": 16, "n_routed_experts": 4,
-                                            "num_experts_per_tok": 2, "moe_intermediate_size": 32,
-                                            "num_key_value_heads": 4},
-                      ("Glm4MoeLiteAttention",)),
+    "glm4_moe_lite": ("Glm4MoeLiteConfig", {**_MLA, **_MLA_MOE}, ("Glm4MoeLiteAttention",)),
     # interleaved pairs turned by the tables' first half, behind a Llama-like attention forward
     # (GLM-4: over half the head)
     "ernie4_5": ("Ernie4_5Config", {}, ("Ernie4_5Attention", "Ernie4_5DecoderLayer")),
@@ -836,25 +831,35 @@ def vectors_off_init(model, scale=0.3):
     return model
 
 
-def tiny_deepseek_v3(device="cpu", interleave=True, q_lora=True):
-    """DeepSeek-V3, 2 layers (a dense one, then a MoE one): latent attention with a q LoRA (or
-    a plain q projection), the rotary on 8 of each head's 16 q/k channels, interleaved pairs
-    or half-split; the norm weights off their init."""
-    _, extra, _ = BY_SOURCE["deepseek_v3"]
-    config = transformers.DeepseekV3Config(**{**_TINY_BASE, **extra, "rope_interleave": interleave,
-                                              "q_lora_rank": 32 if q_lora else None})
+LATENT_ATTENTION = {
+    # (config class, its extra values, the attention class)
+    "deepseek_v3": ("DeepseekV3Config", {**_MLA, **_MLA_MOE}, "DeepseekV3Attention"),
+    "deepseek_v2": ("DeepseekV2Config", {**_MLA, **_MLA_MOE}, "DeepseekV2Attention"),
+    "minicpm3": ("MiniCPM3Config", _MLA, "MiniCPM3Attention"),
+}
+
+
+def tiny_latent_attention(family="deepseek_v3", device="cpu", **config):
+    """2 layers of a latent-attention family (DeepSeek: a dense one, then a MoE one), with a q
+    LoRA unless ``q_lora_rank=None``; the norm weights off their init."""
+    cls_name, extra, _ = LATENT_ATTENTION[family]
+    config = getattr(transformers, cls_name)(**{**_TINY_BASE, **extra, **config})
     return vectors_off_init(causal_lm(config)).to(device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("interleave", [True, False], ids=["interleaved", "half"])
-@pytest.mark.parametrize("q_lora", [True, False], ids=["q_lora", "q_proj"])
-def test_deepseek_v3_latent_attention(device, interleave, q_lora):
-    """DeepSeek-V3's latent attention: the rotary of q's last channels and of the shared key
-    channels in one ``rope``, interleaved pairs laid out as the model lays them, so the cache
-    holds what it holds unpatched; fp32 logits as unpatched, bf16 within the bf16 spread,
-    greedy tokens unchanged."""
-    model = tiny_deepseek_v3(device, interleave, q_lora)
+@pytest.mark.parametrize("family,config", [
+    ("deepseek_v3", {}), ("deepseek_v3", {"q_lora_rank": None}),
+    ("deepseek_v3", {"rope_interleave": False}), ("deepseek_v2", {}),
+    ("deepseek_v2", {"q_lora_rank": None}), ("minicpm3", {})],
+    ids=["v3", "v3-q_proj", "v3-half", "v2", "v2-q_proj", "minicpm3"])
+def test_latent_attention(family, config, device):
+    """Multi-head latent attention: the rotary of q's last channels and of the shared key
+    channels in one ``rope`` (DeepSeek-V3's interleaved pairs written back de-interleaved, as
+    the model lays them out; V2's turned by its complex table; MiniCPM3's half-split), so the
+    cache holds what it holds unpatched; fp32 logits as unpatched, bf16 within the bf16
+    spread, greedy tokens unchanged."""
+    model = tiny_latent_attention(family, device, **config)
     ids = token_ids(device=device)
     prompt = token_ids(batch=1, seq=6, device=device)
     kwargs = dict(max_new_tokens=16, min_new_tokens=16, do_sample=False, pad_token_id=0)
@@ -870,7 +875,7 @@ def test_deepseek_v3_latent_attention(device, interleave, q_lora):
     model16 = copy.deepcopy(model).to(torch.bfloat16)
     err_unpatched = rel_err(logits(model16, ids), ref)
     report = fusebox.patch(model)
-    assert {"DeepseekV3Attention", "DeepseekV3DecoderLayer"} <= {e.kind for e in report.patched}
+    assert LATENT_ATTENTION[family][2] in {e.kind for e in report.patched}, str(report)
     with FuseboxOps() as ops:
         out, cache = run(model)
     assert ops.calls["rotary"] == 2, ops.calls     # one a layer
@@ -1124,7 +1129,8 @@ COMPILED_OPS = {"llama": {"rms_norm", "rotary", "gated_act"},
                 "gemma4_text": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm",
                                 "rms_norm_add"},
                 "qwen3_5_text": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm"},
-                "deepseek_v3": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm"}}
+                "deepseek_v3": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm"},
+                "deepseek_v2": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm"}}
 
 
 @pytest.mark.parametrize("family", list(COMPILED_OPS))

@@ -1,10 +1,10 @@
 """transformers decoder LLMs (Llama, Mistral, Ministral, Ministral 3, Mixtral, Qwen2,
 Qwen2-MoE, Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5 and its MoE, GLM-4.5, GPT-OSS, OLMo, OLMoE,
 OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2, Gemma3 text, Gemma 4 text, Llama 4 text,
-StarCoder2, Seed-OSS, Apertus, LFM2, EXAONE 4, MiniMax-M2, HunYuan, Nemotron, DeepSeek-V3,
-Falcon, and the classes of other families whose forwards read as these; the partial rotary of
-Phi, GPT-NeoX, StableLM and Persimmon; the LayerNorms, plain MLPs and activations of every
-other) on fusebox.
+StarCoder2, Seed-OSS, Apertus, LFM2, EXAONE 4, MiniMax-M2, HunYuan, Nemotron, DeepSeek-V2/V3,
+MiniCPM3, Falcon, and the classes of other families whose forwards read as these; the partial
+rotary of Phi, GPT-NeoX, StableLM and Persimmon; the LayerNorms, plain MLPs and activations of
+every other) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
 
@@ -50,10 +50,11 @@ What is replaced, module by module (every other module keeps its forward):
   ``AttentionSpec``), Gemma 4 text (its q/k norms, rotary and shared keys and values; its
   layer's residual adds with their norms), Qwen3-Next/Qwen3.5 (gated attention; the hybrid
   layer's mixer add with its norm) and Llama 4 (its complex rotary as interleaved ``rope``);
-- DeepSeek-V3's multi-head latent attention (also Kimi K2's, GLM-4.7-Flash's and the other
-  classes that read as it): the rotary of q's last ``qk_rope_head_dim`` channels and of the
-  shared key channels -> one ``rope``, interleaved pairs written back in the model's
-  de-interleaved order, so the latent cache holds what it holds unpatched;
+- multi-head latent attention (DeepSeek-V2 and V3, MiniCPM3, and the classes that read as
+  DeepSeek-V3's: Kimi K2 loads as it, GLM-4.7-Flash, Youtu): the rotary of q's last
+  ``qk_rope_head_dim`` channels and of the shared key channels -> one ``rope``, V3's
+  interleaved pairs written back in its de-interleaved order, so the latent cache holds what it
+  holds unpatched;
 - Falcon (rotary, not ALiBi): the rotary of q/k read in place from the fused QKV projection ->
   ``rope`` (for grouped keys, before they are
   repeated over the heads, which the model's cache then holds as it does unpatched). Multi-query
@@ -1023,7 +1024,7 @@ def _llama4_attention_patch(module) -> Tuple[Optional[Callable], str]:
         return None, "qk_norm formula not recognized"
     module_name = type(module).__module__
     error = _register_attention_interface(module_name, ("interleaved", True),
-                                          _llama4_rotary_form(module_name))
+                                          _complex_rotary_form(module_name))
     if error:
         return None, error
     if not module.use_rope:
@@ -1035,14 +1036,17 @@ def _llama4_attention_patch(module) -> Tuple[Optional[Callable], str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _llama4_rotary_form(module_name: str) -> Tuple[Optional[str], bool]:
-    """Llama 4's ``apply_rotary_emb(xq, xk, freqs_cis)`` probed as the other families' are,
-    with its complex table formed from the probe's half-width tables."""
+def _complex_rotary_form(module_name: str, heads_first: bool = False) -> Tuple[Optional[str], bool]:
+    """An ``apply_rotary_emb(xq, xk, freqs_cis)`` (Llama 4's, q and k ``[B, S, H, D]``;
+    DeepSeek-V2's, ``heads_first``: ``[B, H, S, D]``) probed as the other families' are, with
+    its complex table formed from the probe's half-width tables."""
     fn = getattr(sys.modules[module_name], "apply_rotary_emb", None)
     if fn is None:
         return None, False
 
-    def as_probed(q, k, cos, sin):   # (q and k [B, H, S, D] there, [B, S, H, D] here)
+    def as_probed(q, k, cos, sin):   # (the probe's q and k are [B, H, S, D])
+        if heads_first:
+            return fn(q, k, torch.complex(cos, sin))
         q_out, k_out = fn(q.transpose(1, 2), k.transpose(1, 2), torch.complex(cos, sin))
         return q_out.transpose(1, 2), k_out.transpose(1, 2)
     return probe_rotary(as_probed)
@@ -1085,25 +1089,28 @@ def _attend(self, query, key, value, attention_mask, cache, out_proj, **kwargs):
 
 # --------------------------------------------------------------------------- latent attention
 
+# Multi-head latent attention: q's last qk_rope_head_dim channels of each head and the key
+# channels shared by all heads rotated, the rest as the model writes it. DeepSeek-V3 (and the
+# classes that read as it) rotates interleaved pairs (config.rope_interleave) and returns them
+# de-interleaved, or half-split pairs; MiniCPM3 half-split pairs; DeepSeek-V2 interleaved pairs
+# by a complex table, in fp32.
 _MLA_REFERENCE = (("deepseek_v3", "DeepseekV3Attention"),)
+_MLA_V2_PARAMS = ("self", "hidden_states", "attention_mask", "past_key_values",
+                  "position_embeddings", "kwargs")
 
 
 def _deinterleaved(x: torch.Tensor) -> torch.Tensor:
     """``x``'s channel pairs ``(2i, 2i + 1)`` laid out at ``(i, i + D/2)``: the order in which
-    DeepSeek's interleaved rotary returns its pairs (a view)."""
+    DeepSeek-V3's interleaved rotary returns its pairs (a view)."""
     return x.unflatten(-1, (-1, 2)).transpose(-1, -2)
 
 
 @functools.lru_cache(maxsize=None)
-def _mla_rotary_ok(module_name: str) -> bool:
+def _deinterleaving_rotary_ok(module_name: str) -> bool:
     """Whether the module's ``apply_rotary_pos_emb_interleave`` turns each pair ``(2i, 2i + 1)``
-    by the tables' first half and returns the pairs de-interleaved, and its
-    ``apply_rotary_pos_emb`` is the half-split form: what the fused forward computes (a probe on
-    the CPU, as for the other families)."""
-    module = sys.modules[module_name]
-    if probe_rotary(getattr(module, "apply_rotary_pos_emb", None)) != ("half", False):
-        return False
-    fn = getattr(module, "apply_rotary_pos_emb_interleave", None)
+    by the tables' first half and returns the pairs de-interleaved (a probe on the CPU, as for
+    the other families)."""
+    fn = getattr(sys.modules[module_name], "apply_rotary_pos_emb_interleave", None)
     gen = torch.Generator().manual_seed(0)
     q, k = (torch.randn(1, 2, 3, 8, generator=gen) for _ in range(2))
     cos, sin = (torch.randn(1, 3, 8, generator=gen) for _ in range(2))
@@ -1117,55 +1124,106 @@ def _mla_rotary_ok(module_name: str) -> bool:
 
 
 def _mla_attention_patch(module) -> Tuple[Optional[Callable], str]:
-    if _params(type(module).forward) != _ATTENTION_PARAMS:
+    name, module_name = type(module).__name__, type(module).__module__
+    if name == "DeepseekV2Attention":
+        params, form, forward = (_MLA_V2_PARAMS, _complex_rotary_form(module_name, True),
+                                 _mla_complex_attention_forward)
+        expected, rotary_ok = ("interleaved", True), True
+    else:
+        params, form = _ATTENTION_PARAMS, _rotary_form(module_name)[:2]
+        expected = ("half", False)
+        if name == "MiniCPM3Attention":
+            forward, rotary_ok = _mla_half_attention_forward, True
+        else:
+            forward, rotary_ok = _mla_attention_forward, _deinterleaving_rotary_ok(module_name)
+    if _params(type(module).forward) != params:
         return None, "forward signature differs from the supported transformers versions"
-    if not _mla_rotary_ok(type(module).__module__):
-        return None, "apply_rotary_pos_emb(_interleave) is none of the rotations fusebox runs"
-    error = _register_attention_interface(type(module).__module__, form=("mla", False))
-    return (None, error) if error else (_mla_attention_forward, "rope (latent attention)")
+    error = _register_attention_interface(module_name, expected, form)
+    if error or not rotary_ok:
+        return None, error or "apply_rotary_pos_emb_interleave is none of the rotations fusebox runs"
+    return forward, "rope (latent attention)"
+
+
+def _mla_falls_back(self, hidden_states, cos, sin) -> bool:
+    """Whether the model's forward runs: autograd, dtypes the op does not take, tables of
+    another dtype than the activations or another width than the rotated channels."""
+    q_in = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+    return (not _fusable(hidden_states, q_in.weight, cos, sin)
+            or not cos.dtype == sin.dtype == hidden_states.dtype
+            or cos.shape[-1] != self.qk_rope_head_dim)
 
 
 def _mla_attention_forward(self, hidden_states, position_embeddings, attention_mask,
                            past_key_values=None, **kwargs):
-    """DeepSeek-V3's multi-head latent attention with the rotary of q's last
-    ``qk_rope_head_dim`` channels and of the shared key channels in one ``rope``. Interleaved
-    (``config.rope_interleave``) pairs come back de-interleaved, as the model lays them out, so
-    the cache holds what it holds unpatched."""
+    """DeepSeek-V3's: tables of the activations' dtype, pairs as ``config.rope_interleave``."""
     cos, sin = position_embeddings
-    q_in = self.q_proj if self.q_lora_rank is None else self.q_a_proj
-    if (not _fusable(hidden_states, q_in.weight, cos, sin)
-            or not cos.dtype == sin.dtype == hidden_states.dtype
-            or cos.shape[-1] != self.qk_rope_head_dim):
+    if _mla_falls_back(self, hidden_states, cos, sin):
         return original_forward(self)(hidden_states, position_embeddings, attention_mask,
                                       past_key_values=past_key_values, **kwargs)
+    interleaved = bool(self.config.rope_interleave)
+    if interleaved:
+        form = "interleaved, first half"
+        cos, sin = derived_once(cos, form, lambda: rotary_tables(form, cos, sin))
+    return _latent_attention(self, hidden_states, cos, sin, interleaved, interleaved,
+                             attention_mask, past_key_values, kwargs)
+
+
+def _mla_half_attention_forward(self, hidden_states, position_embeddings, attention_mask=None,
+                                past_key_values=None, **kwargs):
+    """MiniCPM3's: half-split pairs, tables of the activations' dtype."""
+    cos, sin = position_embeddings
+    if _mla_falls_back(self, hidden_states, cos, sin):
+        return original_forward(self)(hidden_states, position_embeddings, attention_mask,
+                                      past_key_values=past_key_values, **kwargs)
+    return _latent_attention(self, hidden_states, cos, sin, False, False, attention_mask,
+                             past_key_values, kwargs)
+
+
+def _mla_complex_attention_forward(self, hidden_states, attention_mask=None, past_key_values=None,
+                                   position_embeddings=None, **kwargs):
+    """DeepSeek-V2's: interleaved pairs turned by the complex ``freqs_cis`` in fp32 and rounded
+    once, which the op does with the fp32 tables written out."""
+    freqs = position_embeddings
+    q_in = self.q_proj if self.q_lora_rank is None else self.q_a_proj
+    if (freqs is None or freqs.dtype != torch.complex64 or not _fusable(hidden_states, q_in.weight)
+            or 2 * freqs.shape[-1] != self.qk_rope_head_dim):
+        return original_forward(self)(hidden_states, attention_mask, past_key_values,
+                                      position_embeddings, **kwargs)
+    freqs = freqs.to(hidden_states.device)
+    cos, sin = derived_once(freqs, "complex tables", lambda: rotary_tables(
+        "interleaved", freqs.real, freqs.imag, half_tables=True))
+    return _latent_attention(self, hidden_states, cos, sin, True, False, attention_mask,
+                             past_key_values, kwargs)
+
+
+def _latent_attention(self, hidden_states, cos, sin, interleaved: bool, deinterleave: bool,
+                      attention_mask, cache, kwargs):
+    """The latent attention with both rotaries in one ``rope``: q ``[B, S, H, D]`` and the
+    shared key channels read in place; with ``deinterleave``, the turned pairs written back in
+    the model's de-interleaved order, so the cache holds what it holds unpatched."""
     batch_size, seq_length = hidden_states.shape[:-1]
     if self.q_lora_rank is None:
         q_states = self.q_proj(hidden_states)
     else:
         q_states = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-    # [B, S, H, D]: the rotary op reads q's rotated channels and the key's in place
     q_states = q_states.view(batch_size, seq_length, -1, self.qk_head_dim)
     q_pass, q_rot = torch.split(q_states, [self.qk_nope_head_dim, self.qk_rope_head_dim], dim=-1)
-    kv_nope, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states),
+    kv_pass, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden_states),
                                  [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
-    kv_nope = self.kv_a_layernorm(kv_nope).view(batch_size, 1, seq_length, self.kv_lora_rank)
-    interleaved = bool(self.config.rope_interleave)
-    if interleaved:
-        form = "interleaved, first half"
-        cos, sin = derived_once(cos, form, lambda: rotary_tables(form, cos, sin))
+    kv_pass = self.kv_a_layernorm(kv_pass).view(batch_size, 1, seq_length, self.kv_lora_rank)
     q_rot, k_rot = F.rope(q_rot, k_rot.unsqueeze(2), cos, sin, interleaved=interleaved)
     query = q_states.new_empty(q_states.shape)
     query[..., :self.qk_nope_head_dim].copy_(q_pass)
     q_out = query[..., self.qk_nope_head_dim:]
-    if interleaved:
+    if deinterleave:
         q_out.unflatten(-1, (2, -1)).copy_(_deinterleaved(q_rot))
         k_rot = _deinterleaved(k_rot).flatten(-2)   # (the one copy of the shared key channels)
     else:
         q_out.copy_(q_rot)
     k_rot = k_rot.transpose(1, 2)
-    if past_key_values is not None:
-        kv_nope, k_rot = past_key_values.update(kv_nope, k_rot, self.layer_idx)
-    key_states, value_states = self.expand_kv(kv_nope, k_rot)
+    if cache is not None:
+        kv_pass, k_rot = cache.update(kv_pass, k_rot, self.layer_idx)
+    key_states, value_states = self.expand_kv(kv_pass, k_rot)
     attn_output, attn_weights = _attention_interface(self, type(self).__module__)(
         self, query.transpose(1, 2), key_states, value_states, attention_mask,
         dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
@@ -1657,7 +1715,7 @@ def _classify(module) -> Tuple[Optional[Callable], str, bool]:
         return (_make_mlp_forward(activation, _has_dropout(module)),
                 f"gated_activation ({activation})", True)
     if name.endswith("Attention"):
-        if name == _MLA_REFERENCE[0][1]:
+        if name in ("DeepseekV3Attention", "DeepseekV2Attention", "MiniCPM3Attention"):
             fn, what = _mla_attention_patch(module)
         elif _forward_reads_as(type(module), _MLA_REFERENCE):
             fn, what = _mla_attention_patch(module)
