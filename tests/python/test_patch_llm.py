@@ -1231,6 +1231,26 @@ def test_compiled_patched_modules_keep_cheap_guards(family, monkeypatch):
 # --------------------------------------------------------------------------- e2e bench smoke
 
 
+def _e2e_llm_configs():
+    from fusebox.bench.e2e import llm as e2e_llm
+    return [name for name in e2e_llm.CONFIGS if name != e2e_llm.TINY]
+
+
+@pytest.mark.parametrize("name", _e2e_llm_configs())
+def test_e2e_configs_build_and_fuse_their_attention(name):
+    """Each end-to-end LLM config (the published values) builds, on the meta device, and gets
+    its norms and attention fused."""
+    from fusebox.bench.e2e import llm as e2e_llm
+
+    values = dict(e2e_llm.CONFIGS[name])
+    config = transformers.AutoConfig.for_model(values.pop("model_type"), **values)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    kinds = {e.kind for e in fusebox.patch(model).patched}
+    assert any(k.endswith("Attention") for k in kinds), kinds
+    assert any(k.endswith(("RMSNorm", "LayerNorm")) for k in kinds), kinds
+
+
 def test_e2e_bench_tiny_on_cpu(tmp_path):
     """``fusebox bench e2e --model tiny-llm --device cpu``: the CI smoke run of the LLM bench."""
     from fusebox.__main__ import main

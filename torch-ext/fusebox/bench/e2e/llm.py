@@ -60,6 +60,8 @@ MODELS = {
     "pythia-2.8b": "EleutherAI/pythia-2.8b (GPT-NeoX): 32 layers, 2560 wide, LayerNorm, parallel "
                    "residual, fused QKV, rotary on 20 of 80 head channels",
     "starcoder2-3b": "bigcode/starcoder2-3b: 30 layers, 3072 wide, GQA 24/2, LayerNorm, gelu-tanh MLP",
+    "deepseek-v2-lite": "deepseek-ai/DeepSeek-V2-Lite: 27 layers, 2048 wide, latent attention "
+                        "(kv rank 512, rotary on 64 of 192 q/k channels), 64 experts, 6 a token",
     TINY: "2-layer Qwen3-style model, 128 wide (functional check; runs on CPU)",
 }
 
@@ -128,6 +130,19 @@ CONFIGS: Dict[str, dict] = {
         norm_epsilon=1e-5, rope_theta=999999.4420358813, sliding_window=4096, use_bias=True,
         vocab_size=49152, max_position_embeddings=16384, bos_token_id=0, eos_token_id=0,
         initializer_range=0.018042),
+    "deepseek-v2-lite": dict(
+        model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944, num_hidden_layers=27,
+        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
+        n_shared_experts=2, num_experts_per_tok=6, moe_intermediate_size=1408,
+        first_k_dense_replace=1, moe_layer_freq=1, norm_topk_prob=False,
+        routed_scaling_factor=1.0, topk_method="greedy", hidden_act="silu", rms_norm_eps=1e-6,
+        rope_theta=10000.0, rope_scaling={"type": "yarn", "factor": 40, "beta_fast": 32,
+                                          "beta_slow": 1, "mscale": 0.707,
+                                          "mscale_all_dim": 0.707,
+                                          "original_max_position_embeddings": 4096},
+        max_position_embeddings=163840, vocab_size=102400, tie_word_embeddings=False,
+        bos_token_id=100000, eos_token_id=100001, initializer_range=0.02),
     TINY: dict(
         model_type="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, hidden_act="silu",
