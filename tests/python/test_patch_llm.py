@@ -46,6 +46,8 @@ def build(name, **kwargs):
         return tiny_falcon(name, **kwargs)
     if name == "gemma4_text":
         return tiny_gemma4()
+    if name == "gemma3n_text":
+        return tiny_gemma3n()
     if name == "qwen3_5_text":
         return tiny_qwen3_5()
     if name in LATENT_ATTENTION:
@@ -930,6 +932,39 @@ def test_gemma4_text(device):
     assert_bf16_and_greedy_as_unpatched(model, model16, ref, err_unpatched, ids)
 
 
+def tiny_gemma3n(device="cpu"):
+    """Gemma 3n text, 4 layers: sliding and full layers, the last two reusing the keys and
+    values of the first two, AltUp and LAuReL blocks, per-layer inputs, activation sparsity on
+    the first layer's MLP; the norm weights off their init."""
+    config = transformers.Gemma3nTextConfig(**{
+        **_TINY_BASE, "num_hidden_layers": 4, "head_dim": 16, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"] * 2, "num_kv_shared_layers": 2,
+        "hidden_size_per_layer_input": 16, "vocab_size_per_layer_input": TINY_LLM["vocab_size"],
+        "laurel_rank": 8, "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0]})
+    return vectors_off_init(causal_lm(config)).to(device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_gemma3n_text(device):
+    """Gemma 3n: q and k normed and rotated per head in one launch, q alone in the layers that
+    read an earlier layer's keys and values (by its index, where Gemma 4 keys them by layer
+    type); its RMSNorms as rms_norm; fp32 logits as unpatched, bf16 within the bf16 spread,
+    greedy tokens unchanged."""
+    model = tiny_gemma3n(device)
+    ids = token_ids(device=device)
+    ref = logits(model, ids)
+    model16 = copy.deepcopy(model).to(torch.bfloat16)
+    err_unpatched = rel_err(logits(model16, ids), ref)
+    patched = fusebox.patch(model).summary()["patched"]
+    assert patched["Gemma3nTextAttention: qk_norm_rope"] == 4
+    assert patched["Gemma3nRMSNorm: rms_norm (no weight)"] == 2      # the two layers' v_norm
+    with FuseboxOps() as ops:
+        out = logits(model, ids)
+    assert ops.calls["rotary"] == 4, ops.calls
+    assert rel_err(out, ref) < 1e-5
+    assert_bf16_and_greedy_as_unpatched(model, model16, ref, err_unpatched, ids)
+
+
 def tiny_qwen3_5(device="cpu", moe=False):
     """Qwen3.5 text, 4 layers: linear attention, then gated self-attention (q and an output gate
     from one projection, per-head (1 + w) q/k norms, rotary on a quarter of the head), twice;
@@ -1130,7 +1165,8 @@ COMPILED_OPS = {"llama": {"rms_norm", "rotary", "gated_act"},
                                 "rms_norm_add"},
                 "qwen3_5_text": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm"},
                 "deepseek_v3": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm"},
-                "deepseek_v2": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm"}}
+                "deepseek_v2": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm"},
+                "gemma3n_text": {"rms_norm", "rotary", "act"}}
 
 
 @pytest.mark.parametrize("family", list(COMPILED_OPS))

@@ -1,10 +1,10 @@
 """transformers decoder LLMs (Llama, Mistral, Ministral, Ministral 3, Mixtral, Qwen2,
 Qwen2-MoE, Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5 and its MoE, GLM-4.5, GPT-OSS, OLMo, OLMoE,
-OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2, Gemma3 text, Gemma 4 text, Llama 4 text,
-StarCoder2, Seed-OSS, Apertus, LFM2, EXAONE 4, MiniMax-M2, HunYuan, Nemotron, DeepSeek-V2/V3,
-MiniCPM3, Falcon, and the classes of other families whose forwards read as these; the partial
-rotary of Phi, GPT-NeoX, StableLM and Persimmon; the LayerNorms, plain MLPs and activations of
-every other) on fusebox.
+OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2, Gemma3 text, Gemma 3n and Gemma 4 text,
+Llama 4 text, StarCoder2, Seed-OSS, Apertus, LFM2, EXAONE 4, MiniMax-M2, HunYuan, Nemotron,
+DeepSeek-V2/V3, MiniCPM3, Falcon, and the classes of other families whose forwards read as
+these; the partial rotary of Phi, GPT-NeoX, StableLM and Persimmon; the LayerNorms, plain MLPs
+and activations of every other) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
 
@@ -48,7 +48,8 @@ What is replaced, module by module (every other module keeps its forward):
   fused QKV projections, the models' optional per-head q/k LayerNorms run first;
 - the families whose attention differs from Llama's in a detail the fused forward applies (see
   ``AttentionSpec``), Gemma 4 text (its q/k norms, rotary and shared keys and values; its
-  layer's residual adds with their norms), Qwen3-Next/Qwen3.5 (gated attention; the hybrid
+  layer's residual adds with their norms), Gemma 3n text (its attention as Gemma 4's, the
+  shared keys and values found by layer index), Qwen3-Next/Qwen3.5 (gated attention; the hybrid
   layer's mixer add with its norm) and Llama 4 (its complex rotary as interleaved ``rope``);
 - multi-head latent attention (DeepSeek-V2 and V3, MiniCPM3, and the classes that read as
   DeepSeek-V3's: Kimi K2 loads as it, GLM-4.7-Flash, Youtu): the rotary of q's last
@@ -938,35 +939,64 @@ _GEMMA4_ATTENTION_PARAMS = ("self", "hidden_states", "position_embeddings", "att
 
 def _gemma4_attention_forward(self, hidden_states, position_embeddings, attention_mask,
                               shared_kv_states, past_key_values=None, **kwargs):
-    cos, sin = position_embeddings
-    shared = self.is_kv_shared_layer
-    style = self.q_norm.__dict__.get(NORM_STYLE_ATTR)
-    if (not _fusable(hidden_states, self.q_proj.weight, cos, sin) or style is None
-            or not cos.dtype == sin.dtype == hidden_states.dtype
-            or not _weight_readable(self.q_norm, style, hidden_states)
-            or not (shared or _weight_readable(self.k_norm, style, hidden_states))):
+    """Gemma 4's: shared keys and values stored and read by the layer's type."""
+    if _shared_kv_falls_back(self, hidden_states, position_embeddings):
         return original_forward(self)(hidden_states, position_embeddings, attention_mask,
                                       shared_kv_states, past_key_values=past_key_values, **kwargs)
+    return _shared_kv_attention(self, hidden_states, position_embeddings, attention_mask,
+                                past_key_values, kwargs, shared_kv_states, self.layer_type,
+                                self.layer_type)
+
+
+def _gemma3n_attention_forward(self, hidden_states, position_embeddings, attention_mask,
+                               past_key_values=None, shared_kv_states=None, **kwargs):
+    """Gemma 3n's: shared keys and values stored by layer index, read from the last layer of
+    the same type before the sharing starts."""
+    if _shared_kv_falls_back(self, hidden_states, position_embeddings):
+        return original_forward(self)(hidden_states, position_embeddings, attention_mask,
+                                      past_key_values=past_key_values,
+                                      shared_kv_states=shared_kv_states, **kwargs)
+    return _shared_kv_attention(self, hidden_states, position_embeddings, attention_mask,
+                                past_key_values, kwargs, shared_kv_states,
+                                self.kv_shared_layer_index, self.layer_idx)
+
+
+def _shared_kv_falls_back(self, hidden_states, position_embeddings) -> bool:
+    cos, sin = position_embeddings
+    style = self.q_norm.__dict__.get(NORM_STYLE_ATTR)
+    return (not _fusable(hidden_states, self.q_proj.weight, cos, sin) or style is None
+            or not cos.dtype == sin.dtype == hidden_states.dtype
+            or not _weight_readable(self.q_norm, style, hidden_states)
+            or not (self.is_kv_shared_layer or _weight_readable(self.k_norm, style, hidden_states)))
+
+
+def _shared_kv_attention(self, hidden_states, position_embeddings, attention_mask, cache, kwargs,
+                         shared_kv_states, read_key, store_key):
+    """Gemma 3n's and Gemma 4's attention: q and k ``[B, S, H, D]`` normed per head and rotated
+    in one launch (the model: norm, round, rotate); a layer that shares the keys and values of
+    an earlier one (``shared_kv_states[read_key]``) rotates q alone; a layer that others share
+    stores its own under ``store_key``."""
+    cos, sin = position_embeddings
+    shared = self.is_kv_shared_layer
+    eps = self.q_norm.__dict__[NORM_STYLE_ATTR].eps
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
-    # q and k [B, S, H, D], normed per head and rotated in one launch (the model: norm, round,
-    # rotate); a layer that shares the keys and values of an earlier one rotates q alone
     query = self.q_proj(hidden_states).view(hidden_shape)
     if shared:
-        query, _ = F.qk_norm_rope(query, None, self.q_norm.weight, None, cos, sin, eps=style.eps)
-        key, value = shared_kv_states[self.layer_type]
+        query, _ = F.qk_norm_rope(query, None, self.q_norm.weight, None, cos, sin, eps=eps)
+        key, value = shared_kv_states[read_key]
         key, value = key.to(query.device), value.to(query.device)
     else:
         key = self.k_proj(hidden_states).view(hidden_shape)
         value = self.v_proj(hidden_states).view(hidden_shape) if self.v_proj is not None else key
         query, key = F.qk_norm_rope(query, key, self.q_norm.weight, self.k_norm.weight, cos, sin,
-                                    eps=style.eps)
+                                    eps=eps)
         key, value = key.transpose(1, 2), self.v_norm(value).transpose(1, 2)
     query = query.transpose(1, 2)
-    if past_key_values is not None and not shared:
-        key, value = past_key_values.update(key, value, self.layer_idx)
+    if cache is not None and not shared:
+        key, value = cache.update(key, value, self.layer_idx)
     if self.store_full_length_kv:
-        shared_kv_states[self.layer_type] = key, value
+        shared_kv_states[store_key] = key, value
     attention_interface = _attention_interface(self, type(self).__module__)
     attn_output, attn_weights = attention_interface(
         self, query, key, value, attention_mask,
@@ -1059,8 +1089,17 @@ def _single_tensor_rotary(fn):
                                                     fn(k, cos, sin, unsqueeze_dim))
 
 
-def _gemma4_attention_patch(module) -> Tuple[Optional[Callable], str]:
-    if _params(type(module).forward) != _GEMMA4_ATTENTION_PARAMS:
+_SHARED_KV_ATTENTION = {   # class -> (forward parameters, fused forward)
+    "Gemma4TextAttention": (_GEMMA4_ATTENTION_PARAMS, _gemma4_attention_forward),
+    "Gemma3nTextAttention": (("self", "hidden_states", "position_embeddings", "attention_mask",
+                              "past_key_values", "shared_kv_states", "kwargs"),
+                             _gemma3n_attention_forward),
+}
+
+
+def _shared_kv_attention_patch(module) -> Tuple[Optional[Callable], str]:
+    params, forward = _SHARED_KV_ATTENTION[type(module).__name__]
+    if _params(type(module).forward) != params:
         return None, "forward signature differs from the supported transformers versions"
     q_style = norm_style(module.q_norm)
     k_style = norm_style(module.k_norm) if hasattr(module, "k_norm") else q_style
@@ -1073,7 +1112,7 @@ def _gemma4_attention_patch(module) -> Tuple[Optional[Callable], str]:
         return None, error
     module.q_norm.__dict__[NORM_STYLE_ATTR] = q_style
     add_undo(module, functools.partial(module.q_norm.__dict__.pop, NORM_STYLE_ATTR, None))
-    return _gemma4_attention_forward, "qk_norm_rope"
+    return forward, "qk_norm_rope"
 
 
 def _attend(self, query, key, value, attention_mask, cache, out_proj, **kwargs):
@@ -1672,7 +1711,8 @@ SPECIAL_CLASSES: Dict[str, Callable[[torch.nn.Module], Tuple[Optional[Callable],
         None, "residual adds kept as written (LayerNorm model, parallel attention + MLP)"),
     "Llama4TextL2Norm": _l2_norm_patch,
     "NemotronLayerNorm1P": _layer_norm_1p_patch,
-    "Gemma4TextAttention": _gemma4_attention_patch,
+    "Gemma4TextAttention": _shared_kv_attention_patch,
+    "Gemma3nTextAttention": _shared_kv_attention_patch,
     "Llama4TextAttention": _llama4_attention_patch,
     "Gemma4TextDecoderLayer": _gemma4_layer_patch,
 }
