@@ -54,7 +54,8 @@ SHRUNK = dict(
     mamba_n_heads=8, mamba_d_head=16, mamba_headdim=16, n_mamba_heads=8, mamba_d_state=16,
     mamba_chunk_size=16, mamba_dt_rank=8, use_mamba_kernels=False,
     attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
-    attn_layer_indices=[1], num_kv_shared_layers=0)
+    attn_layer_indices=[1], num_kv_shared_layers=0, vocab_size_per_layer_input=128,
+    hidden_size_per_layer_input=16, laurel_rank=8)
 
 
 def shrunk_config(model_type: str):
@@ -72,7 +73,7 @@ def shrunk_config(model_type: str):
         values.update(num_key_value_heads=TINY["num_attention_heads"],
                       head_dim=SHRUNK["qk_rope_head_dim"])
     layers = TINY["num_hidden_layers"]
-    for key in ("layer_types", "mlp_layer_types"):
+    for key in ("layer_types", "mlp_layer_types", "activation_sparsity_pattern"):
         kinds = getattr(defaults, key, None)
         derived = key not in inspect.signature(cls.__init__).parameters   # e.g. from periods
         if isinstance(kinds, (list, tuple)) and kinds and not derived:

@@ -753,6 +753,11 @@ BY_SOURCE = {
                     ("DeepseekV3Attention", "DeepseekV3DecoderLayer")),
     # GLM-4.7-Flash: DeepSeek-V3's latent attention, word for word
     "glm4_moe_lite": ("Glm4MoeLiteConfig", {**_MLA, **_MLA_MOE}, ("Glm4MoeLiteAttention",)),
+    # Gemma 4 Unified: Gemma 4's shared-KV attention, word for word
+    "gemma4_unified_text": ("Gemma4UnifiedTextConfig", {
+        "head_dim": 16, "global_head_dim": 32, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"], "hidden_size_per_layer_input": 16,
+        "vocab_size_per_layer_input": TINY_LLM["vocab_size"]}, ("Gemma4UnifiedTextAttention",)),
     # interleaved pairs turned by the tables' first half, behind a Llama-like attention forward
     # (GLM-4: over half the head)
     "ernie4_5": ("Ernie4_5Config", {}, ("Ernie4_5Attention", "Ernie4_5DecoderLayer")),

@@ -1097,8 +1097,14 @@ _SHARED_KV_ATTENTION = {   # class -> (forward parameters, fused forward)
 }
 
 
-def _shared_kv_attention_patch(module) -> Tuple[Optional[Callable], str]:
-    params, forward = _SHARED_KV_ATTENTION[type(module).__name__]
+_SHARED_KV_REFERENCES = (("gemma4", "Gemma4TextAttention"), ("gemma3n", "Gemma3nTextAttention"))
+
+
+def _shared_kv_attention_patch(module, reference: Optional[str] = None
+                               ) -> Tuple[Optional[Callable], str]:
+    """The fused forward of a shared-KV attention class, or of one whose forward reads as
+    ``reference``'s (Gemma 4 Unified's as Gemma 4's)."""
+    params, forward = _SHARED_KV_ATTENTION[reference or type(module).__name__]
     if _params(type(module).forward) != params:
         return None, "forward signature differs from the supported transformers versions"
     q_style = norm_style(module.q_norm)
@@ -1760,6 +1766,9 @@ def _classify(module) -> Tuple[Optional[Callable], str, bool]:
         elif _forward_reads_as(type(module), _MLA_REFERENCE):
             fn, what = _mla_attention_patch(module)
             what += f" (forward as {_MLA_REFERENCE[0][1]}'s)" if fn is not None else ""
+        elif (reference := _forward_reads_as(type(module), _SHARED_KV_REFERENCES)) is not None:
+            fn, what = _shared_kv_attention_patch(module, reference)
+            what += f" (forward as {reference}'s)" if fn is not None else ""
         else:
             fn, what = _attention_patch(module)
         return fn, what, True
