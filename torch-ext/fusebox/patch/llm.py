@@ -558,8 +558,9 @@ class AttentionSpec(NamedTuple):
     extra: Tuple[Tuple[str, str], ...] = ()
     # q_norm / k_norm span all heads of a token, applied to the projections (OLMo-2)
     qk_norm_across: bool = False
-    # the layer rotates q and k only where this attribute is true (SmolLM3's NoPE layers)
-    rope_flag: Optional[str] = None
+    # the layer rotates q and k only where one of these attributes is true (SmolLM3's NoPE
+    # layers; Cohere2's sliding layers, and Cohere2-MoE's where force_rope is set)
+    rope_flag: Optional[Tuple[str, ...]] = None
     # q, k and v are column ranges of one projection, qkv_proj (Phi-3): read where it writes them
     fused_qkv: bool = False
     # the q/k norms exist only where this attribute is true (GLM-4.5's use_qk_norm)
@@ -628,6 +629,7 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "Olmo2Attention": AttentionSpec(qk_norm=True, qk_norm_across=True),
     "MiniMaxM2Attention": AttentionSpec(qk_norm=True, qk_norm_across=True),
     "ApertusAttention": AttentionSpec(qk_norm=True),
+    "HYV3Attention": AttentionSpec(qk_norm=True),            # (Apertus's forward)
     "NemotronAttention": _LLAMA_ATTENTION,   # (its apply_rotary_pos_emb takes partial tables)
     "HunYuanDenseV1Attention": AttentionSpec(post_rope_norms=("query_layernorm",
                                                               "key_layernorm")),
@@ -638,7 +640,7 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "Starcoder2Attention": AttentionSpec(extra=_CONFIG_SLIDING, out_dropout="residual_dropout"),
     "SeedOssAttention": AttentionSpec(out_dropout="residual_dropout"),
     "Olmo3Attention": AttentionSpec(qk_norm=True, qk_norm_across=True, extra=_SLIDING),
-    "SmolLM3Attention": AttentionSpec(extra=_SLIDING, rope_flag="use_rope"),
+    "SmolLM3Attention": AttentionSpec(extra=_SLIDING, rope_flag=("use_rope",)),
     "Glm4MoeAttention": AttentionSpec(qk_norm=True, qk_norm_flag="use_qk_norm"),
     "Phi3Attention": AttentionSpec(fused_qkv=True, extra=_CONFIG_SLIDING),
     "PhiAttention": AttentionSpec(rotary_width="rotary_ndims", qk_norm_modules_flag="qk_layernorm",
@@ -648,9 +650,12 @@ ATTENTION: Dict[str, AttentionSpec] = {
         extra=_SLIDING + (("softcap", "attn_logit_softcapping"),)),
     "Gemma3Attention": AttentionSpec(qk_norm=True, extra=_SLIDING),
     "Exaone4Attention": AttentionSpec(qk_norm=True, hybrid_nope=True),
+    "ExaoneMoeAttention": AttentionSpec(qk_norm=True, hybrid_nope=True),   # (EXAONE 4's)
     "CohereAttention": AttentionSpec(qk_norm_modules_flag="use_qk_norm"),
     # (Command R7B, A: rotary on the sliding-window layers only)
-    "Cohere2Attention": AttentionSpec(rope_flag="sliding_window", extra=_SLIDING),
+    "Cohere2Attention": AttentionSpec(rope_flag=("sliding_window",), extra=_SLIDING),
+    "Cohere2MoeAttention": AttentionSpec(rope_flag=("sliding_window", "force_rope"),
+                                         extra=_SLIDING),
     "Lfm2Attention": AttentionSpec(qk_norm=True, qk_norm_names=("q_layernorm", "k_layernorm"),
                                    out_proj="out_proj"),
     "Qwen3NextAttention": AttentionSpec(qk_norm=True, gated_output=True),
@@ -792,7 +797,7 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
         if qk_norm_modules_flag is not None and getattr(self, qk_norm_modules_flag):
             query = getattr(self, q_norm_name)(query)
             key = getattr(self, k_norm_name)(key)
-        rotate = rope_flag is None or getattr(self, rope_flag)
+        rotate = rope_flag is None or any(getattr(self, flag) for flag in rope_flag)
         if hybrid_nope:
             rotate = self.sliding_window is None or self.is_sliding
             kwargs["sliding_window"] = self.sliding_window if self.is_sliding else None
