@@ -467,7 +467,7 @@ LAYER_NORM_LLMS = {
     "starcoder2": ("Starcoder2Config", dict(residual_dropout=0.1), 5,
                    "c_fc with gelu_tanh in its GEMM epilogue (CUDA)", "rope"),
     "gptj": ("GPTJConfig", dict(n_embd=64, n_layer=2, n_head=4, rotary_dim=8, n_positions=64), 3,
-             "fc_in with gelu_tanh in its GEMM epilogue (CUDA)", None),
+             "fc_in with gelu_tanh in its GEMM epilogue (CUDA)", "rope"),
     "opt": ("OPTConfig", dict(ffn_dim=128, word_embed_proj_dim=64), 5, None, None),
 }
 
@@ -1187,7 +1187,8 @@ COMPILED_OPS = {"llama": {"rms_norm", "rotary", "gated_act"},
                 "qwen3_5_text": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm"},
                 "deepseek_v3": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm"},
                 "deepseek_v2": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm"},
-                "gemma3n_text": {"rms_norm", "rotary", "act"}}
+                "gemma3n_text": {"rms_norm", "rotary", "act"},
+                "gptj": {"layer_norm", "act", "rotary"}}
 
 
 @pytest.mark.parametrize("family", list(COMPILED_OPS))

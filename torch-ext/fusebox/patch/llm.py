@@ -3,8 +3,8 @@ Qwen2-MoE, Qwen3, Qwen3-MoE, Qwen3-Next, Qwen3.5 and its MoE, GLM-4.5, GPT-OSS, 
 OLMo-2, OLMo-3, SmolLM3, Phi-3/4, Gemma, Gemma2, Gemma3 text, Gemma 3n and Gemma 4 text,
 Llama 4 text, StarCoder2, Seed-OSS, Apertus, LFM2, EXAONE 4, MiniMax-M2, HunYuan, Nemotron,
 DeepSeek-V2/V3, MiniCPM3, Falcon, and the classes of other families whose forwards read as
-these; the partial rotary of Phi, GPT-NeoX, StableLM and Persimmon; the LayerNorms, plain MLPs
-and activations of every other) on fusebox.
+these; the partial rotary of Phi, GPT-NeoX, StableLM, Persimmon and GPT-J; the LayerNorms,
+plain MLPs and activations of every other) on fusebox.
 
 What is replaced, module by module (every other module keeps its forward):
 
@@ -42,9 +42,9 @@ What is replaced, module by module (every other module keeps its forward):
   the projection then one ``activation`` pass;
 - activation modules outside such an MLP or a gated one (``NewGELU``, ``FastGELU``,
   ``GELUTanh``, exact ``GELU``, ``SiLU``) -> one ``activation`` pass;
-- Phi, GPT-NeoX (Pythia), StableLM and Persimmon: the rotary of the first ``rotary_ndims``
-  channels of each head (the model slices, rotates and concatenates back) -> one ``rope`` that
-  passes the other channels through; GPT-NeoX's and Persimmon's q and k read in place from their
+- Phi, GPT-NeoX (Pythia), StableLM, Persimmon and GPT-J (interleaved pairs): the rotary of the
+  first ``rotary_ndims`` (GPT-J: ``rotary_dim``) channels of each head (the model slices,
+  rotates and concatenates back) -> one ``rope`` that passes the other channels through; GPT-NeoX's and Persimmon's q and k read in place from their
   fused QKV projections, the models' optional per-head q/k LayerNorms run first;
 - the families whose attention differs from Llama's in a detail the fused forward applies (see
   ``AttentionSpec``), Gemma 4 text (its q/k norms, rotary and shared keys and values; its
@@ -1361,6 +1361,64 @@ def _make_legacy_rotary_attention_forward(fused_qkv: bool, out_proj: str,
     return forward
 
 
+_GPTJ_ATTENTION_PARAMS = ("self", "hidden_states", "layer_past", "attention_mask", "position_ids",
+                          "use_cache", "output_attentions", "kwargs")
+
+
+@functools.lru_cache(maxsize=None)
+def _every_two_rotary_ok(module_name: str) -> bool:
+    """Whether GPT-J's ``apply_rotary_pos_emb(tensor, sin, cos)`` (q or k ``[B, S, H, R]``,
+    tables of half the width) turns interleaved pairs, each by its table entry (a probe)."""
+    fn = getattr(sys.modules[module_name], "apply_rotary_pos_emb", None)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 3, 2, 8, generator=gen)
+    sin, cos = (torch.randn(1, 3, 4, generator=gen) for _ in range(2))
+    try:
+        out = fn(x, sin, cos)
+    except Exception:  # noqa: BLE001 - any failure means "not this form"
+        return False
+    c, s = rotary_tables("interleaved", cos, sin, half_tables=True)
+    return torch.allclose(out, turned(x, c[:, :, None], s[:, :, None], True))
+
+
+def _gptj_attention_patch(module) -> Tuple[Optional[Callable], str]:
+    if _params(type(module).forward) != _GPTJ_ATTENTION_PARAMS:
+        return None, "forward signature differs from the supported transformers versions"
+    if module.rotary_dim is None:
+        return None, "rotary over the whole embedding (no rotary_dim): the model's tables"
+    if not _every_two_rotary_ok(type(module).__module__):
+        return None, "apply_rotary_pos_emb is none of the rotations fusebox runs"
+    return _gptj_attention_forward, "rope"
+
+
+def _gptj_attention_forward(self, hidden_states, layer_past=None, attention_mask=None,
+                            position_ids=None, use_cache=False, output_attentions=False,
+                            **kwargs):
+    """GPT-J's attention: the interleaved rotary of the first ``rotary_dim`` channels of q and k
+    (the model slices, rotates with pairs stacked and flattened, and concatenates back: about
+    twenty kernels a layer) as one ``rope`` from its sin/cos table rows, in the activations'
+    dtype as the model rounds them; the rest as the model writes it."""
+    if position_ids is None or not _fusable(hidden_states, self.q_proj.weight):
+        return original_forward(self)(hidden_states, layer_past, attention_mask, position_ids,
+                                      use_cache, output_attentions, **kwargs)
+    heads, head_dim = self.num_attention_heads, self.head_dim
+    query = self._split_heads(self.q_proj(hidden_states), heads, head_dim, True)   # [B, S, H, D]
+    key = self._split_heads(self.k_proj(hidden_states), heads, head_dim, True)
+    value = self._split_heads(self.v_proj(hidden_states), heads, head_dim, False)
+    table = self.embed_positions
+    if table.device != position_ids.device:     # (moved and kept, as the model does)
+        table = self.embed_positions = table.to(position_ids.device)
+    sin, cos = table[position_ids].to(key.dtype).chunk(2, dim=-1)
+    cos, sin = rotary_tables("interleaved", cos, sin, half_tables=True)
+    query, key = F.rope(query, key, cos, sin, interleaved=True)   # channels past R pass through
+    query, key = query.permute(0, 2, 1, 3), key.permute(0, 2, 1, 3)
+    if layer_past is not None:
+        key, value = layer_past.update(key, value, self.layer_idx)
+    attn_output, attn_weights = self._attn(query, key, value, attention_mask)
+    attn_output = self._merge_heads(attn_output, heads, head_dim)
+    return self.resid_dropout(self.out_proj(attn_output)), attn_weights
+
+
 def _register_attention_interface(module_name: str, expected_form=None, form=None) -> str:
     """Records the attention interfaces of the family in ``module_name``; the reason it cannot
     be fused ("" when it can), also where its rotary (``form``: (form, half_tables), by default
@@ -1713,6 +1771,7 @@ SPECIAL_CLASSES: Dict[str, Callable[[torch.nn.Module], Tuple[Optional[Callable],
     "StableLmAttention": _sliced_rotary_patch(
         _LEGACY_ATTENTION_PARAMS,
         _make_legacy_rotary_attention_forward(False, "o_proj", pass_position_ids=True), "rope"),
+    "GPTJAttention": _gptj_attention_patch,
     "PersimmonAttention": _sliced_rotary_patch(
         _LEGACY_ATTENTION_PARAMS,
         _make_legacy_rotary_attention_forward(True, "dense", pass_position_ids=False),
