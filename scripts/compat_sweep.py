@@ -49,13 +49,18 @@ SHRUNK = dict(
     num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
     num_experts_per_token=2, moe_intermediate_size=32, shared_expert_intermediate_size=64,
     shared_intermediate_size=64, n_group=1, topk_group=1, num_expert_group=1,
-    first_k_dense_replace=1, num_dense_layers=1,
+    first_k_dense_replace=1, num_dense_layers=1, n_shared_experts=1,
     kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, rotary_dim=8,
     mamba_n_heads=8, mamba_d_head=16, mamba_headdim=16, n_mamba_heads=8, mamba_d_state=16,
     mamba_chunk_size=16, mamba_dt_rank=8, use_mamba_kernels=False,
     attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
     attn_layer_indices=[1], num_kv_shared_layers=0, vocab_size_per_layer_input=128,
     hidden_size_per_layer_input=16, laurel_rank=8)
+
+
+# Layer patterns the shrunk retry cannot read from a type's defaults (one kind only, or none)
+LAYER_PATTERNS = {"granitemoehybrid": ["mamba", "attention"],
+                  "lfm2_moe": ["conv", "full_attention"]}
 
 
 def shrunk_config(model_type: str):
@@ -78,6 +83,8 @@ def shrunk_config(model_type: str):
         derived = key not in inspect.signature(cls.__init__).parameters   # e.g. from periods
         if isinstance(kinds, (list, tuple)) and kinds and not derived:
             values[key] = (list(dict.fromkeys(kinds)) * layers)[:layers]
+    if model_type in LAYER_PATTERNS:
+        values["layer_types"] = LAYER_PATTERNS[model_type]
     try:
         return cls(**values)
     except Exception:  # noqa: BLE001 - as tiny_config: the values one by one

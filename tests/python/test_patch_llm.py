@@ -781,6 +781,9 @@ MORE_ATTENTION = {
     "hunyuan_v1_dense": ("HunYuanDenseV1Config", {"head_dim": 16}, ("HunYuanDenseV1Attention",)),
     # a short-convolution layer, then attention with q_layernorm / k_layernorm and out_proj
     "lfm2": ("Lfm2Config", {"layer_types": ["conv", "full_attention"]}, ("Lfm2Attention",)),
+    "lfm2_moe": ("Lfm2MoeConfig", {"layer_types": ["conv", "full_attention"], "num_experts": 4,
+                                   "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                                   "num_dense_layers": 1}, ("Lfm2MoeAttention",)),
     # q/k LayerNorms of a weight row per head, called as they are, then the interleaved rotary
     "cohere": ("CohereConfig", {"use_qk_norm": True}, ("CohereAttention",)),
     # Command R7B / A: rotary on the sliding layer, none on the global one

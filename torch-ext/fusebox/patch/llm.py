@@ -611,6 +611,8 @@ _LLAMA_ATTENTION = AttentionSpec()
 _MISTRAL_ATTENTION = AttentionSpec(extra=_CONFIG_SLIDING)
 _QWEN2_ATTENTION = AttentionSpec(extra=_SLIDING)
 _QWEN3_ATTENTION = AttentionSpec(qk_norm=True, extra=_SLIDING)
+_LFM2_ATTENTION = AttentionSpec(qk_norm=True, qk_norm_names=("q_layernorm", "k_layernorm"),
+                                out_proj="out_proj")
 
 # The attention classes fused, by name (their forward signature and rotary formula are checked
 # too). The MoE families' attention reads as their dense family's, word for word.
@@ -656,8 +658,8 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "Cohere2Attention": AttentionSpec(rope_flag=("sliding_window",), extra=_SLIDING),
     "Cohere2MoeAttention": AttentionSpec(rope_flag=("sliding_window", "force_rope"),
                                          extra=_SLIDING),
-    "Lfm2Attention": AttentionSpec(qk_norm=True, qk_norm_names=("q_layernorm", "k_layernorm"),
-                                   out_proj="out_proj"),
+    "Lfm2Attention": _LFM2_ATTENTION,
+    "Lfm2MoeAttention": _LFM2_ATTENTION,
     "Qwen3NextAttention": AttentionSpec(qk_norm=True, gated_output=True),
     "Qwen3_5Attention": AttentionSpec(qk_norm=True, gated_output=True),
     "Qwen3_5MoeAttention": AttentionSpec(qk_norm=True, gated_output=True),
