@@ -810,6 +810,10 @@ MORE_ATTENTION = {
                    ("ExaoneMoeAttention",)),
     "hy_v3": ("HYV3Config", {"num_experts": 4, "num_experts_per_tok": 2,
                              "moe_intermediate_size": 32}, ("HYV3Attention",)),
+    # Falcon-H1's attention (beside its Mamba mixer): the keys scaled before the rotary
+    "falcon_h1": ("FalconH1Config", {"key_multiplier": 0.5, "mamba_d_ssm": 64, "mamba_n_heads": 8,
+                                     "mamba_d_head": 8, "mamba_d_state": 16,
+                                     "mamba_chunk_size": 16}, ("FalconH1Attention",)),
     "olmo": ("OlmoConfig", {}, ("OlmoAttention",)),
     "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2},
               ("OlmoeAttention", "OlmoeDecoderLayer")),

@@ -591,6 +591,8 @@ class AttentionSpec(NamedTuple):
     # q scaled by position after the rotary, by the module's get_llama_4_attn_scale with the
     # config's llama_4_scaling_beta (Ministral 3); the forward takes position_ids
     position_scale: bool = False
+    # the attribute by which the key projection is multiplied before the rotary (Falcon-H1)
+    key_multiplier: Optional[str] = None
 
 
 def _split_extra(extra: Tuple[Tuple[str, str], ...]) -> Tuple[Tuple[str, str, str], ...]:
@@ -660,6 +662,7 @@ ATTENTION: Dict[str, AttentionSpec] = {
                                          extra=_SLIDING),
     "Lfm2Attention": _LFM2_ATTENTION,
     "Lfm2MoeAttention": _LFM2_ATTENTION,
+    "FalconH1Attention": AttentionSpec(key_multiplier="key_multiplier"),
     "Qwen3NextAttention": AttentionSpec(qk_norm=True, gated_output=True),
     "Qwen3_5Attention": AttentionSpec(qk_norm=True, gated_output=True),
     "Qwen3_5MoeAttention": AttentionSpec(qk_norm=True, gated_output=True),
@@ -754,6 +757,7 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
         spec.rotary_width, spec.qk_norm_modules_flag, spec.out_proj, spec.out_dropout,
         spec.post_rope_norms, spec.gated_output)
     hybrid_nope, (q_norm_name, k_norm_name) = spec.hybrid_nope, spec.qk_norm_names
+    key_multiplier = spec.key_multiplier
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
@@ -796,6 +800,8 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
                 query = self.q_proj(hidden_states).view(hidden_shape)
             key = self.k_proj(hidden_states).view(hidden_shape)
             value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+        if key_multiplier is not None:
+            key = key * getattr(self, key_multiplier)
         if qk_norm_modules_flag is not None and getattr(self, qk_norm_modules_flag):
             query = getattr(self, q_norm_name)(query)
             key = getattr(self, k_norm_name)(key)
