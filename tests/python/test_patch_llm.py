@@ -814,6 +814,8 @@ MORE_ATTENTION = {
     "falcon_h1": ("FalconH1Config", {"key_multiplier": 0.5, "mamba_d_ssm": 64, "mamba_n_heads": 8,
                                      "mamba_d_head": 8, "mamba_d_state": 16,
                                      "mamba_chunk_size": 16}, ("FalconH1Attention",)),
+    # BitNet: the attention output normed (attn_sub_norm) before its projection
+    "bitnet": ("BitNetConfig", {}, ("BitNetAttention",)),
     "olmo": ("OlmoConfig", {}, ("OlmoAttention",)),
     "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2},
               ("OlmoeAttention", "OlmoeDecoderLayer")),

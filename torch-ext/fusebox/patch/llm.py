@@ -593,6 +593,9 @@ class AttentionSpec(NamedTuple):
     position_scale: bool = False
     # the attribute by which the key projection is multiplied before the rotary (Falcon-H1)
     key_multiplier: Optional[str] = None
+    # a norm module applied to the attention output before the output projection (BitNet's
+    # attn_sub_norm)
+    out_norm: Optional[str] = None
 
 
 def _split_extra(extra: Tuple[Tuple[str, str], ...]) -> Tuple[Tuple[str, str, str], ...]:
@@ -663,6 +666,7 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "Lfm2Attention": _LFM2_ATTENTION,
     "Lfm2MoeAttention": _LFM2_ATTENTION,
     "FalconH1Attention": AttentionSpec(key_multiplier="key_multiplier"),
+    "BitNetAttention": AttentionSpec(out_norm="attn_sub_norm"),
     "Qwen3NextAttention": AttentionSpec(qk_norm=True, gated_output=True),
     "Qwen3_5Attention": AttentionSpec(qk_norm=True, gated_output=True),
     "Qwen3_5MoeAttention": AttentionSpec(qk_norm=True, gated_output=True),
@@ -757,7 +761,7 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
         spec.rotary_width, spec.qk_norm_modules_flag, spec.out_proj, spec.out_dropout,
         spec.post_rope_norms, spec.gated_output)
     hybrid_nope, (q_norm_name, k_norm_name) = spec.hybrid_nope, spec.qk_norm_names
-    key_multiplier = spec.key_multiplier
+    key_multiplier, out_norm = spec.key_multiplier, spec.out_norm
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
@@ -853,6 +857,8 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
         attn_output = attn_output.reshape(*input_shape, -1).contiguous()
         if gated_output:
             attn_output = attn_output * torch.sigmoid(gate)
+        if out_norm is not None:
+            attn_output = getattr(self, out_norm)(attn_output)
         return getattr(self, out_proj)(attn_output), attn_weights
 
     if position_scale is None:
