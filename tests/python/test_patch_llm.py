@@ -816,6 +816,10 @@ MORE_ATTENTION = {
                                      "mamba_chunk_size": 16}, ("FalconH1Attention",)),
     # BitNet: the attention output normed (attn_sub_norm) before its projection
     "bitnet": ("BitNetConfig", {}, ("BitNetAttention",)),
+    # attention sinks, a sliding layer with its rotary, a global one without (no position
+    # embeddings reach it: the model's forward runs)
+    "granite_swa": ("GraniteSWAConfig", {"layer_rope_theta": [10000.0, 0.0], "sliding_window": 8},
+                    ("GraniteSWAAttention",)),
     "olmo": ("OlmoConfig", {}, ("OlmoAttention",)),
     "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2},
               ("OlmoeAttention", "OlmoeDecoderLayer")),

@@ -616,6 +616,7 @@ _LLAMA_ATTENTION = AttentionSpec()
 _MISTRAL_ATTENTION = AttentionSpec(extra=_CONFIG_SLIDING)
 _QWEN2_ATTENTION = AttentionSpec(extra=_SLIDING)
 _QWEN3_ATTENTION = AttentionSpec(qk_norm=True, extra=_SLIDING)
+_SINKS_ATTENTION = AttentionSpec(extra=_SLIDING + (("s_aux", "sinks"),))
 _LFM2_ATTENTION = AttentionSpec(qk_norm=True, qk_norm_names=("q_layernorm", "k_layernorm"),
                                 out_proj="out_proj")
 
@@ -632,7 +633,7 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "Ministral3Attention": AttentionSpec(extra=_CONFIG_SLIDING, position_scale=True),
     "Qwen3Attention": _QWEN3_ATTENTION,
     "Qwen3MoeAttention": _QWEN3_ATTENTION,
-    "GptOssAttention": AttentionSpec(extra=_SLIDING + (("s_aux", "sinks"),)),
+    "GptOssAttention": _SINKS_ATTENTION,
     "Olmo2Attention": AttentionSpec(qk_norm=True, qk_norm_across=True),
     "MiniMaxM2Attention": AttentionSpec(qk_norm=True, qk_norm_across=True),
     "ApertusAttention": AttentionSpec(qk_norm=True),
@@ -667,6 +668,9 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "Lfm2MoeAttention": _LFM2_ATTENTION,
     "FalconH1Attention": AttentionSpec(key_multiplier="key_multiplier"),
     "BitNetAttention": AttentionSpec(out_norm="attn_sub_norm"),
+    # (no rotary where the layer gets no position embeddings: its forward's own code)
+    "GraniteSWAAttention": _SINKS_ATTENTION,
+    "GraniteMoeSWAAttention": _SINKS_ATTENTION,
     "Qwen3NextAttention": AttentionSpec(qk_norm=True, gated_output=True),
     "Qwen3_5Attention": AttentionSpec(qk_norm=True, gated_output=True),
     "Qwen3_5MoeAttention": AttentionSpec(qk_norm=True, gated_output=True),
@@ -765,6 +769,9 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
+        if position_embeddings is None:   # (a layer without rotary: Granite SWA's global ones)
+            return original_forward(self)(hidden_states, position_embeddings, attention_mask,
+                                          past_key_values=past_key_values, **kwargs)
         cos, sin = position_embeddings
         projection = self.qkv_proj if fused_qkv else self.q_proj
         # transformers rotates in the dtype of q*cos: the fused op writes q's dtype, which is
