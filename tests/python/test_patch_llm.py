@@ -941,31 +941,6 @@ def tiny_gemma4(device="cpu"):
     return model.to(device)
 
 
-@pytest.mark.parametrize("device", DEVICES)
-def test_gemma4_text(device):
-    """Gemma 4: its RMSNorms (weightless v_norm included) as rms_norm, q and k normed and
-    rotated per head in one launch (q alone in the layers that share keys and values), the
-    layers' residual adds with their norms; fp32 logits as unpatched, bf16 within the bf16
-    spread, greedy tokens unchanged."""
-    model = tiny_gemma4(device)
-    ids = token_ids(device=device)
-    ref = logits(model, ids)
-    model16 = copy.deepcopy(model).to(torch.bfloat16)
-    err_unpatched = rel_err(logits(model16, ids), ref)
-    patched = fusebox.patch(model).summary()["patched"]
-    assert patched["Gemma4TextAttention: qk_norm_rope"] == 4
-    assert patched["Gemma4RMSNorm: rms_norm (no weight)"] == 2      # the two layers' v_norm
-    assert patched["Gemma4TextDecoderLayer: fused_add_rms_norm (attention residual + "
-                   "pre_feedforward_layernorm), rms_norm_add (post_feedforward_layernorm + "
-                   "residual and post_per_layer_input_norm + residual)"] == 4
-    with FuseboxOps() as ops:
-        out = logits(model, ids)
-    assert ops.calls["rotary"] == 4 and ops.calls["gated_act"] == 4, ops.calls
-    assert ops.calls["fused_add_rms_norm"] == 4 and ops.calls["rms_norm_add"] == 8, ops.calls
-    assert rel_err(out, ref) < 1e-5
-    assert_bf16_and_greedy_as_unpatched(model, model16, ref, err_unpatched, ids)
-
-
 def tiny_gemma3n(device="cpu"):
     """Gemma 3n text, 4 layers: sliding and full layers, the last two reusing the keys and
     values of the first two, AltUp and LAuReL blocks, per-layer inputs, activation sparsity on
@@ -978,23 +953,42 @@ def tiny_gemma3n(device="cpu"):
     return vectors_off_init(causal_lm(config)).to(device)
 
 
+# Gemma 4 and Gemma 3n (text): (tiny model, entries of the patch summary, fusebox operator calls
+# of a forward)
+SHARED_KV_MODELS = {
+    "gemma4_text": (tiny_gemma4, {
+        "Gemma4TextAttention: qk_norm_rope": 4,
+        "Gemma4RMSNorm: rms_norm (no weight)": 2,       # the two layers' v_norm
+        "Gemma4TextDecoderLayer: fused_add_rms_norm (attention residual + "
+        "pre_feedforward_layernorm), rms_norm_add (post_feedforward_layernorm + residual and "
+        "post_per_layer_input_norm + residual)": 4},
+        {"rotary": 4, "gated_act": 4, "fused_add_rms_norm": 4, "rms_norm_add": 8}),
+    "gemma3n_text": (tiny_gemma3n, {
+        "Gemma3nTextAttention: qk_norm_rope": 4,
+        "Gemma3nRMSNorm: rms_norm (no weight)": 2},
+        {"rotary": 4}),
+}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_gemma3n_text(device):
-    """Gemma 3n: q and k normed and rotated per head in one launch, q alone in the layers that
-    read an earlier layer's keys and values (by its index, where Gemma 4 keys them by layer
-    type); its RMSNorms as rms_norm; fp32 logits as unpatched, bf16 within the bf16 spread,
-    greedy tokens unchanged."""
-    model = tiny_gemma3n(device)
+@pytest.mark.parametrize("family", list(SHARED_KV_MODELS))
+def test_shared_kv_models(family, device):
+    """Gemma 4 and Gemma 3n: their RMSNorms (the weightless v_norm included) as rms_norm, q and
+    k normed and rotated per head in one launch (q alone in the layers that reuse an earlier
+    layer's keys and values, found by layer type in Gemma 4, by layer index in Gemma 3n); Gemma
+    4's layer residual adds with their norms; fp32 logits as unpatched, bf16 within the bf16
+    spread, greedy tokens unchanged."""
+    build_tiny, entries, calls = SHARED_KV_MODELS[family]
+    model = build_tiny(device)
     ids = token_ids(device=device)
     ref = logits(model, ids)
     model16 = copy.deepcopy(model).to(torch.bfloat16)
     err_unpatched = rel_err(logits(model16, ids), ref)
     patched = fusebox.patch(model).summary()["patched"]
-    assert patched["Gemma3nTextAttention: qk_norm_rope"] == 4
-    assert patched["Gemma3nRMSNorm: rms_norm (no weight)"] == 2      # the two layers' v_norm
+    assert {k: patched.get(k) for k in entries} == entries, patched
     with FuseboxOps() as ops:
         out = logits(model, ids)
-    assert ops.calls["rotary"] == 4, ops.calls
+    assert {k: ops.calls[k] for k in calls} == calls, ops.calls
     assert rel_err(out, ref) < 1e-5
     assert_bf16_and_greedy_as_unpatched(model, model16, ref, err_unpatched, ids)
 
