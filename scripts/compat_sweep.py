@@ -1,9 +1,11 @@
 """Runs ``fusebox.patch`` over every causal-LM architecture of the installed transformers: each
 model type is built tiny with random weights (2 layers, width 64), run, patched and run again
-on the same tokens, in fp32 on the CPU. Prints one line per model type: OK (logits within
-1e-4 of unpatched) with what was fused, untouched (nothing recognized), MISMATCH, FAIL (the
-patched model raised), or skip (too large at the tiny settings, or the unpatched model itself
-does not run with them).
+on the same tokens, in fp32 on the CPU. A type that is too large at the tiny settings, or does
+not run with them, is tried again with its expert, latent-attention, state-space, per-layer-input
+and layer-pattern sizes shrunk (SHRUNK, LAYER_PATTERNS; "(shrunk config)" on its line). Prints
+one line per model type: OK (logits within 1e-4 of unpatched) with what was fused, untouched
+(nothing recognized), MISMATCH, FAIL (the patched model raised), or skip (neither config
+builds and runs).
 Exits 1 on any MISMATCH or FAIL.
 
     PYTHONPATH=torch-ext python scripts/compat_sweep.py [model_type ...] [--max-params 30e6]
