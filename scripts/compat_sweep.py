@@ -2,7 +2,8 @@
 model type is built tiny with random weights (2 layers, width 64), run, patched and run again
 on the same tokens, in fp32 on the CPU. A type that is too large at the tiny settings, or does
 not run with them, is tried again with its expert, latent-attention, state-space, per-layer-input
-and layer-pattern sizes shrunk (SHRUNK, LAYER_PATTERNS; "(shrunk config)" on its line). Prints
+and layer-pattern sizes shrunk (SHRUNK, LAYER_PATTERNS; "(shrunk config)" on its line), and a
+text + vision model once more with that text part and a one-layer vision tower. Prints
 one line per model type: OK (logits within 1e-4 of unpatched) with what was fused, untouched
 (nothing recognized), MISMATCH, FAIL (the patched model raised), or skip (neither config
 builds and runs).
@@ -99,6 +100,30 @@ def shrunk_config(model_type: str):
         return config
 
 
+# The vision tower of a text + vision model for the third try: one 32-wide layer on 28-pixel
+# images (each key only where the vision config reads it)
+VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+              image_size=28, patch_size=14, depth=1, num_heads=2, out_hidden_size=64,
+              embed_dim=32)
+
+
+def multimodal_config(model_type: str):
+    """A text + vision model (Gemma 3, Mllama...) with its text part as ``shrunk_config`` builds
+    the text model type and a one-layer vision tower: the tokens-only forward runs the text
+    model, the patch reaches the vision tower's modules too."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    defaults = cls()
+    text = getattr(defaults, "text_config", None)
+    if text is None or getattr(defaults, "vision_config", None) is None:
+        raise ValueError(f"{model_type} has no text and vision configs")
+    return cls(text_config=shrunk_config(text.model_type).to_dict(), vision_config=VISION)
+
+
+CONFIG_LABELS = {"shrunk_config": " (shrunk config)", "multimodal_config": " (text + tiny vision)"}
+
+
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)).item()
 
@@ -107,13 +132,13 @@ def sweep_one(model_type: str, max_params: float) -> str:
     import fusebox
 
     built = None
-    for make in (tiny_config, shrunk_config):
+    for make in (tiny_config, shrunk_config, multimodal_config):
         built = build_tiny(make, model_type, max_params)
         if not isinstance(built, str):
             break
     if isinstance(built, str):
         return built
-    model, ids, ref, shrunk = built
+    model, ids, ref, label = built
     try:
         report = fusebox.patch(model)
         with torch.no_grad():
@@ -127,12 +152,12 @@ def sweep_one(model_type: str, max_params: float) -> str:
     if report.num_patched == 0:
         return "untouched: no module fusebox recognizes"
     fused = sorted({e.kind for e in report.patched})
-    return (f"OK rel err {err:.1e}, {report.num_patched} modules{' (shrunk config)' if shrunk else ''}: "
-            f"{', '.join(fused)}")
+    return f"OK rel err {err:.1e}, {report.num_patched} modules{label}: {', '.join(fused)}"
 
 
 def build_tiny(make, model_type: str, max_params: float):
-    """(model, tokens, unpatched logits, shrunk?) of ``make``'s config, or the skip line."""
+    """(model, tokens, unpatched logits, the config's label) of ``make``'s config, or the skip
+    line."""
     import transformers
 
     try:
@@ -154,7 +179,7 @@ def build_tiny(make, model_type: str, max_params: float):
             ref = model(ids).logits
     except Exception as e:  # noqa: BLE001
         return f"skip: the unpatched model does not run ({type(e).__name__})"
-    return model, ids, ref, make is shrunk_config
+    return model, ids, ref, CONFIG_LABELS.get(make.__name__, "")
 
 
 def main() -> int:
