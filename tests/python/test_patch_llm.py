@@ -993,6 +993,29 @@ def test_shared_kv_models(family, device):
     assert_bf16_and_greedy_as_unpatched(model, model16, ref, err_unpatched, ids)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_mllama_text_self_attention(device):
+    """Llama 3.2 Vision's text model: its self-attention (attention mask before the position
+    embeddings in its signature) with the rotary as rope; the cross-attention layer between,
+    skipped without an image, keeps its code; fp32 logits as unpatched, bf16 within the bf16
+    spread, greedy tokens unchanged."""
+    config = transformers.MllamaTextConfig(**{**_TINY_BASE, "num_hidden_layers": 3,
+                                              "cross_attention_layers": [1]})
+    torch.manual_seed(0)
+    model = vectors_off_init(transformers.MllamaForCausalLM(config).eval()).to(device)
+    ids = token_ids(device=device)
+    ref = logits(model, ids)
+    model16 = copy.deepcopy(model).to(torch.bfloat16)
+    err_unpatched = rel_err(logits(model16, ids), ref)
+    patched = fusebox.patch(model).summary()["patched"]
+    assert patched["MllamaTextSelfAttention: rope"] == 2, patched
+    with FuseboxOps() as ops:
+        out = logits(model, ids)
+    assert ops.calls["rotary"] == 2, ops.calls
+    assert rel_err(out, ref) < 1e-5
+    assert_bf16_and_greedy_as_unpatched(model, model16, ref, err_unpatched, ids)
+
+
 def tiny_qwen3_5(device="cpu", moe=False):
     """Qwen3.5 text, 4 layers: linear attention, then gated self-attention (q and an output gate
     from one projection, per-head (1 + w) q/k norms, rotary on a quarter of the head), twice;

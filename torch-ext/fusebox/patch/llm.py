@@ -596,6 +596,10 @@ class AttentionSpec(NamedTuple):
     # a norm module applied to the attention output before the output projection (BitNet's
     # attn_sub_norm)
     out_norm: Optional[str] = None
+    # the forward takes attention_mask before position_embeddings (Mllama's text self-attention)
+    mask_first: bool = False
+    # the attribute holding the attention dropout probability (Mllama: dropout)
+    dropout_attr: str = "attention_dropout"
 
 
 def _split_extra(extra: Tuple[Tuple[str, str], ...]) -> Tuple[Tuple[str, str, str], ...]:
@@ -668,6 +672,7 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "Lfm2MoeAttention": _LFM2_ATTENTION,
     "FalconH1Attention": AttentionSpec(key_multiplier="key_multiplier"),
     "BitNetAttention": AttentionSpec(out_norm="attn_sub_norm"),
+    "MllamaTextSelfAttention": AttentionSpec(mask_first=True, dropout_attr="dropout"),
     # (no rotary where the layer gets no position embeddings: its forward's own code)
     "GraniteSWAAttention": _SINKS_ATTENTION,
     "GraniteMoeSWAAttention": _SINKS_ATTENTION,
@@ -677,6 +682,8 @@ ATTENTION: Dict[str, AttentionSpec] = {
 }
 _ATTENTION_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_mask",
                      "past_key_values", "kwargs")
+_MASK_FIRST_PARAMS = ("self", "hidden_states", "attention_mask", "position_embeddings",
+                      "past_key_values", "kwargs")
 _POSITION_SCALE_PARAMS = ("self", "hidden_states", "position_embeddings", "attention_mask",
                           "position_ids", "past_key_values", "kwargs")
 # (transformers' attention registry, the module's eager_attention_forward) by the module name of
@@ -765,13 +772,13 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
         spec.rotary_width, spec.qk_norm_modules_flag, spec.out_proj, spec.out_dropout,
         spec.post_rope_norms, spec.gated_output)
     hybrid_nope, (q_norm_name, k_norm_name) = spec.hybrid_nope, spec.qk_norm_names
-    key_multiplier, out_norm = spec.key_multiplier, spec.out_norm
+    key_multiplier, out_norm, dropout_attr = spec.key_multiplier, spec.out_norm, spec.dropout_attr
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
         if position_embeddings is None:   # (a layer without rotary: Granite SWA's global ones)
-            return original_forward(self)(hidden_states, position_embeddings, attention_mask,
-                                          past_key_values=past_key_values, **kwargs)
+            return _llama_like_fallback(self, hidden_states, position_embeddings,
+                                        attention_mask, past_key_values, kwargs)
         cos, sin = position_embeddings
         projection = self.qkv_proj if fused_qkv else self.q_proj
         # transformers rotates in the dtype of q*cos: the fused op writes q's dtype, which is
@@ -783,8 +790,8 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
                 or not tables_as_model or (rotary_width is not None
                                            and cos.shape[-1] != getattr(self, rotary_width)) \
                 or (out_dropout is not None and self.training and getattr(self, out_dropout)):
-            return original_forward(self)(hidden_states, position_embeddings, attention_mask,
-                                          past_key_values=past_key_values, **kwargs)
+            return _llama_like_fallback(self, hidden_states, position_embeddings,
+                                        attention_mask, past_key_values, kwargs)
         position_ids = kwargs.pop("position_ids") if position_scale is not None else None
         if half_tables or form == "interleaved, first half":
             # (GPT-OSS: tables of half the head; GLM, Ernie: the first half's entries paired)
@@ -856,7 +863,7 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
         attn_output, attn_weights = attention_interface(
             self, query, key, value, attention_mask,
             # (LFM2's attention has no dropout)
-            dropout=0.0 if not self.training else getattr(self, "attention_dropout", 0.0),
+            dropout=0.0 if not self.training else getattr(self, dropout_attr, 0.0),
             scaling=self.scaling,
             **_extra_kwargs(self, extra),
             **kwargs,
@@ -868,15 +875,30 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
             attn_output = getattr(self, out_norm)(attn_output)
         return getattr(self, out_proj)(attn_output), attn_weights
 
+    fused = forward
+    if spec.mask_first:
+        def forward(self, hidden_states, attention_mask, position_embeddings,
+                    past_key_values=None, **kwargs):   # (the signature of the model's forward)
+            return fused(self, hidden_states, position_embeddings, attention_mask,
+                         past_key_values, **kwargs)
+        return forward
     if position_scale is None:
         return forward
-    fused = forward
 
     def forward(self, hidden_states, position_embeddings, attention_mask, position_ids,
                 past_key_values=None, **kwargs):   # (the signature of the model's forward)
         return fused(self, hidden_states, position_embeddings, attention_mask, past_key_values,
                      position_ids=position_ids, **kwargs)
     return forward
+
+
+def _llama_like_fallback(self, hidden_states, position_embeddings, attention_mask,
+                         past_key_values, kwargs):
+    """The model's own forward, its arguments by name (the parameter order differs between
+    families: Mllama's attention mask comes first)."""
+    return original_forward(self)(hidden_states, position_embeddings=position_embeddings,
+                                  attention_mask=attention_mask,
+                                  past_key_values=past_key_values, **kwargs)
 
 
 _FALCON_ATTENTION_PARAMS = ("self", "hidden_states", "alibi", "attention_mask", "position_ids",
@@ -1474,6 +1496,7 @@ def _attention_patch(module) -> Tuple[Optional[Callable], str]:
             return None, "no fused attention for this class"
         spec, reads_as = ATTENTION[reference], f" (forward as {reference}'s)"
     if _params(type(module).forward) != (_POSITION_SCALE_PARAMS if spec.position_scale
+                                         else _MASK_FIRST_PARAMS if spec.mask_first
                                          else _ATTENTION_PARAMS):
         return None, "forward signature differs from the supported transformers versions"
     position_scale = None
