@@ -1305,14 +1305,13 @@ def _latent_attention(self, hidden_states, cos, sin, interleaved: bool, deinterl
                                  [self.kv_lora_rank, self.qk_rope_head_dim], dim=-1)
     kv_pass = self.kv_a_layernorm(kv_pass).view(batch_size, 1, seq_length, self.kv_lora_rank)
     q_rot, k_rot = F.rope(q_rot, k_rot.unsqueeze(2), cos, sin, interleaved=interleaved)
-    query = q_states.new_empty(q_states.shape)
-    query[..., :self.qk_nope_head_dim].copy_(q_pass)
-    q_out = query[..., self.qk_nope_head_dim:]
     if deinterleave:
-        q_out.unflatten(-1, (2, -1)).copy_(_deinterleaved(q_rot))
+        query = q_states.new_empty(q_states.shape)
+        query[..., :self.qk_nope_head_dim].copy_(q_pass)
+        query[..., self.qk_nope_head_dim:].unflatten(-1, (2, -1)).copy_(_deinterleaved(q_rot))
         k_rot = _deinterleaved(k_rot).flatten(-2)   # (the one copy of the shared key channels)
     else:
-        q_out.copy_(q_rot)
+        query = torch.cat((q_pass, q_rot), dim=-1)
     k_rot = k_rot.transpose(1, 2)
     if cache is not None:
         kv_pass, k_rot = cache.update(kv_pass, k_rot, self.layer_idx)
@@ -1424,6 +1423,13 @@ def _every_two_rotary_ok(module_name: str) -> bool:
     return torch.allclose(out, turned(x, c[:, :, None], s[:, :, None], True))
 
 
+def _gptj_tables(table, position_ids, dtype):
+    """rope's interleaved cos and sin for GPT-J's sinusoid rows ``[sin | cos]`` at the
+    positions, rounded to the activations' dtype first as the model rounds them."""
+    sin, cos = table[position_ids].to(dtype).chunk(2, dim=-1)
+    return rotary_tables("interleaved", cos, sin, half_tables=True)
+
+
 def _gptj_attention_patch(module) -> Tuple[Optional[Callable], str]:
     if _params(type(module).forward) != _GPTJ_ATTENTION_PARAMS:
         return None, "forward signature differs from the supported transformers versions"
@@ -1451,8 +1457,10 @@ def _gptj_attention_forward(self, hidden_states, layer_past=None, attention_mask
     table = self.embed_positions
     if table.device != position_ids.device:     # (moved and kept, as the model does)
         table = self.embed_positions = table.to(position_ids.device)
-    sin, cos = table[position_ids].to(key.dtype).chunk(2, dim=-1)
-    cos, sin = rotary_tables("interleaved", cos, sin, half_tables=True)
+    # the rows of the positions, formed by the first layer of a forward for all of them (the
+    # layers' tables are the same: one sinusoid of rotary_dim, the table's width)
+    cos, sin = derived_once(position_ids, ("gptj tables", key.dtype, table.shape[-1]),
+                            lambda: _gptj_tables(table, position_ids, key.dtype))
     query, key = F.rope(query, key, cos, sin, interleaved=True)   # channels past R pass through
     query, key = query.permute(0, 2, 1, 3), key.permute(0, 2, 1, 3)
     if layer_past is not None:
