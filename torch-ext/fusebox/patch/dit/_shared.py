@@ -24,8 +24,8 @@ from diffusers.models.normalization import FP32LayerNorm, RMSNorm
 from ... import functional as fb
 # rows as the operators read them: a patch embedding's transposed output is copied once, as an
 # eager norm would copy it
-from ...functional import has_unit_stride_rows as has_contiguous_rows  # noqa: F401
-from ...functional import unit_stride_rows as rows  # noqa: F401
+from ...functional import has_unit_stride_rows as has_contiguous_rows
+from ...functional import unit_stride_rows as rows
 from .._common import (add_undo, derived_once, gemm_bias_gelu_tanh, gemm_gelu_tanh_ok, has_hooks,
                        needs_autograd, replace_forward)
 
