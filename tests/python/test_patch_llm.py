@@ -820,6 +820,12 @@ MORE_ATTENTION = {
     # embeddings reach it: the model's forward runs)
     "granite_swa": ("GraniteSWAConfig", {"layer_rope_theta": [10000.0, 0.0], "sliding_window": 8},
                     ("GraniteSWAAttention",)),
+    # values of their own head size, scaled; sinks and twice the kv heads on the sliding layer;
+    # rotary on a third of the head
+    "mimo_v2_flash": ("MiMoV2FlashConfig", {
+        "head_dim": 24, "v_head_dim": 16, "attention_value_scale": 0.5, "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"], "n_routed_experts": 4,
+        "num_experts_per_tok": 2, "moe_intermediate_size": 32}, ("MiMoV2FlashAttention",)),
     "olmo": ("OlmoConfig", {}, ("OlmoAttention",)),
     "olmoe": ("OlmoeConfig", {"num_experts": 4, "num_experts_per_tok": 2},
               ("OlmoeAttention", "OlmoeDecoderLayer")),

@@ -600,6 +600,10 @@ class AttentionSpec(NamedTuple):
     mask_first: bool = False
     # the attribute holding the attention dropout probability (Mllama: dropout)
     dropout_attr: str = "attention_dropout"
+    # values of a head size of their own (this attribute) and scaled by another attribute after
+    # the projection (MiMo-V2-Flash's v_head_dim and v_scale)
+    value_head_dim: Optional[str] = None
+    value_scale: Optional[str] = None
 
 
 def _split_extra(extra: Tuple[Tuple[str, str], ...]) -> Tuple[Tuple[str, str, str], ...]:
@@ -673,6 +677,8 @@ ATTENTION: Dict[str, AttentionSpec] = {
     "FalconH1Attention": AttentionSpec(key_multiplier="key_multiplier"),
     "BitNetAttention": AttentionSpec(out_norm="attn_sub_norm"),
     "MllamaTextSelfAttention": AttentionSpec(mask_first=True, dropout_attr="dropout"),
+    "MiMoV2FlashAttention": AttentionSpec(extra=_SINKS_ATTENTION.extra, value_head_dim="v_head_dim",
+                                          value_scale="v_scale"),
     # (no rotary where the layer gets no position embeddings: its forward's own code)
     "GraniteSWAAttention": _SINKS_ATTENTION,
     "GraniteMoeSWAAttention": _SINKS_ATTENTION,
@@ -773,6 +779,7 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
         spec.post_rope_norms, spec.gated_output)
     hybrid_nope, (q_norm_name, k_norm_name) = spec.hybrid_nope, spec.qk_norm_names
     key_multiplier, out_norm, dropout_attr = spec.key_multiplier, spec.out_norm, spec.dropout_attr
+    value_head_dim, value_scale = spec.value_head_dim, spec.value_scale
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None,
                 past_key_values=None, **kwargs):
@@ -817,7 +824,10 @@ def _make_attention_forward(spec: AttentionSpec, form: str, half_tables: bool, f
             else:
                 query = self.q_proj(hidden_states).view(hidden_shape)
             key = self.k_proj(hidden_states).view(hidden_shape)
-            value = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+            value = self.v_proj(hidden_states).view(
+                *input_shape, -1, getattr(self, value_head_dim or "head_dim")).transpose(1, 2)
+            if value_scale is not None:
+                value = value * getattr(self, value_scale)
         if key_multiplier is not None:
             key = key * getattr(self, key_multiplier)
         if qk_norm_modules_flag is not None and getattr(self, qk_norm_modules_flag):
