@@ -44,8 +44,9 @@ What is replaced, module by module (every other module keeps its forward):
   ``GELUTanh``, exact ``GELU``, ``SiLU``) -> one ``activation`` pass;
 - Phi, GPT-NeoX (Pythia), StableLM, Persimmon and GPT-J (interleaved pairs): the rotary of the
   first ``rotary_ndims`` (GPT-J: ``rotary_dim``) channels of each head (the model slices,
-  rotates and concatenates back) -> one ``rope`` that passes the other channels through; GPT-NeoX's and Persimmon's q and k read in place from their
-  fused QKV projections, the models' optional per-head q/k LayerNorms run first;
+  rotates and concatenates back) -> one ``rope`` that passes the other channels through;
+  GPT-NeoX's and Persimmon's q and k read in place from their fused QKV projections, the
+  models' optional per-head q/k LayerNorms run first;
 - the families whose attention differs from Llama's in a detail the fused forward applies (see
   ``AttentionSpec``), Gemma 4 text (its q/k norms, rotary and shared keys and values; its
   layer's residual adds with their norms), Gemma 3n text (its attention as Gemma 4's, the
@@ -82,7 +83,6 @@ import torch
 
 from .. import functional as F
 from ..layers import probe_rotary, rotary_rounds_to_input, rotary_tables
-from ..layers import _turned as turned
 from ._common import (
     add_undo,
     derived_once,
@@ -1211,19 +1211,16 @@ def _deinterleaved(x: torch.Tensor) -> torch.Tensor:
 @functools.lru_cache(maxsize=None)
 def _deinterleaving_rotary_ok(module_name: str) -> bool:
     """Whether the module's ``apply_rotary_pos_emb_interleave`` turns each pair ``(2i, 2i + 1)``
-    by the tables' first half and returns the pairs de-interleaved (a probe on the CPU, as for
-    the other families)."""
+    by the tables' first half and returns the pairs de-interleaved: its outputs, re-interleaved,
+    probe as that form."""
     fn = getattr(sys.modules[module_name], "apply_rotary_pos_emb_interleave", None)
-    gen = torch.Generator().manual_seed(0)
-    q, k = (torch.randn(1, 2, 3, 8, generator=gen) for _ in range(2))
-    cos, sin = (torch.randn(1, 3, 8, generator=gen) for _ in range(2))
-    try:
-        outs = fn(q, k, cos, sin)
-    except Exception:  # noqa: BLE001 - any failure means "not this form"
+    if fn is None:
         return False
-    c, s = (t[:, None] for t in rotary_tables("interleaved, first half", cos, sin))
-    return all(torch.allclose(out, _deinterleaved(turned(x, c, s, True)).flatten(-2))
-               for x, out in zip((q, k), outs))
+
+    def reinterleaved(q, k, cos, sin):
+        return tuple(out.unflatten(-1, (2, -1)).transpose(-1, -2).flatten(-2)
+                     for out in fn(q, k, cos, sin))
+    return probe_rotary(reinterleaved) == ("interleaved, first half", False)
 
 
 def _mla_attention_patch(module) -> Tuple[Optional[Callable], str]:
@@ -1419,18 +1416,16 @@ _GPTJ_ATTENTION_PARAMS = ("self", "hidden_states", "layer_past", "attention_mask
 
 @functools.lru_cache(maxsize=None)
 def _every_two_rotary_ok(module_name: str) -> bool:
-    """Whether GPT-J's ``apply_rotary_pos_emb(tensor, sin, cos)`` (q or k ``[B, S, H, R]``,
-    tables of half the width) turns interleaved pairs, each by its table entry (a probe)."""
+    """Whether GPT-J's ``apply_rotary_pos_emb(tensor, sin, cos)`` (one of q and k
+    ``[B, S, H, R]``, tables of half the width) turns interleaved pairs, each by its table
+    entry: probed as the other families' functions are."""
     fn = getattr(sys.modules[module_name], "apply_rotary_pos_emb", None)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 3, 2, 8, generator=gen)
-    sin, cos = (torch.randn(1, 3, 4, generator=gen) for _ in range(2))
-    try:
-        out = fn(x, sin, cos)
-    except Exception:  # noqa: BLE001 - any failure means "not this form"
+    if fn is None:
         return False
-    c, s = rotary_tables("interleaved", cos, sin, half_tables=True)
-    return torch.allclose(out, turned(x, c[:, :, None], s[:, :, None], True))
+
+    def as_probed(q, k, cos, sin):   # (the probe's q and k are [B, H, S, D])
+        return tuple(fn(x.transpose(1, 2), sin, cos).transpose(1, 2) for x in (q, k))
+    return probe_rotary(as_probed) == ("interleaved", True)
 
 
 def _gptj_tables(table, position_ids, dtype):
@@ -1454,9 +1449,9 @@ def _gptj_attention_forward(self, hidden_states, layer_past=None, attention_mask
                             position_ids=None, use_cache=False, output_attentions=False,
                             **kwargs):
     """GPT-J's attention: the interleaved rotary of the first ``rotary_dim`` channels of q and k
-    (the model slices, rotates with pairs stacked and flattened, and concatenates back: about
-    twenty kernels a layer) as one ``rope`` from its sin/cos table rows, in the activations'
-    dtype as the model rounds them; the rest as the model writes it."""
+    (the model slices, rotates with pairs stacked and flattened, and concatenates back, for q
+    and k each) as one ``rope`` from its sin/cos table rows, in the activations' dtype as the
+    model rounds them; the rest as the model writes it."""
     if position_ids is None or not _fusable(hidden_states, self.q_proj.weight):
         return original_forward(self)(hidden_states, layer_past, attention_mask, position_ids,
                                       use_cache, output_attentions, **kwargs)
