@@ -1055,13 +1055,9 @@ def _shared_kv_attention(self, hidden_states, position_embeddings, attention_mas
         key, value = cache.update(key, value, self.layer_idx)
     if self.store_full_length_kv:
         shared_kv_states[store_key] = key, value
-    attention_interface = _attention_interface(self, type(self).__module__)
-    attn_output, attn_weights = attention_interface(
-        self, query, key, value, attention_mask,
-        dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
-        sliding_window=self.sliding_window, **kwargs)
-    attn_output = attn_output.reshape(*input_shape, -1).contiguous()
-    return self.o_proj(attn_output), attn_weights
+    return _attend(self, query, key, value, attention_mask, None, self.o_proj,
+                   dropout=self.attention_dropout if self.training else 0.0, scaling=self.scaling,
+                   sliding_window=self.sliding_window, **kwargs)
 
 
 # rope types whose tables are of modulus one (no attention scaling in them)
@@ -1181,8 +1177,9 @@ def _shared_kv_attention_patch(module, reference: Optional[str] = None
 
 def _attend(self, query, key, value, attention_mask, cache, out_proj, **kwargs):
     """The end of a transformers attention forward once q and k are rotated (q, k and v
-    ``[B, H, S, D]``): the KV-cache update, the attention implementation the config names, the
-    output projection ``out_proj``. ``kwargs``: the interface's (dropout, scaling, ...)."""
+    ``[B, H, S, D]``): the KV-cache update (none where ``cache`` is None: the caller's own),
+    the attention implementation the config names, the output projection ``out_proj``.
+    ``kwargs``: the interface's (dropout, scaling, ...)."""
     if cache is not None:
         key, value = cache.update(key, value, self.layer_idx)
     attn_output, attn_weights = _attention_interface(self, type(self).__module__)(
@@ -1323,11 +1320,9 @@ def _latent_attention(self, hidden_states, cos, sin, interleaved: bool, deinterl
     if cache is not None:
         kv_pass, k_rot = cache.update(kv_pass, k_rot, self.layer_idx)
     key_states, value_states = self.expand_kv(kv_pass, k_rot)
-    attn_output, attn_weights = _attention_interface(self, type(self).__module__)(
-        self, query.transpose(1, 2), key_states, value_states, attention_mask,
-        dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling,
-        **kwargs)
-    return self.o_proj(attn_output.reshape(batch_size, seq_length, -1).contiguous()), attn_weights
+    return _attend(self, query.transpose(1, 2), key_states, value_states, attention_mask, None,
+                   self.o_proj, dropout=0.0 if not self.training else self.attention_dropout,
+                   scaling=self.scaling, **kwargs)
 
 
 _NEOX_ATTENTION_PARAMS = ("self", "hidden_states", "attention_mask", "layer_past",
