@@ -5,7 +5,9 @@ import pytest
 import torch
 
 import fusebox
-from helpers import BF16, F32, TOL, assert_close, call, randn, rope_tables, small, weight
+import reference as ref
+from helpers import (BF16, DTYPES, F32, ROPE_LAYOUTS, TOL, assert_close, call, qk_pair, randn,
+                     rope_tables, small, weight)
 
 # Inductor runs on both devices (on the CPU its C++ codegen uses the system compiler; graphs
 # made only of these opaque operators and views need little of it).
@@ -71,6 +73,83 @@ def test_compile_rope_family(device, gen):
     qkv = randn(gen, (b, s, (hq + 2 * hk) * d), BF16, device)
     cos, sin = rope_tables(gen, "BS", "bshd", b, s, d, False, F32, device)
     compile_and_compare(fn, qkv, cos, sin, weight(gen, d, F32, device), weight(gen, d, F32, device))
+
+
+def _compiled_with_graph_ops(fn, *args):
+    """``fn`` compiled by inductor (fullgraph) and run; also the operators its graph calls."""
+    from torch._inductor.compile_fx import compile_fx
+
+    called = []
+
+    def backend(gm, example_inputs):
+        called.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return compile_fx(gm, example_inputs)
+
+    torch._dynamo.reset()
+    return call(torch.compile(fn, fullgraph=True, backend=backend), *args), called
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ROPE_LAYOUTS)
+def test_compiled_one_token_rotary_is_left_to_the_compiler(layout, dtype, device, gen):
+    # a decode step's rotary (one token a sequence) is written in torch operations under
+    # compile, so the compiler fuses it with the table gather and the cache write; it must
+    # give what the operator gives, for every form the operator takes
+    b, hq, hk, d = 3, 4, 2, 64
+
+    def fn(q, k, cos, sin, cos_r, sin_r, qw, kw, qw_all, kw_all):
+        heads_first = layout == "bhsd"
+        return (fusebox.rope(q, k, cos, sin, heads_first=heads_first),
+                fusebox.rope(q, None, cos_r, sin_r, interleaved=True, heads_first=heads_first),
+                fusebox.qk_norm_rope(q, k, qw, kw, cos, sin, eps=1e-5, heads_first=heads_first,
+                                     weight_offset=1.0),
+                fusebox.qk_norm_rope(q, k, None, None, cos_r, sin_r, interleaved=True,
+                                     heads_first=heads_first),
+                fusebox.qk_norm_rope(q, k, qw_all, kw_all, cos, sin, across_heads=True,
+                                     heads_first=heads_first))
+
+    q, k = qk_pair(gen, layout, b, 1, hq, hk, d, dtype, device, strided=True)
+    cos, sin = rope_tables(gen, "4d" if layout != "flat" else "BS", layout, b, 1, d, False,
+                           dtype, device)
+    cos_r, sin_r = rope_tables(gen, "S", layout, b, 1, d // 2, True, F32, device)  # partial
+    width = (lambda h: d) if layout == "flat" else (lambda h: h * d)
+    args = (q, k, cos, sin, cos_r, sin_r, weight(gen, d, F32, device), weight(gen, d, dtype, device),
+            weight(gen, width(hq), F32, device), weight(gen, width(hk), F32, device))
+    compiled, called = _compiled_with_graph_ops(fn, *args)
+    assert not [t for t in called if "fusebox" in t], called
+    heads_first = layout == "bhsd"
+    expected = (
+        (ref.rope(q, cos, sin, False, heads_first), ref.rope(k, cos, sin, False, heads_first)),
+        (ref.rope(q, cos_r, sin_r, True, heads_first), None),
+        tuple(ref.qk_norm_rope(x, w, cos, sin, 1e-5, False, False, heads_first, 1.0)
+              for x, w in ((q, args[6]), (k, args[7]))),
+        tuple(ref.qk_norm_rope(x, None, cos_r, sin_r, 1e-6, False, True, heads_first)
+              for x in (q, k)),
+        tuple(ref.qk_norm_rope(x, w, cos, sin, 1e-6, True, False, heads_first)
+              for x, w in ((q, args[8]), (k, args[9]))))
+    eager = fn(*args)
+    for i, (got, want, op) in enumerate(zip(compiled, expected, eager)):
+        for j in range(2):
+            if want[j] is None:
+                assert got[j] is None and op[j] is None
+                continue
+            assert_close(got[j], want[j], dtype, name=f"call {i} output {j}")
+            assert_close(got[j], op[j].double(), dtype, tol=TOL[dtype] / 10,
+                         name=f"call {i} output {j} against the operator")
+
+
+def test_compiled_rotary_keeps_the_operator_past_one_token_or_when_asked(gen, monkeypatch):
+    d = 32
+    q, k = qk_pair(gen, "bshd", 2, 2, 4, 2, d, BF16)
+    cos, sin = rope_tables(gen, "BS", "bshd", 2, 2, d, False, F32)
+    fn = lambda q, k, cos, sin: fusebox.rope(q, k, cos, sin)  # noqa: E731
+    _, called = _compiled_with_graph_ops(fn, q, k, cos, sin)
+    assert any("fusebox.rotary" in t for t in called), called
+    monkeypatch.setattr(fusebox.functional, "COMPILED_ONE_TOKEN_ROTARY", "kernel")
+    one = (q[:, :1], k[:, :1], cos[:, :1], sin[:, :1])
+    out, called = _compiled_with_graph_ops(fn, *one)
+    assert any("fusebox.rotary" in t for t in called), called
+    assert_close(out[0], ref.rope(one[0], one[2], one[3]), BF16)
 
 
 def test_compile_activations(device, gen):

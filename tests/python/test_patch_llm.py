@@ -1237,6 +1237,32 @@ def test_compile_fullgraph_no_graph_break(family):
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["llama", "qwen3", "phi", "gptj", "deepseek_v3"])
+def test_compiled_decode_step_leaves_its_rotary_to_the_compiler(family, device):
+    # a one-token step compiled as generate compiles it (static cache, fullgraph): its rotary
+    # is torch operations the compiler fuses with the cache write, the norms stay fused
+    model = build(family, device=device)
+    ids = token_ids(device=device)
+    prompt, step = ids[:, :-1], ids[:, -1:]
+    position = torch.tensor([prompt.shape[1]], device=device)
+
+    def decode(model, run_step):
+        cache = transformers.StaticCache(config=model.config, max_cache_len=ids.shape[1] + 4)
+        with torch.no_grad():
+            model(prompt, past_key_values=cache, use_cache=True)
+            return run_step(step, past_key_values=cache, cache_position=position,
+                            use_cache=True).logits
+
+    ref = decode(model, model)
+    fusebox.patch(model)
+    torch._dynamo.reset()
+    backend = GraphOps()
+    out = decode(model, torch.compile(model, fullgraph=True, backend=backend))
+    assert "rotary" not in backend.ops and backend.ops & {"rms_norm", "layer_norm"}, backend.ops
+    assert rel_err(out, ref) < 1e-5
+
+
 # --------------------------------------------------------------------------- guards
 
 

@@ -12,6 +12,7 @@ read in place, never copied.
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence, Tuple
 
 import torch
@@ -172,10 +173,69 @@ def gated_residual_norm(
 # --------------------------------------------------------------------------- rotary
 
 
+# Under torch.compile, the rotary of one token per sequence (a decode step) is written in torch
+# operations instead of the operator, so the compiler can fuse it with what surrounds it: the
+# cos/sin gather before it and the KV-cache write after it, which an opaque operator splits into
+# launches of their own (bench/NOTES.md, Phi-2 and Qwen3-8B decode under CUDA graphs). Longer
+# sequences keep the operator. "kernel" keeps the operator for every call (for comparisons).
+COMPILED_ONE_TOKEN_ROTARY = os.environ.get("FUSEBOX_COMPILED_ONE_TOKEN_ROTARY", "torch")
+_check_choice("FUSEBOX_COMPILED_ONE_TOKEN_ROTARY", COMPILED_ONE_TOKEN_ROTARY, ("torch", "kernel"))
+
+
+def _one_token_under_compile(q: Tensor, heads_first: bool) -> bool:
+    if COMPILED_ONE_TOKEN_ROTARY != "torch" or not torch.compiler.is_compiling():
+        return False
+    # (dynamo specializes sizes of 1, so this is decided once per graph)
+    return q.dim() in (3, 4) and q.shape[2 if heads_first and q.dim() == 4 else 1] == 1
+
+
+def _rotary_in_torch(x, cos, sin, norm, across_heads, weight, eps, weight_offset, interleaved,
+                     heads_first):
+    """The operator's result as torch operations (fp32 math, rounded once to x's dtype)."""
+    y = x.float()
+    if norm == "rms":
+        across = across_heads and y.dim() == 4   # one norm over a token's heads
+        tokens = (y.transpose(1, 2) if heads_first else y).flatten(-2) if across else y
+        tokens = tokens * torch.rsqrt(tokens.pow(2).mean(-1, keepdim=True) + eps)
+        if weight is not None:
+            tokens = tokens * (weight.float() + weight_offset)
+        if across:
+            if heads_first:
+                tokens = tokens.unflatten(-1, (y.shape[1], y.shape[3])).transpose(1, 2)
+            else:
+                tokens = tokens.unflatten(-1, y.shape[-2:])
+        y = tokens
+
+    def table(t):   # [S, R] / [B, S, R] / 4-D in x's layout, broadcast against x
+        t = t.float()
+        if x.dim() == 3 or t.dim() == 4:
+            return t
+        if t.dim() == 2:
+            return t if heads_first else t.unsqueeze(1)
+        return t.unsqueeze(1) if heads_first else t.unsqueeze(2)
+
+    r = cos.shape[-1]
+    y_r = y[..., :r]
+    if interleaved:
+        pairs = y_r.unflatten(-1, (-1, 2))
+        partner = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    else:
+        partner = torch.cat((-y_r[..., r // 2:], y_r[..., :r // 2]), dim=-1)
+    rotated = y_r * table(cos) + partner * table(sin)
+    if r < y.shape[-1]:
+        rotated = torch.cat((rotated, y[..., r:]), dim=-1)
+    return rotated.to(x.dtype)
+
+
 def _rotary(
     q, k, cos, sin, grid, axes_dim, theta, offsets, norm, across_heads, q_weight, k_weight,
     eps, weight_offset, interleaved, heads_first,
 ):
+    if grid is None and _one_token_under_compile(q, heads_first):
+        parts = [_rotary_in_torch(x, cos, sin, norm, across_heads, w, float(eps),
+                                  float(weight_offset), bool(interleaved), bool(heads_first))
+                 if x is not None else None for x, w in ((q, q_weight), (k, k_weight))]
+        return parts[0], parts[1]
     q_out, k_out = ops.rotary(
         q, k, cos, sin, grid, axes_dim, float(theta), offsets, norm, bool(across_heads),
         q_weight, k_weight, float(eps), float(weight_offset), bool(interleaved),
