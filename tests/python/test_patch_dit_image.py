@@ -1238,3 +1238,101 @@ def test_z_image_compiled_block_has_no_graph_break(device):
         out = torch.compile(block, fullgraph=True, backend=backend)(x, mask, freqs, adaln_input)
     assert torch.allclose(ref, out, rtol=1e-5, atol=1e-6)
     assert {"rotary", "fused_norm", "gated_residual"} <= backend.ops
+
+
+# --------------------------------------------------------------------------- Krea 2
+
+
+def _krea2(device, dtype=torch.float32):
+    from diffusers import Krea2Transformer2DModel
+
+    torch.manual_seed(0)
+    model = Krea2Transformer2DModel(
+        in_channels=16, num_layers=2, attention_head_dim=16, num_attention_heads=4,
+        num_key_value_heads=2, intermediate_size=96, timestep_embed_dim=16, text_hidden_dim=48,
+        num_text_layers=3, text_num_attention_heads=2, text_num_key_value_heads=1,
+        text_intermediate_size=40, num_layerwise_text_blocks=1, num_refiner_text_blocks=1,
+        axes_dims_rope=(4, 6, 6), rope_theta=1000.0, norm_eps=1e-5).eval()
+    with torch.no_grad():   # the zero-centred norm weights and the modulation tables start at 0
+        for p in model.parameters():
+            if p.dim() == 1 or not p.any():
+                p.add_(0.1 * torch.randn_like(p))
+    model = model.to(device=device, dtype=dtype)
+    text, grid = 6, 4
+    position_ids = torch.zeros(text + grid * grid, 3)
+    position_ids[text:, 1] = torch.arange(grid).repeat_interleave(grid)
+    position_ids[text:, 2] = torch.arange(grid).repeat(grid)
+    mask = torch.ones(B, text, dtype=torch.bool)
+    mask[1, -2:] = False   # the second prompt is shorter
+    inputs = dict(hidden_states=torch.randn(B, grid * grid, 16),
+                  encoder_hidden_states=torch.randn(B, text, 3, 48),
+                  timestep=torch.tensor([0.3, 0.8]), position_ids=position_ids,
+                  encoder_attention_mask=mask)
+    return model, {k: v.to(device, dtype) if v.is_floating_point() and k != "position_ids"
+                   else v.to(device) for k, v in inputs.items()}
+
+
+def _krea2_forward(model, inputs):
+    with torch.no_grad():
+        return model(**inputs, return_dict=False)[0]
+
+
+def test_krea2_fp32_matches_unpatched(device):
+    model, inputs = _krea2(device)
+    ref = _krea2_forward(model, inputs)
+    report = fusebox.patch(model)
+    assert report.family == "krea2"
+    patched = Counter(e.kind for e in report.patched)
+    # 2 image blocks; the text fusion's layerwise and refiner blocks have attention and SwiGLU
+    # too, and their norms (2 each), the text projection's and the final layer's run alone
+    assert patched == Counter({"Krea2TransformerBlock": 2, "Krea2Attention": 4,
+                               "Krea2SwiGLU": 4, "Krea2RMSNorm": 6}), str(report)
+    with FuseboxOps() as ops:
+        out = _krea2_forward(model, inputs)
+    assert {"rotary", "fused_norm", "gated_residual", "gated_act", "rms_norm"} <= set(ops.calls)
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_krea2_half_within_eager_half_spread(dtype, device):
+    model, inputs = _krea2(device)
+    ref = _krea2_forward(model, inputs)
+    model_half, inputs_half = _krea2(device, dtype)
+    eager = _krea2_forward(model_half, inputs_half)
+    fusebox.patch(model_half)
+    patched = _krea2_forward(model_half, inputs_half)
+    assert patched.dtype == dtype
+    assert rel_err(patched, ref) <= 1.5 * rel_err(eager, ref), (rel_err(patched, ref),
+                                                               rel_err(eager, ref))
+
+
+def test_krea2_unpatch_restores_exactly(device):
+    model, inputs = _krea2(device)
+    ref = _krea2_forward(model, inputs)
+    processors = _processors(model)
+    fusebox.patch(model)
+    assert fusebox.unpatch(model) > 0
+    assert all(_processors(model)[n] is p for n, p in processors.items())
+    with FuseboxOps() as ops:
+        out = _krea2_forward(model, inputs)
+    assert not ops.calls
+    assert torch.equal(out, ref)
+
+
+def test_krea2_compiled_block_has_no_graph_break(device):
+    model, inputs = _krea2(device)
+    fusebox.patch(model)
+    block = model.transformer_blocks[0]
+    torch.manual_seed(1)
+    x = torch.randn(B, 22, 64, device=device)
+    temb = torch.randn(B, 1, 6 * 64, device=device)
+    cos, sin = model.rotary_emb(inputs["position_ids"])
+    mask = torch.ones(B, 1, 1, 22, dtype=torch.bool, device=device)
+    mask[0, ..., :3] = False
+    backend = GraphOps()
+    torch._dynamo.reset()
+    with torch.no_grad():
+        ref = block(x, temb, (cos, sin), mask)
+        out = torch.compile(block, fullgraph=True, backend=backend)(x, temb, (cos, sin), mask)
+    assert torch.allclose(ref, out, rtol=1e-5, atol=1e-6)
+    assert {"rotary", "fused_norm", "gated_residual", "gated_act"} <= backend.ops

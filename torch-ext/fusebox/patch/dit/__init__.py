@@ -18,7 +18,7 @@ from typing import List
 import torch
 
 FAMILY_MODULES = ("ltx", "wan", "flux", "chroma", "flux2", "sd3", "pixart", "hunyuan_video",
-                  "hunyuan_video15", "qwen_image", "z_image")
+                  "hunyuan_video15", "qwen_image", "z_image", "krea2")
 
 
 def _families() -> List[object]:
