@@ -248,6 +248,25 @@ def _pixart_inputs(size=1024, text=300):
                           encoder_attention_mask=_mask(2, text))
 
 
+def _krea2_inputs(size=1024, text=256, text_layers=12, text_dim=2560):
+    """Krea 2: one sample (its pipeline runs CFG as two forwards), 64-channel packed latents (8x
+    VAE, 2x2 patches), the text encoder's states of ``text_layers`` layers per token, and the
+    pipeline's position ids (text at the origin, image tokens at their grid cells)."""
+    grid = size // 16
+
+    def make(device, dtype):
+        g = _gen()
+        positions = torch.zeros(text + grid * grid, 3, device=device)
+        positions[text:, 1] = torch.arange(grid, device=device).repeat_interleave(grid)
+        positions[text:, 2] = torch.arange(grid, device=device).repeat(grid)
+        return dict(hidden_states=_randn(1, grid * grid, 64, device=device, dtype=dtype, gen=g),
+                    encoder_hidden_states=_randn(1, text, text_layers, text_dim, device=device,
+                                                 dtype=dtype, gen=g),
+                    timestep=torch.full((1,), 0.5, device=device), position_ids=positions,
+                    return_dict=False)
+    return make
+
+
 # --------------------------------------------------------------------------- models
 
 LTX_CONFIG = dict(  # Lightricks/LTX-Video (0.9.x, 2B)
@@ -374,6 +393,19 @@ SPECS: Dict[str, Spec] = {
              cap_feat_dim=2560, rope_theta=256.0, t_scale=1000.0, axes_dims=[32, 48, 48],
              axes_lens=[1536, 512, 512]),
         _z_image_inputs(), "1024x1024 -> 4096 image tokens + 256 caption, batch 1", steps=8),
+    "krea-2": Spec(
+        "Krea 2 (28 blocks, 6144 wide), 1024x1024 (4096 image + 256 text tokens), CFG as 2 "
+        "forwards, 28 steps",
+        "Krea2Transformer2DModel",
+        # the class's defaults, which diffusers documents as the released model's
+        dict(in_channels=64, num_layers=28, attention_head_dim=128, num_attention_heads=48,
+             num_key_value_heads=12, intermediate_size=16384, timestep_embed_dim=256,
+             text_hidden_dim=2560, num_text_layers=12, text_num_attention_heads=20,
+             text_num_key_value_heads=20, text_intermediate_size=6912,
+             num_layerwise_text_blocks=2, num_refiner_text_blocks=2, axes_dims_rope=[32, 48, 48],
+             rope_theta=1000.0, norm_eps=1e-5),
+        _krea2_inputs(), "1024x1024 -> 4096 image tokens + 256 text (12 encoder layers each), "
+        "batch 1", steps=28, forwards_per_step=2),
     "pixart-sigma": Spec(
         "PixArt-Sigma XL-2 1024 (0.6B), 1024x1024 (4096 tokens), CFG batch 2, 20 steps",
         "PixArtTransformer2DModel",
