@@ -6,6 +6,7 @@ Tiny random configs; each model is compared with its own unpatched forward on th
 """
 
 import copy
+import importlib
 import inspect
 from collections import Counter
 
@@ -1056,7 +1057,7 @@ def test_compiled_pixart_block_forms_the_modulation_sum_once(monkeypatch):
 def _generic_cases():
     bf16, f32 = torch.bfloat16, torch.float32
     norm_fp32_weight = RMSNorm(64, eps=1e-6)                # kept fp32 in a bf16 model
-    return {
+    cases = {
         "rms_norm": (RMSNorm(64, eps=1e-6), f32, f32),
         "rms_norm_bf16": (RMSNorm(64, eps=1e-6).to(bf16), bf16, bf16),
         "rms_norm_fp32_weight_bf16_input": (norm_fp32_weight, bf16, f32),
@@ -1068,6 +1069,15 @@ def _generic_cases():
         "ff_geglu": (FeedForward(64, activation_fn="geglu"), f32, f32),
         "ff_swiglu": (FeedForward(64, activation_fn="swiglu"), f32, f32),
     }
+    # the fp32 RMSNorms of single families (each in a diffusers that has it)
+    for module, cls, weight_dtype in (("transformer_cosmos3", "Cosmos3NemotronRMSNorm", bf16),
+                                      ("transformer_stable_audio3", "StableAudio3RMSNorm", f32)):
+        try:
+            norm = getattr(importlib.import_module(f"diffusers.models.transformers.{module}"), cls)
+        except (ImportError, AttributeError):
+            continue
+        cases[cls] = (norm(64, eps=1e-5).to(weight_dtype), bf16, bf16)
+    return cases
 
 
 GENERIC = _generic_cases()

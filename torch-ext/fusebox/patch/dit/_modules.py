@@ -5,6 +5,8 @@ building blocks every diffusers model is made of, when no family patcher already
 - ``normalization.RMSNorm`` -> ``rms_norm`` (weight may be None; the output dtype is the
   weight's, fp32 for an fp32 weight, as diffusers returns it; inputs whose last dimension is
   strided, such as a VAE's channels, keep diffusers' forward);
+- the fp32 RMSNorms of Cosmos 3 (``Cosmos3NemotronRMSNorm``) and Stable Audio 3
+  (``StableAudio3RMSNorm``) -> ``rms_norm``;
 - ``nn.LayerNorm`` / ``FP32LayerNorm`` -> ``layer_norm``;
 - ``AdaLayerNormZero``, ``AdaLayerNormZeroSingle``, ``SD35AdaLayerNormZeroX``,
   ``AdaLayerNormContinuous`` and Chroma's pruned forms of three of them (terms without a
@@ -62,6 +64,18 @@ def _rms_norm_forward(self, hidden_states):
             or not has_contiguous_rows(hidden_states)):
         return original_forward(self)(hidden_states)
     return fb.rms_norm(hidden_states, weight, self.eps, out_dtype=dtype)
+
+
+# RMSNorms of single families that compute in fp32 (``x.float()`` normalized, times the weight
+# in fp32, cast back to x's dtype): rms_norm's own numerics. Class name -> the weight's name.
+_FP32_RMS_NORMS = {"Cosmos3NemotronRMSNorm": "weight", "StableAudio3RMSNorm": "gamma"}
+
+
+def _fp32_rms_norm_forward(self, hidden_states):
+    weight = getattr(self, _FP32_RMS_NORMS[type(self).__name__])
+    if not fusable(hidden_states, weight) or hidden_states.shape[-1] != weight.shape[-1]:
+        return original_forward(self)(hidden_states)
+    return fb.rms_norm(rows(hidden_states), weight, self.eps)
 
 
 def _layer_norm(self, x):
@@ -190,6 +204,13 @@ def _generic_rule(module: torch.nn.Module):
         if module.bias is not None or len(module.dim) != 1:
             return None, "RMSNorm with a bias or over several dims"
         return _rms_norm_forward, "rms_norm"
+    if cls.__name__ in _FP32_RMS_NORMS:
+        weight = getattr(module, _FP32_RMS_NORMS[cls.__name__], None)
+        if not isinstance(weight, torch.nn.Parameter) or weight.dim() != 1:
+            return None, f"{cls.__name__} without a 1-D weight"
+        if not getattr(module, "force_fp32", True):
+            return None, "computes in the input's dtype"
+        return _fp32_rms_norm_forward, "rms_norm"
     if cls in LAYER_NORMS:
         if len(module.normalized_shape) != 1:
             return None, "LayerNorm over several dims"
