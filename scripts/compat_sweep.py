@@ -4,7 +4,7 @@ on the same tokens, in fp32 on the CPU. A type that is too large at the tiny set
 not run with them, is tried again with its expert, latent-attention, state-space, per-layer-input
 and layer-pattern sizes shrunk (SHRUNK, LAYER_PATTERNS; "(shrunk config)" on its line), and a
 text + vision model once more with that text part and a one-layer vision tower. Prints
-one line per model type: OK (logits within 1e-4 of unpatched) with what was fused, untouched
+one line per model type: OK (logits within 1e-5 of unpatched) with what was fused, untouched
 (nothing recognized), MISMATCH, FAIL (the patched model raised), or skip (neither config
 builds and runs).
 Exits 1 on any MISMATCH or FAIL.
@@ -24,6 +24,7 @@ from collections import Counter
 
 import torch
 
+TOL = 1e-5
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=256,
             pad_token_id=0, bos_token_id=1, eos_token_id=2)
@@ -58,12 +59,16 @@ SHRUNK = dict(
     mamba_chunk_size=16, mamba_dt_rank=8, use_mamba_kernels=False,
     attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
     attn_layer_indices=[1], num_kv_shared_layers=0, vocab_size_per_layer_input=128,
-    hidden_size_per_layer_input=16, laurel_rank=8)
+    hidden_size_per_layer_input=16, laurel_rank=8, linear_num_key_heads=2,
+    linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+    indexer_n_heads=2, indexer_kv_heads=1, indexer_head_dim=16, indexer_budget=8,
+    indexer_compress_ratio=4)
 
 
 # Layer patterns the shrunk retry cannot read from a type's defaults (one kind only, or none)
 LAYER_PATTERNS = {"granitemoehybrid": ["mamba", "attention"],
-                  "lfm2_moe": ["conv", "full_attention"]}
+                  "lfm2_moe": ["conv", "full_attention"],
+                  "qwen4_exp_text": ["linear_attention", "qwen_sparse_attention"]}
 
 
 def shrunk_config(model_type: str):
@@ -147,7 +152,10 @@ def sweep_one(model_type: str, max_params: float) -> str:
         where = traceback.extract_tb(e.__traceback__)[-1]
         return f"FAIL {type(e).__name__}: {str(e)[:160]} ({where.filename.split('/')[-1]}:{where.lineno})"
     err = rel_err(out, ref)
-    if err >= 1e-4:
+    # fp32 logits differ from unpatched by the fused ops' summation order, about 1e-6; a
+    # formula off in one module of a tiny model shows from a few 1e-5 up (Qwen4-Exp's grouped
+    # norms read as row norms: 4e-5)
+    if err >= TOL:
         return f"MISMATCH rel err {err:.1e}"
     if report.num_patched == 0:
         return "untouched: no module fusebox recognizes"

@@ -1189,6 +1189,30 @@ def test_inference_mode(family):
     assert rel_err(out, ref) < 1e-5
 
 
+def test_grouped_rms_norm_left_alone():
+    """Qwen4-Exp normalizes its hyper-connection streams with an RMSNorm over groups of a row
+    (``group_size``), written with Gemma's formula otherwise: a row norm would change it."""
+    if not hasattr(transformers, "Qwen4ExpTextConfig"):
+        pytest.skip("this transformers has no Qwen4-Exp")
+    torch.manual_seed(0)
+    config = transformers.Qwen4ExpTextConfig(
+        **{**TINY_LLM, "head_dim": 16}, layer_types=["linear_attention", "qwen_sparse_attention"],
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=16, linear_value_head_dim=16, indexer_n_heads=2, indexer_kv_heads=1,
+        indexer_head_dim=16, indexer_budget=8, indexer_compress_ratio=4, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2)
+    model = causal_lm(config)
+    ids = token_ids()
+    ref = logits(model, ids)
+    report = fusebox.patch(model)
+    patched = {e.path for e in report.patched}
+    grouped = [p for p, m in model.named_modules() if getattr(m, "group_size", None)]
+    assert grouped and not patched & set(grouped), str(report)
+    assert "model.layers.1.self_attn.q_norm" in patched, str(report)   # row norms still fused
+    assert rel_err(logits(model, ids), ref) < 1e-5
+
+
 # --------------------------------------------------------------------------- torch.compile
 
 

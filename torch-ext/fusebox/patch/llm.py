@@ -187,6 +187,8 @@ def norm_style(module: torch.nn.Module) -> Optional[NormStyle]:
     weight = getattr(module, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.dim() != 1:
         return None
+    if getattr(module, "group_size", None) is not None:
+        return None   # a norm over groups of a row (Qwen4-Exp's hyper-connections): not a row norm
     cls = type(module)
     src = source_text(cls.forward) + source_text(getattr(cls, "_norm", None))
     if all(s in src for s in _LLAMA_NORM) and hasattr(module, "variance_epsilon"):
