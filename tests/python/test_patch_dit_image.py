@@ -1,5 +1,5 @@
-"""fusebox.patch on diffusers image transformers (FLUX.1, FLUX.2, SD3, PixArt, Qwen-Image, Z-Image)
-and HunyuanVideo, plus the
+"""fusebox.patch on diffusers image transformers (FLUX.1, FLUX.2, FLUX.3, SD3, PixArt,
+Qwen-Image, Z-Image) and HunyuanVideo, plus the
 generic diffusers modules every model gets (a DiT with no family patcher, single modules).
 
 Tiny random configs; each model is compared with its own unpatched forward on the same inputs.
@@ -20,6 +20,7 @@ from diffusers import (  # noqa: E402
     ChromaTransformer2DModel,
     DiTTransformer2DModel,
     Flux2Transformer2DModel,
+    Flux3Transformer2DModel,
     FluxTransformer2DModel,
     HunyuanVideo15Transformer3DModel,
     HunyuanVideoFramepackTransformer3DModel,
@@ -105,6 +106,29 @@ def _flux2():
     inputs = dict(hidden_states=torch.randn(B, 12, 8), encoder_hidden_states=torch.randn(B, 5, 32),
                   timestep=torch.tensor([0.2, 0.9]), img_ids=img_ids, txt_ids=txt_ids,
                   guidance=torch.full((B,), 3.5))
+    return model, inputs
+
+
+def _flux3():
+    """FLUX.3 with reference-image tokens (three token modes), q/k norm weights off their init;
+    the per-token modulation comes from random projections (no zero init)."""
+    model = Flux3Transformer2DModel(
+        in_channels=8, cond_in_channels=8, num_layers=2, num_single_layers=2,
+        attention_head_dim=16, num_attention_heads=4, joint_attention_dim=32,
+        timestep_channels=16, axes_dims_rope=(4, 4, 4, 4))
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.3 * torch.randn_like(p))
+    # (t, h, w, l) positions: image and reference grids (the reference at l = -1), text along l
+    img_ids = torch.stack([torch.zeros(12), torch.arange(12) // 4, torch.arange(12) % 4,
+                           torch.zeros(12)], 1)
+    cond_ids = torch.stack([torch.zeros(6), torch.arange(6) // 3, torch.arange(6) % 3,
+                            -torch.ones(6)], 1)
+    txt_ids = torch.stack([torch.zeros(5), torch.zeros(5), torch.zeros(5), torch.arange(5.0)], 1)
+    inputs = dict(hidden_states=torch.randn(B, 12, 8), encoder_hidden_states=torch.randn(B, 5, 32),
+                  timestep=torch.tensor([0.2, 0.9]), img_ids=img_ids, txt_ids=txt_ids,
+                  image_cond_hidden_states=torch.randn(B, 6, 8), image_cond_ids=cond_ids)
     return model, inputs
 
 
@@ -220,6 +244,7 @@ MODELS = {
     "ovis_image": (_ovis_image, "flux", {"rotary", "fused_norm", "gated_residual"}),
     "bria_fibo": (_bria_fibo, "flux", {"rotary", "fused_norm", "gated_residual"}),
     "flux2": (_flux2, "flux2", {"rotary", "fused_norm", "gated_residual", "gated_act_packed"}),
+    "flux3": (_flux3, "flux3", {"rotary", "fused_norm", "gated_residual", "gated_act_packed"}),
     "sd3": (_sd3, "sd3", {"rms_norm", "fused_norm", "gated_residual", "act"}),
     "pixart": (_pixart, "pixart", {"fused_norm", "gated_residual", "act"}),
     "hunyuan_video": (_hunyuan_video, "hunyuan-video",
@@ -435,6 +460,94 @@ def test_report_flux2():
                                "Flux2ParallelSelfAttention": 2, "AdaLayerNormContinuous": 1}), \
         str(report)
     assert all(e.kind == "LayerNorm" and e.what.startswith("done by") for e in report.skipped)
+
+
+def test_report_flux3():
+    model, _ = build("flux3")
+    report = fusebox.patch(model)
+    assert report.family == "flux3"
+    patched = Counter(e.kind for e in report.patched)
+    # two per-mode blocks for each of image, reference image and text, two joint blocks
+    assert patched == Counter({"Flux3ModeTransformerBlock": 6, "Flux3SingleTransformerBlock": 2,
+                               "Flux3Attention": 8, "Flux3SwiGLU": 8, "Flux3AdaLayerNorm": 1}), \
+        str(report)
+    skipped = Counter((e.kind, e.what) for e in report.skipped)
+    assert skipped == Counter({("LayerNorm", "done by the block's adaln"): 8,
+                               ("LayerNorm", "done by the parent's adaln"): 1}), str(report)
+
+
+def _flux3_run(model, inputs):
+    with FuseboxOps() as ops:
+        out = forward(model, inputs)
+    return out, ops.calls
+
+
+def test_flux3_fused_launches(monkeypatch):
+    """What one forward runs: per block an adaln per stream and a gated_residual per stream, the
+    feed-forward's output GEMM accumulating onto the attention output (no separate add), one
+    qk_norm_rope per attention, one SwiGLU per feed-forward, the output norm's adaln."""
+    model, inputs = build("flux3")
+    fusebox.patch(model)
+    addmm, seen = torch.addmm, Counter()
+
+    def counting_addmm(*args, **kwargs):
+        seen["addmm"] += 1
+        return addmm(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "addmm", counting_addmm)
+    _, calls = _flux3_run(model, inputs)
+    # 6 per-mode blocks + 2 joint blocks x 2 streams (+ the output norm)
+    assert calls["fused_norm"] == 6 + 2 * 2 + 1 and calls["gated_residual"] == 6 + 2 * 2, calls
+    assert calls["rotary"] == 8 and calls["gated_act_packed"] == 8, calls
+    assert seen["addmm"] == 8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_flux3_half_with_fp32_qk_norms(dtype, device):
+    """The q/k norms kept in fp32 as ``from_pretrained`` keeps them (``_keep_in_fp32_modules``)
+    in a 16-bit model: the fused q/k norm + RoPE reads the fp32 weights, inside the spread."""
+    model, inputs = build("flux3", device)
+    ref = forward(model, inputs)
+    model_half, inputs_half = build("flux3", device, dtype)
+    for module in model_half.modules():
+        if type(module).__name__ == "Flux3Attention":
+            module.norm_q.float()
+            module.norm_k.float()
+    eager = forward(model_half, inputs_half)
+    fusebox.patch(model_half)
+    with FuseboxOps() as ops:
+        patched = forward(model_half, inputs_half)
+    assert ops.calls["rotary"] == 8, ops.calls
+    assert patched.dtype == dtype
+    assert rel_err(patched, ref) <= 1.5 * rel_err(eager, ref), (rel_err(patched, ref),
+                                                               rel_err(eager, ref))
+
+
+def test_flux3_without_reference_image_and_fused_qkv(device):
+    """Text-to-image (no reference tokens) with the q/k/v projections fused into one
+    (``fuse_qkv_projections``): q and k read in place from the fused projection."""
+    model, inputs = build("flux3", device)
+    del inputs["image_cond_hidden_states"], inputs["image_cond_ids"]
+    with torch.no_grad():
+        model.fuse_qkv_projections()
+    assert model.single_transformer_blocks[0].attn.fused_projections
+    ref = forward(model, inputs)
+    fusebox.patch(model)
+    out, calls = _flux3_run(model, inputs)
+    assert calls["rotary"] == 6, calls      # the reference-image blocks do not run
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("case", ["autograd", "float64"])
+def test_flux3_falls_back_to_original(case):
+    model, inputs = build("flux3", dtype=torch.float64 if case == "float64" else torch.float32)
+    if case == "autograd":
+        inputs["hidden_states"].requires_grad_(True)
+        out = assert_patch_falls_back(model, lambda m: m(**inputs, return_dict=False)[0])
+        out.square().mean().backward()
+        assert inputs["hidden_states"].grad is not None
+    else:
+        assert_patch_falls_back(model, lambda m: forward(m, inputs))
 
 
 def test_report_qwen_image():
@@ -946,7 +1059,7 @@ def test_float64_falls_back_to_original():
 # --------------------------------------------------------------------------- hooks, compile
 
 
-@pytest.mark.parametrize("name", ["flux", "hunyuan_video"])
+@pytest.mark.parametrize("name", ["flux", "flux3", "hunyuan_video"])
 @pytest.mark.parametrize("order", ["patch_then_offload", "offload_then_patch"])
 def test_cpu_offload_hooks_kept(name, order):
     model, inputs = build(name)
@@ -987,6 +1100,12 @@ def _block_cases(name, model, inputs, device):
         return [(model.transformer_blocks[0], (x, c, mod_img, mod_txt, rotary)),
                 (model.single_transformer_blocks[0], (torch.cat([c, x], 1), None, mod_single,
                                                       rotary))]
+    if name == "flux3":
+        image_rotary = model.pos_embed(inputs["img_ids"])
+        joint_rotary = model.pos_embed(torch.cat([inputs["txt_ids"], inputs["img_ids"]]))
+        mod, mod_txt = randn(B, 12, 3 * d), randn(B, 5, 3 * d)    # per token
+        return [(model.mode_blocks["image"][0], (x, mod, image_rotary)),
+                (model.single_transformer_blocks[0], (x, c, mod, mod_txt, joint_rotary))]
     if name == "sd3":
         return [(block, (x, c, temb)) for block in model.transformer_blocks]
     if name == "pixart":
@@ -1007,8 +1126,8 @@ def _block_cases(name, model, inputs, device):
             (model.single_transformer_blocks[0], (x, c, temb, mask, rotary))]
 
 
-@pytest.mark.parametrize("name", ["flux", "longcat_image", "chroma", "flux2", "sd3", "pixart",
-                                  "hunyuan_video", "hunyuan_video15", "qwen_image"])
+@pytest.mark.parametrize("name", ["flux", "longcat_image", "chroma", "flux2", "flux3", "sd3",
+                                  "pixart", "hunyuan_video", "hunyuan_video15", "qwen_image"])
 def test_compiled_block_has_no_graph_break(name, device):
     model, inputs = build(name, device)
     fusebox.patch(model)
@@ -1206,32 +1325,6 @@ def test_z_image_fp32_matches_unpatched(device):
     assert rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
-def test_z_image_half_within_eager_half_spread(dtype, device):
-    model, inputs = _z_image(device)
-    ref = _z_forward(model, inputs)
-    model_half, inputs_half = _z_image(device, dtype)
-    eager = _z_forward(model_half, inputs_half)
-    fusebox.patch(model_half)
-    patched = _z_forward(model_half, inputs_half)
-    assert patched.dtype == dtype
-    assert rel_err(patched, ref) <= 1.5 * rel_err(eager, ref), (rel_err(patched, ref),
-                                                               rel_err(eager, ref))
-
-
-def test_z_image_unpatch_restores_exactly(device):
-    model, inputs = _z_image(device)
-    ref = _z_forward(model, inputs)
-    processors = _processors(model)
-    fusebox.patch(model)
-    assert fusebox.unpatch(model) > 0
-    assert all(_processors(model)[n] is p for n, p in processors.items())
-    with FuseboxOps() as ops:
-        out = _z_forward(model, inputs)
-    assert not ops.calls
-    assert torch.equal(out, ref)
-
-
 def test_z_image_compiled_block_has_no_graph_break(device):
     model, inputs = _z_image(device)
     fusebox.patch(model)
@@ -1303,32 +1396,6 @@ def test_krea2_fp32_matches_unpatched(device):
     assert rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
-def test_krea2_half_within_eager_half_spread(dtype, device):
-    model, inputs = _krea2(device)
-    ref = _krea2_forward(model, inputs)
-    model_half, inputs_half = _krea2(device, dtype)
-    eager = _krea2_forward(model_half, inputs_half)
-    fusebox.patch(model_half)
-    patched = _krea2_forward(model_half, inputs_half)
-    assert patched.dtype == dtype
-    assert rel_err(patched, ref) <= 1.5 * rel_err(eager, ref), (rel_err(patched, ref),
-                                                               rel_err(eager, ref))
-
-
-def test_krea2_unpatch_restores_exactly(device):
-    model, inputs = _krea2(device)
-    ref = _krea2_forward(model, inputs)
-    processors = _processors(model)
-    fusebox.patch(model)
-    assert fusebox.unpatch(model) > 0
-    assert all(_processors(model)[n] is p for n, p in processors.items())
-    with FuseboxOps() as ops:
-        out = _krea2_forward(model, inputs)
-    assert not ops.calls
-    assert torch.equal(out, ref)
-
-
 def test_krea2_compiled_block_has_no_graph_break(device):
     model, inputs = _krea2(device)
     fusebox.patch(model)
@@ -1346,3 +1413,37 @@ def test_krea2_compiled_block_has_no_graph_break(device):
         out = torch.compile(block, fullgraph=True, backend=backend)(x, temb, (cos, sin), mask)
     assert torch.allclose(ref, out, rtol=1e-5, atol=1e-6)
     assert {"rotary", "fused_norm", "gated_residual", "gated_act"} <= backend.ops
+
+
+# families built and run by functions of their own: (build(device, dtype), forward(model, inputs))
+OWN_BUILDERS = {"z-image": (_z_image, _z_forward), "krea2": (_krea2, _krea2_forward)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+@pytest.mark.parametrize("family", list(OWN_BUILDERS))
+def test_own_builder_half_within_eager_half_spread(family, dtype, device):
+    build, forward = OWN_BUILDERS[family]
+    model, inputs = build(device)
+    ref = forward(model, inputs)
+    model_half, inputs_half = build(device, dtype)
+    eager = forward(model_half, inputs_half)
+    fusebox.patch(model_half)
+    patched = forward(model_half, inputs_half)
+    assert patched.dtype == dtype
+    assert rel_err(patched, ref) <= 1.5 * rel_err(eager, ref), (rel_err(patched, ref),
+                                                               rel_err(eager, ref))
+
+
+@pytest.mark.parametrize("family", list(OWN_BUILDERS))
+def test_own_builder_unpatch_restores_exactly(family, device):
+    build, forward = OWN_BUILDERS[family]
+    model, inputs = build(device)
+    ref = forward(model, inputs)
+    processors = _processors(model)
+    fusebox.patch(model)
+    assert fusebox.unpatch(model) > 0
+    assert all(_processors(model)[n] is p for n, p in processors.items())
+    with FuseboxOps() as ops:
+        out = forward(model, inputs)
+    assert not ops.calls
+    assert torch.equal(out, ref)

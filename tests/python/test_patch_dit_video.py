@@ -623,6 +623,285 @@ def test_wan_animate_gets_the_wan_fusions(device):
     assert rel_err(out, ref) < 1e-5
 
 
+# --------------------------------------------------------------------------- LTX-2
+
+# diffusers' own tiny LTX-2 (tests/models/transformers/test_models_transformer_ltx2.py)
+LTX2_TINY = dict(in_channels=4, out_channels=4, patch_size=1, patch_size_t=1,
+                 num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
+                 audio_in_channels=4, audio_out_channels=4, audio_num_attention_heads=2,
+                 audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2,
+                 qk_norm="rms_norm_across_heads", caption_channels=16,
+                 rope_double_precision=False)
+# LTX-2.3's additions: per-head attention gates, modulated text cross-attention (queries and
+# the text keys/values, the latter from sigma), affine block norms
+LTX23 = dict(gated_attn=True, audio_gated_attn=True, cross_attn_mod=True,
+             audio_cross_attn_mod=True, norm_elementwise_affine=True)
+LTX2_CASES = {
+    "ltx2-interleaved": (dict(rope_type="interleaved"), {}),
+    "ltx2-split": (dict(rope_type="split"), {}),      # the LTX-2.0 checkpoints' RoPE
+    "ltx2-split-token": (dict(rope_type="split"), dict(per_token=True)),
+    "ltx2.3-split": (dict(rope_type="split", **LTX23), dict(sigma=True)),
+    "ltx2.3-interleaved-token": (dict(rope_type="interleaved", **LTX23),
+                                 dict(sigma=True, per_token=True)),
+    "ltx2-split-isolated": (dict(rope_type="split"), dict(isolate_modalities=True)),
+}
+
+
+def tiny_ltx2(device="cpu", dtype=torch.float32, **config):
+    """diffusers' tiny LTX-2 with every RMSNorm weight (q/k norms, affine block norms) moved
+    off 1 and the modulation tables off their init, so a fusion that dropped a weight, a table
+    or a ``1 +`` would show."""
+    torch.manual_seed(0)
+    model = diffusers.LTX2VideoTransformer3DModel(**dict(LTX2_TINY, **config))
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight"):
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif "scale_shift_table" in name:
+                p.add_(0.5 * torch.randn(p.shape, generator=g))
+    return keep_fp32(model.to(device).eval(), dtype)
+
+
+def ltx2_inputs(device="cpu", dtype=torch.float32, per_token=False, sigma=False,
+                isolate_modalities=False):
+    """2x4x4 video tokens, 9 audio tokens, 8 text tokens (2 of them padding in sample 0); a
+    timestep per sample or, ``per_token``, per video token (the audio one per sample)."""
+    g = torch.Generator().manual_seed(1)
+    b, f, h, w, audio, text = 2, 2, 4, 4, 9, 8
+    mask = torch.ones(b, text)
+    mask[0, -2:] = 0
+    tensors = dict(hidden_states=torch.randn(b, f * h * w, 4, generator=g),
+                   audio_hidden_states=torch.randn(b, audio, 4, generator=g),
+                   encoder_hidden_states=torch.randn(b, text, 16, generator=g),
+                   audio_encoder_hidden_states=torch.randn(b, text, 16, generator=g))
+    kw = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+    timestep = torch.tensor([300.0, 700.0])
+    if per_token:
+        kw["audio_timestep"] = timestep.to(device)
+        timestep = torch.rand(b, f * h * w, generator=g) * 1000
+    kw.update(timestep=timestep.to(device), encoder_attention_mask=mask.to(device),
+              audio_encoder_attention_mask=mask.to(device), num_frames=f, height=h, width=w,
+              audio_num_frames=audio, fps=25.0, isolate_modalities=isolate_modalities,
+              return_dict=False)
+    if sigma:
+        kw["sigma"] = torch.tensor([0.3, 0.7], device=device)
+    return kw
+
+
+def build_ltx2(case, device, dtype=torch.float32):
+    config, inputs = LTX2_CASES[case]
+    return tiny_ltx2(device, dtype, **config), ltx2_inputs(device, dtype, **inputs)
+
+
+def run_ltx2(model, kw):
+    """(video, audio) outputs."""
+    with torch.no_grad():
+        return tuple(model(**kw))
+
+
+def ltx2_expected_ops(case):
+    """Fused ops per forward of the 2-block tiny LTX-2. Per block and stream: fused_norm x5
+    (adaln, the residual + norm2, the residual + cross-modal norm, its second modulation, the
+    residual + norm3), gated_residual x4 (3 modulation sums, the feed-forward residual).
+    Interleaved RoPE: rotary x1 per self-attention, x2 per cross-modal one (k has its own
+    tables); split RoPE: rms_norm of q and of k then rotary. Text cross-attention: rms_norm x2."""
+    per_stream = {"fused_norm": 5, "gated_residual": 4, "rotary": 3, "rms_norm": 2}
+    if "split" in case:
+        per_stream["rms_norm"] += 4
+    if "isolated" in case:   # no cross-modal attention: its norms, sums and rotaries go
+        per_stream = {"fused_norm": 3, "gated_residual": 2, "rotary": 1,
+                      "rms_norm": per_stream["rms_norm"] - 2 * ("split" in case)}
+    return {op: 2 * 2 * n for op, n in per_stream.items()}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(LTX2_CASES))
+def test_ltx2_fp32_patched_matches_unpatched(case, device):
+    model, kw = build_ltx2(case, device)
+    ref = run_ltx2(model, kw)
+    report = fusebox.patch(model)
+    assert report.family == "ltx-2"
+    with FuseboxOps() as ops:
+        out = run_ltx2(model, kw)
+    for op, n in ltx2_expected_ops(case).items():
+        assert ops.calls.get(op, 0) == n, f"{op}: ran {ops.calls.get(op, 0)} times, expected {n}"
+    assert ops.calls.get("act", 0) == 4     # the feed-forward GELU (generic pass)
+    for got, want in zip(out, ref):        # video, then audio
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert rel_err(got, want) < FP32_TOL
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["ltx2-interleaved", "ltx2-split", "ltx2.3-interleaved-token"])
+def test_ltx2_bf16_within_bf16_spread(case, device):
+    """bf16 patched outputs (video and audio) are as close to the fp32 model as bf16 eager
+    is (same weights)."""
+    model, kw = build_ltx2(case, device)
+    refs32 = run_ltx2(model, kw)
+    model, kw16 = build_ltx2(case, device, torch.bfloat16)
+    eagers16 = run_ltx2(model, kw16)
+    fusebox.patch(model)
+    patched16s = run_ltx2(model, kw16)
+    for ref32, eager16, patched16 in zip(refs32, eagers16, patched16s):
+        assert patched16.dtype == torch.bfloat16 and bool(torch.isfinite(patched16).all())
+        spread = rel_err(eager16, ref32)
+        assert 1e-4 < spread < 5e-2, spread
+        assert rel_err(patched16, ref32) < 1.25 * spread
+        assert rel_err(patched16, eager16) < 1.5 * spread
+
+
+@pytest.mark.parametrize("heads_first_rows", [False, True], ids=["self", "cross"])
+def test_ltx2_split_rope_matches_diffusers(heads_first_rows):
+    """The split layout (q/k RMSNorm over all heads, then each head's pairs (j, j + D/2) turned
+    by its own table) equals diffusers' norm + ``apply_split_rotary_emb``, k with q's tables
+    (self-attention) or with its own over another length (cross-modal attention)."""
+    from diffusers.models.transformers.transformer_ltx2 import apply_split_rotary_emb
+
+    from fusebox.patch.dit._shared import qk_norm_rope_across_heads
+
+    g = torch.Generator().manual_seed(7)
+    b, s, heads, d = 2, 5, 3, 8
+    s_k = 7 if heads_first_rows else s
+    q, k = torch.randn(b, s, heads * d, generator=g), torch.randn(b, s_k, heads * d, generator=g)
+    norm_q, norm_k = (torch.nn.RMSNorm(heads * d, eps=1e-6) for _ in range(2))
+    with torch.no_grad():
+        norm_q.weight.uniform_(0.5, 1.5)
+        norm_k.weight.uniform_(0.5, 1.5)
+
+    def tables(n):
+        angles = torch.rand(b, heads, n, d // 2, generator=g) * 6
+        return angles.cos(), angles.sin()
+
+    rotary = tables(s)
+    key_rotary = tables(s_k) if heads_first_rows else None
+    with torch.no_grad():
+        want_q = apply_split_rotary_emb(norm_q(q), rotary)
+        want_k = apply_split_rotary_emb(norm_k(k), key_rotary or rotary)
+    with FuseboxOps() as ops:
+        got_q, got_k = qk_norm_rope_across_heads(q, k, heads, norm_q.weight, norm_k.weight, 1e-6,
+                                                 rotary, key_rotary, layout="split")
+    assert ops.calls == {"rms_norm": 2, "rotary": 2 if heads_first_rows else 1}
+    assert got_q.shape == (b, s, heads, d) and got_k.shape == (b, s_k, heads, d)
+    assert rel_err(got_q.flatten(2), want_q) < 1e-6
+    assert rel_err(got_k.flatten(2), want_k) < 1e-6
+
+
+def test_ltx2_unpatch_restores():
+    model, kw = build_ltx2("ltx2.3-split", "cpu")
+    before = _state(model)
+    ref = run_ltx2(model, kw)
+    fusebox.patch(model)
+    assert fusebox.is_patched(model)
+    assert fusebox.unpatch(model) > 0 and not fusebox.is_patched(model)
+    assert _state(model) == before
+    assert not any("_fusebox_undo" in m.__dict__ or "_fusebox_fused_into" in m.__dict__
+                   for m in model.modules())
+    out = run_ltx2(model, kw)
+    assert all(torch.equal(a, b) for a, b in zip(out, ref))
+
+
+@pytest.mark.parametrize("rope_type", ["interleaved", "split"])
+def test_report_ltx2(rope_type):
+    model = tiny_ltx2(rope_type=rope_type)
+    report = fusebox.patch(model)
+    assert report.family == "ltx-2"
+    kinds = {}
+    for e in report.patched:
+        kinds[e.kind] = kinds.get(e.kind, 0) + 1
+    # 2 blocks of 6 attentions (self, text and cross-modal, per stream)
+    assert kinds["LTX2VideoTransformerBlock"] == 2 and kinds["LTX2Attention"] == 12
+    assert kinds["GELU"] == 4 and kinds["LayerNorm"] == 2      # generic: ff, norm_out
+    patched = {e.path: e.what for e in report.patched}
+    assert "adaln" in patched["transformer_blocks.0"]
+    assert rope_type in patched["transformer_blocks.0.audio_to_video_attn"]
+    skipped = {e.path: e.what for e in report.skipped}
+    block = model.transformer_blocks[1]
+    for name in ("norm1", "audio_norm1", "norm2", "audio_to_video_norm", "video_to_audio_norm",
+                 "audio_norm3", "attn1.norm_q", "video_to_audio_attn.norm_k"):
+        assert skipped[f"transformer_blocks.1.{name}"].startswith("done by the ")
+        assert not _common.is_patched(block.get_submodule(name))
+    assert "LTX2VideoTransformerBlock" in str(report)
+
+
+def test_ltx2_custom_processor_left_alone():
+    from diffusers.models.transformers.transformer_ltx2 import LTX2AudioVideoAttnProcessor
+
+    class Custom(LTX2AudioVideoAttnProcessor):
+        pass
+
+    model = tiny_ltx2()
+    model.transformer_blocks[0].attn1.set_processor(Custom())
+    report = fusebox.patch(model)
+    skipped = {e.path: e.what for e in report.skipped}
+    assert "custom" in skipped["transformer_blocks.0.attn1"]
+    assert type(model.transformer_blocks[0].attn1.processor) is Custom
+
+
+def test_ltx2_attention_backend_reaches_the_replaced_processor():
+    model = tiny_ltx2()
+    fusebox.patch(model)
+    model.set_attention_backend("native")
+    processor = model.transformer_blocks[0].audio_to_video_attn.processor
+    assert processor.original._attention_backend == processor._attention_backend
+    assert processor._attention_backend.value == "native"
+
+
+def test_ltx2_perturbed_attention():
+    """``perturbed_attn`` models (spatio-temporal guidance): blocks outside the guidance fuse
+    their attention; the perturbed ones (values instead of attention for the samples the mask
+    zeroes) run diffusers' processor, with the unpatched result."""
+    model = tiny_ltx2(rope_type="split", perturbed_attn=True)
+    kw = ltx2_inputs()
+    kw.update(spatio_temporal_guidance_blocks=[0], perturbation_mask=torch.tensor([1.0, 0.0]))
+    ref = run_ltx2(model, kw)
+    report = fusebox.patch(model)
+    assert sum(e.kind == "LTX2Attention" for e in report.patched) == 12
+    with FuseboxOps() as ops:
+        out = run_ltx2(model, kw)
+    # split RoPE: a rotary launch per self-attention, two per cross-modal one (k has its own
+    # tables); block 0's perturbed self-attentions run diffusers' processor
+    assert ops.calls["rotary"] == (2 + 4) + 4, ops.calls
+    assert all(rel_err(a, b) < FP32_TOL for a, b in zip(out, ref))
+
+
+def test_ltx2_autograd_falls_back():
+    model, kw = build_ltx2("ltx2.3-split", "cpu")
+    out = assert_patch_falls_back(model, lambda m: m(**kw)[1])   # every fused forward fell back
+    out.sum().backward()
+    assert model.transformer_blocks[0].audio_scale_shift_table.grad is not None
+
+
+def test_ltx2_float64_falls_back():
+    model, kw = build_ltx2("ltx2-split", "cpu", torch.float64)
+    assert_patch_falls_back(model, lambda m: torch.cat([t.flatten() for t in run_ltx2(m, kw)]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["ltx2-interleaved", "ltx2-split", "ltx2.3-interleaved-token"])
+def test_ltx2_compiled_patched_block_fullgraph(case, device):
+    model, kw = build_ltx2(case, device)
+    captured = {}
+
+    def grab(module, args, kwargs):
+        captured.setdefault("args", (args, kwargs))
+
+    block = model.transformer_blocks[0]
+    handle = block.register_forward_pre_hook(grab, with_kwargs=True)
+    run_ltx2(model, kw)
+    handle.remove()
+    args, kwargs = captured["args"]
+    fusebox.patch(model)
+    torch._dynamo.reset()
+    backend = GraphOps()
+    with torch.no_grad():
+        eager = block(*args, **kwargs)
+        out = torch.compile(block, fullgraph=True, backend=backend)(*args, **kwargs)
+    # the fused path is what was traced
+    assert {"rotary", "fused_norm", "gated_residual", "rms_norm"} <= backend.ops
+    assert all(rel_err(a, b) < FP32_TOL for a, b in zip(out, eager))
+
+
 def _spec_names():
     from fusebox.bench.e2e import dit
 

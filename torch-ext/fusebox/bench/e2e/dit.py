@@ -108,6 +108,20 @@ def _ltx_inputs(frames, height, width, batch=2, text=128, channels=128, caption=
                           width=w, rope_interpolation_scale=(8 / 25, 32, 32))
 
 
+def _ltx2_inputs(frames, height, width, fps=24.0, batch=2, text=1024, caption=3840):
+    """LTX-2 latents: the video as LTX-Video's (8x temporal / 32x spatial VAE, 128 channels), the
+    audio at 25 latents a second (16 kHz, mel hop 160, 4x VAE; 8 channels x 16 mel bins), the
+    text connectors' 1024 tokens for each stream, batched CFG (batch 2)."""
+    f, h, w = (frames - 1) // 8 + 1, height // 32, width // 32
+    audio = round(frames / fps * 25)
+    return _latent_inputs((batch, f * h * w, 128), text, 500.0, caption,
+                          audio_hidden_states=_drawn(batch, audio, 128),
+                          audio_encoder_hidden_states=_drawn(batch, text, caption),
+                          encoder_attention_mask=_mask(batch, text),
+                          audio_encoder_attention_mask=_mask(batch, text), num_frames=f,
+                          height=h, width=w, fps=fps, audio_num_frames=audio)
+
+
 def _flux_image_ids(h, w):
     def ids(device, dtype, g):
         rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
@@ -159,6 +173,28 @@ def _flux2_inputs(size=1024, text=512):
         return ids.to(device=device, dtype=dtype)
     return _latent_inputs((1, h * w, 128), text, _filled(1, 0.5), 15360, img_ids=img_ids,
                           txt_ids=txt_ids, guidance=_filled(1, 4.0))
+
+
+def _flux3_inputs(size=1024, text=160):
+    """FLUX.3: FLUX.2's 128-channel packed latents, 4-axis positions (time, row, column, layer)
+    with the image's rows and columns at half scale (the pipeline's ``image_rope_scale``) and
+    the text counting along the last, Qwen3-VL states of 8 layers stacked (8 x 2560 = 20480) in
+    a window the pipeline pads to a multiple of 80 tokens, a flow timestep in [0, 1]."""
+    h = w = size // 16
+
+    def img_ids(device, dtype, g):
+        rows, cols = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+        zeros = torch.zeros_like(rows)
+        ids = torch.stack([zeros, rows, cols, zeros], -1).reshape(-1, 4).float()
+        ids[:, 1:3] *= 0.5
+        return ids.to(device)
+
+    def txt_ids(device, dtype, g):
+        ids = torch.zeros(text, 4)
+        ids[:, 3] = torch.arange(text)
+        return ids.to(device)
+    return _latent_inputs((1, h * w, 128), text, _filled(1, 0.5), 20480, img_ids=img_ids,
+                          txt_ids=txt_ids)
 
 
 def _video_latents(frames, height, width):
@@ -275,6 +311,18 @@ LTX_CONFIG = dict(  # Lightricks/LTX-Video (0.9.x, 2B)
     activation_fn="gelu-approximate",
     qk_norm="rms_norm_across_heads", norm_elementwise_affine=False, norm_eps=1e-6,
     caption_channels=4096, attention_bias=True, attention_out_bias=True)
+LTX2_CONFIG = dict(  # Lightricks/LTX-2 (2.0, 19B): scripts/convert_ltx2_to_diffusers.py's "2.0"
+    in_channels=128, out_channels=128, patch_size=1, patch_size_t=1, num_attention_heads=32,
+    attention_head_dim=128, cross_attention_dim=4096, vae_scale_factors=(8, 32, 32),
+    pos_embed_max_pos=20, base_height=2048, base_width=2048, audio_in_channels=128,
+    audio_out_channels=128, audio_patch_size=1, audio_patch_size_t=1,
+    audio_num_attention_heads=32, audio_attention_head_dim=64, audio_cross_attention_dim=2048,
+    audio_scale_factor=4, audio_pos_embed_max_pos=20, audio_sampling_rate=16000,
+    audio_hop_length=160, num_layers=48, activation_fn="gelu-approximate",
+    qk_norm="rms_norm_across_heads", norm_elementwise_affine=False, norm_eps=1e-6,
+    caption_channels=3840, attention_bias=True, attention_out_bias=True, rope_theta=10000.0,
+    rope_double_precision=True, causal_offset=1, timestep_scale_multiplier=1000,
+    cross_attn_timestep_scale_multiplier=1000, rope_type="split")
 WAN_BASE = dict(  # Wan-AI/Wan2.1-T2V-{1.3B,14B}-Diffusers
     patch_size=[1, 2, 2], attention_head_dim=128, in_channels=16, out_channels=16, text_dim=4096,
     freq_dim=256, cross_attn_norm=True, qk_norm="rms_norm_across_heads", eps=1e-6,
@@ -286,6 +334,13 @@ SPECS: Dict[str, Spec] = {
         "LTXVideoTransformer3DModel", LTX_CONFIG, _ltx_inputs(49, 512, 768),
         "49 frames 512x768 -> latent 7x16x24 = 2688 tokens x 128 ch, batch 2 (CFG), text 128",
         steps=30),
+    "ltx-2": Spec(
+        "LTX-2 19B (video + audio), 121x512x768 at 24 fps (6144 video + 126 audio tokens), "
+        "CFG batch 2, 30 steps",
+        "LTX2VideoTransformer3DModel", LTX2_CONFIG, _ltx2_inputs(121, 512, 768),
+        "121 frames 512x768 -> latent 16x16x24 = 6144 video tokens + 126 audio tokens x 128 ch, "
+        "batch 2 (CFG), text 1024 per stream; the pipeline's guidance forwards (STG, modality) "
+        "not counted", steps=30),
     "flux-dev": Spec(
         "FLUX.1-dev 12B, 1024x1024 (4096 image + 512 text tokens), 28 steps",
         "FluxTransformer2DModel",
@@ -312,6 +367,17 @@ SPECS: Dict[str, Spec] = {
              rope_theta=2000, eps=1e-6, guidance_embeds=True),
         _flux2_inputs(), "1024x1024 -> 4096 image tokens + 512 text, guidance 4.0, batch 1",
         steps=50),
+    "flux3": Spec(
+        "FLUX.3 (5.5B), 1024x1024 (4096 image + 160 text tokens), CFG as 2 forwards, 50 steps",
+        "Flux3Transformer2DModel",
+        # the class's (documented) defaults: 5 per-mode blocks per token mode, 28 joint blocks,
+        # 24 x 128 heads, text width 20480 = the pipeline's 8 stacked Qwen3-VL layers x 2560
+        dict(in_channels=128, cond_in_channels=128, num_layers=5, num_single_layers=28,
+             attention_head_dim=128, num_attention_heads=24, joint_attention_dim=20480,
+             timestep_channels=256, mlp_ratio=3.0, axes_dims_rope=[32, 32, 32, 32],
+             rope_theta=10000, eps=1e-6, flow_map=False),
+        _flux3_inputs(), "1024x1024 -> 4096 image tokens + 160 text (a window of 2 x 80), "
+        "text-to-image, batch 1", steps=50, forwards_per_step=2),
     "wan-1.3b": Spec(
         "Wan2.1-T2V-1.3B, 81x480x832 (32760 tokens), CFG as 2 forwards, 50 steps",
         "WanTransformer3DModel",

@@ -5,7 +5,7 @@ processor of attention whose q/k norm spans all heads: LTX-Video, Wan), the patc
 families share, and the stream pieces of two-stream blocks (FLUX, HunyuanVideo).
 
 Each formula helper (``modulation_sum``, ``modulated_norm``, ``gated_add``, ``gated_add_norm``,
-``linear_gelu``, ``norm_rope``) computes what the diffusers code writes; it takes the fused path when its
+``linear_gelu``, ``linear_add``, ``norm_rope``) computes what the diffusers code writes; it takes the fused path when its
 operands allow (no autograd, supported dtypes and devices, the model's output dtype reachable)
 and otherwise runs the eager formula, so a patched block never changes what a model computes.
 """
@@ -120,23 +120,34 @@ class FusedAttnProcessor:
 
 class TokenQKNormAttnProcessor(FusedAttnProcessor):
     """Base of the processors of attention modules whose q/k RMSNorm spans all heads of a token
-    (LTX-Video, Wan): the q/k/v projections (:meth:`project`), q/k RMSNorm + interleaved RoPE
-    in one ``qk_norm_rope`` launch (``rms_norm`` without tables), diffusers' attention
-    dispatch, then ``to_out``. Calls it cannot fuse run the original processor. ``__call__``
-    has ``WanAttnProcessor``'s signature; a subclass for a processor whose parameters are named
-    otherwise redefines it (some attention modules filter keyword arguments by it) and calls
-    :meth:`run`."""
+    (LTX-Video, LTX-2, Wan): the q/k/v projections (:meth:`project`), q/k RMSNorm + RoPE
+    (:func:`qk_norm_rope_across_heads`, the tables laid out as :meth:`rope_layout` says),
+    diffusers' attention dispatch, then ``to_out``. Calls it cannot fuse run the original
+    processor (:meth:`call_original`). ``__call__`` has ``WanAttnProcessor``'s signature; a
+    subclass for a processor whose parameters are named otherwise redefines it (some attention
+    modules filter keyword arguments by it) and calls :meth:`run`."""
 
-    # the RoPE tables index the flat [B, S, heads * head_dim] q/k (a frequency per channel)
-    # rather than [B, S, H, D] q/k with a table shared by the heads
-    rope_on_flat = False
+    # how the RoPE tables index q/k (one of ROPE_LAYOUTS): Wan's [1, S, 1, D] tables are
+    # shared by the heads of [B, S, H, D] q/k
+    rope_layout = "heads"
 
     def project(self, attn, hidden_states, encoder_hidden_states, attention_mask):
         """(query, key, value, attention mask as dispatch takes it); q/k/v ``[B, S, H * D]``."""
         raise NotImplementedError
 
+    def rope_layout_of(self, attn) -> str:
+        return self.rope_layout
+
     def parallel_config(self, encoder_hidden_states):
         return self._parallel_config
+
+    def call_original(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary,
+                      key_rotary):
+        return self.original(attn, hidden_states, encoder_hidden_states, attention_mask, rotary)
+
+    def heads_output(self, attn, hidden_states, attn_output):
+        """The attention output ``[B, S, H * D]`` before ``to_out`` (a subclass gates heads)."""
+        return attn_output
 
     def __call__(
         self,
@@ -148,37 +159,31 @@ class TokenQKNormAttnProcessor(FusedAttnProcessor):
     ) -> Tensor:
         return self.run(attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb)
 
-    def run(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary):
-        cos, sin = rotary if rotary is not None else (None, None)
+    def run(self, attn, hidden_states, encoder_hidden_states, attention_mask, rotary,
+            key_rotary=None):
+        """``key_rotary``: k's own tables (cross-attention between two streams); None: q's."""
+        layout = self.rope_layout_of(attn)
         qk_norm = qk_norm_weights(attn, hidden_states)
         if (qk_norm is None or grad_needed(attn, hidden_states, encoder_hidden_states)
-                or not fusable(hidden_states, qk_norm[0], qk_norm[1], cos, sin)):
-            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
-                                 rotary)
+                or not fusable(hidden_states, qk_norm[0], qk_norm[1], *(rotary or ()),
+                               *(key_rotary or ()))
+                or not rotary_fits(layout, attn.heads, rotary, key_rotary)):
+            return self.call_original(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                      rotary, key_rotary)
         weight_q, weight_k, eps = qk_norm
         query, key, value, attention_mask = self.project(attn, hidden_states,
                                                          encoder_hidden_states, attention_mask)
-        rope_after_heads = cos is not None and not self.rope_on_flat
-        if cos is None:
-            query = fb.rms_norm(query, weight_q, eps)
-            key = fb.rms_norm(key, weight_k, eps)
-        elif not rope_after_heads:
-            query, key = fb.qk_norm_rope(query, key, weight_q, weight_k, cos, sin, eps=eps,
-                                         across_heads=True, interleaved=True)
-        query = query.unflatten(2, (attn.heads, -1))
-        key = key.unflatten(2, (attn.heads, -1))
+        query, key = qk_norm_rope_across_heads(query, key, attn.heads, weight_q, weight_k, eps,
+                                               rotary, key_rotary, layout)
         value = value.unflatten(2, (attn.heads, -1))
-        if rope_after_heads:
-            query, key = fb.qk_norm_rope(query, key, weight_q, weight_k, cos, sin, eps=eps,
-                                         across_heads=True, interleaved=True)
 
-        hidden_states = dispatch_attention_fn(
+        out = dispatch_attention_fn(
             query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
             backend=self._attention_backend,
             parallel_config=self.parallel_config(encoder_hidden_states))
-        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
-        hidden_states = attn.to_out[0](hidden_states)
-        return attn.to_out[1](hidden_states)
+        out = self.heads_output(attn, hidden_states, out.flatten(2, 3).to(query.dtype))
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)
 
 
 def built_on(model: torch.nn.Module, model_class: type, block_class: type) -> bool:
@@ -338,23 +343,26 @@ def qk_norm_weights(attn: torch.nn.Module, x: Tensor):
     return q[0], k[0], q[1]
 
 
-def _modulation_dtype(p: NormParams, x: Tensor, scale: Tensor, shift: Optional[Tensor]):
-    """dtype of ``norm(x) * (1 + scale) + shift`` in eager PyTorch, or None when the fused op
-    cannot write it."""
-    dtype = torch.promote_types(p.dtype, scale.dtype)
+def _modulation_dtype(p: NormParams, x: Tensor, scale: Optional[Tensor],
+                      shift: Optional[Tensor]):
+    """dtype of ``norm(x) * (1 + scale) + shift`` (``norm(x)`` without scale) in eager PyTorch,
+    or None when the fused op cannot write it."""
+    dtype = p.dtype if scale is None else torch.promote_types(p.dtype, scale.dtype)
     if shift is not None:
         dtype = torch.promote_types(dtype, shift.dtype)
     return dtype if dtype in (x.dtype, torch.float32) else None
 
 
-def _modulate(normed: Tensor, scale: Tensor, shift: Optional[Tensor]) -> Tensor:
+def _modulate(normed: Tensor, scale: Optional[Tensor], shift: Optional[Tensor]) -> Tensor:
+    if scale is None:
+        return normed
     return normed * (1 + scale) if shift is None else normed * (1 + scale) + shift
 
 
-def modulated_norm(norm: torch.nn.Module, x: Tensor, scale: Tensor,
+def modulated_norm(norm: torch.nn.Module, x: Tensor, scale: Optional[Tensor],
                    shift: Optional[Tensor] = None) -> Tensor:
-    """``norm(x) * (1 + scale) + shift`` (AdaLN; no shift where None); scale/shift broadcast
-    as ``[B, 1, D]``."""
+    """``norm(x) * (1 + scale) + shift`` (AdaLN; no shift where None; ``norm(x)`` alone without
+    scale); scale/shift broadcast as ``[B, 1, D]``."""
     p = norm_params(norm, x)
     if p is not None and fusable(x, scale, shift, p.weight, p.bias):
         dtype = _modulation_dtype(p, x, scale, shift)
@@ -384,9 +392,10 @@ def gated_add(x: Tensor, branch: Tensor, gate: Optional[Tensor] = None) -> Tenso
 
 
 def gated_add_norm(x: Tensor, branch: Tensor, gate: Optional[Tensor], norm: torch.nn.Module,
-                   scale: Tensor, shift: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+                   scale: Optional[Tensor],
+                   shift: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
     """A DiT block boundary: ``h = x + gate * branch``, then ``norm(h) * (1 + scale) + shift``
-    (no shift where None). Returns ``(normed, h)``."""
+    (no shift where None; ``norm(h)`` alone without scale). Returns ``(normed, h)``."""
     p = norm_params(norm, x)
     if p is not None and fusable(x, scale, shift, p.weight, p.bias, like_x=(branch, gate)):
         dtype = _modulation_dtype(p, x, scale, shift)
@@ -452,6 +461,20 @@ def linear_rows(proj: torch.nn.Module, x: Tensor) -> Tensor:
     return out
 
 
+def linear_add(proj: torch.nn.Module, x: Tensor, other: Tensor) -> Tensor:
+    """``proj(x) + other`` (a parallel block's attention output plus its feed-forward output):
+    for a plain Linear without bias, one GEMM that accumulates onto ``other`` (``addmm``), so
+    the product is not written for a separate add to read back. fp32 accumulation, one
+    rounding."""
+    if (_plain_linear(proj) and proj.bias is None and x.dim() >= 2 and other.is_contiguous()
+            and other.shape == (*x.shape[:-1], proj.out_features)
+            and fusable(x, like_x=(other, proj.weight))):
+        out = torch.addmm(other.reshape(-1, other.shape[-1]), x.reshape(-1, x.shape[-1]),
+                          proj.weight.t())
+        return out.view(other.shape)
+    return proj(x) + other
+
+
 def linear_act(proj: torch.nn.Module, act: torch.nn.Module, x: Tensor) -> Tensor:
     """``act(proj(x))``, fused when ``act`` is a torch GELU."""
     if type(act) is torch.nn.GELU and act.approximate in GELU_KINDS:
@@ -462,7 +485,10 @@ def linear_act(proj: torch.nn.Module, act: torch.nn.Module, x: Tensor) -> Tensor
 # --------------------------------------------------------------------------- q/k norm + RoPE
 
 
-def _eager_norm_rope(q, k, norm_q, norm_k, rotary):
+def _eager_norm_rope(q, k, norm_q, norm_k, rotary, upcast=False):
+    dtype = q.dtype
+    if upcast:
+        q, k = q.float(), k.float()
     if norm_q is not None:
         q = norm_q(q)
     if norm_k is not None:
@@ -470,7 +496,7 @@ def _eager_norm_rope(q, k, norm_q, norm_k, rotary):
     if rotary is not None:
         q = apply_rotary_emb(q, rotary, sequence_dim=1)
         k = apply_rotary_emb(k, rotary, sequence_dim=1)
-    return q, k
+    return (q.to(dtype), k.to(dtype)) if upcast else (q, k)
 
 
 def host_readable(t: Tensor, parallel_config) -> bool:
@@ -527,26 +553,109 @@ def stream_qkv(attn: torch.nn.Module, x: Tensor, context: bool = False):
 
 
 def norm_rope(q: Tensor, k: Tensor, norm_q: Optional[torch.nn.Module],
-              norm_k: Optional[torch.nn.Module], rotary: Optional[Tuple[Tensor, Tensor]]):
+              norm_k: Optional[torch.nn.Module], rotary: Optional[Tuple[Tensor, Tensor]],
+              upcast: bool = False):
     """Per-head RMSNorm of q and k (``[B, S, H, D]``; modules ``norm_q``/``norm_k``, or None
     for none), then diffusers' interleaved RoPE with its ``(cos, sin)`` ``[S, D]`` tables
-    (``apply_rotary_emb(..., sequence_dim=1)``), q and k in one launch."""
+    (``apply_rotary_emb(..., sequence_dim=1)``), q and k in one launch. ``upcast``: the model
+    normalizes and rotates ``q.float()`` / ``k.float()`` and casts the result back to q's dtype
+    (FLUX.3), which is what the fused op computes; only the eager fallback differs."""
     cos, sin = rotary if rotary is not None else (None, None)
     if cos is not None and (cos.dim() != 2 or sin.dim() != 2):
-        return _eager_norm_rope(q, k, norm_q, norm_k, rotary)
+        return _eager_norm_rope(q, k, norm_q, norm_k, rotary, upcast)
     if norm_q is None and norm_k is None:
         if cos is not None and fusable(q, cos, sin, like_x=(k,)):
             return fb.rope(rows(q), rows(k), cos, sin, interleaved=True)
-        return _eager_norm_rope(q, k, norm_q, norm_k, rotary)
+        return _eager_norm_rope(q, k, norm_q, norm_k, rotary, upcast)
     pq = rms_params(norm_q, q) if norm_q is not None else None
     pk = rms_params(norm_k, k) if norm_k is not None else None
     if pq is None or pk is None or pq[1] != pk[1] or not fusable(q, pq[0], pk[0], cos, sin,
                                                                   like_x=(k,)):
-        return _eager_norm_rope(q, k, norm_q, norm_k, rotary)
+        return _eager_norm_rope(q, k, norm_q, norm_k, rotary, upcast)
     q, k = rows(q), rows(k)
     if cos is None:
         return fb.rms_norm(q, pq[0], pq[1]), fb.rms_norm(k, pk[0], pk[1])
     return fb.qk_norm_rope(q, k, pq[0], pk[0], cos, sin, pq[1], interleaved=True)
+
+
+# How RoPE tables index the q/k of attention whose q/k norm spans all heads of a token:
+# "flat": interleaved, a frequency per channel of the flat [B, S, H * D] q/k ([B or 1, S, H * D]
+# tables: LTX-Video, LTX-2); "heads": interleaved, [.., S, 1, D] tables shared by the heads of
+# [B, S, H, D] q/k (Wan); "split": each head's pairs (j, j + D/2) with per-head tables
+# [B, H, S, D/2] (LTX-2's ``apply_split_rotary_emb``).
+ROPE_LAYOUTS = ("flat", "heads", "split")
+
+
+def rotary_fits(layout: str, heads: int, *rotaries: Optional[Tuple[Tensor, Tensor]]) -> bool:
+    """Can :func:`qk_norm_rope_across_heads` take these (cos, sin) tables (None: no RoPE)? Split
+    tables must hold one half-head table per head of the attention."""
+    for rotary in rotaries:
+        if rotary is None:
+            continue
+        cos, sin = rotary
+        if cos.shape != sin.shape:
+            return False
+        if layout == "split" and (cos.dim() != 4 or cos.shape[1] != heads):
+            return False
+    return True
+
+
+def split_rotary_rows(cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
+    """Per-head split tables ``[B, H, S, D/2]`` as the non-interleaved rotary's rows
+    ``[B, S * H, D]`` (each half written twice: pair j is channels j and j + D/2), for q/k viewed
+    as ``[B, S * H, 1, D]``: a table per head where the kernel reads one per row. Formed once
+    per forward."""
+    def rows_of(t):
+        t = t.transpose(1, 2)                      # [B, S, H, D/2]
+        return torch.cat([t, t], dim=-1).flatten(1, 2)
+    return derived_once(cos, ("split rows", sin.shape), lambda: (rows_of(cos), rows_of(sin)))
+
+
+def _split_rope(q: Tensor, k: Optional[Tensor], heads: int, rotary) -> Tuple[Tensor, Tensor]:
+    """Split RoPE of (already normed) flat q [and k] with per-head tables; [B, S, H, D] out."""
+    cos, sin = split_rotary_rows(*rotary)
+
+    def per_head_rows(x):
+        return None if x is None else x.unflatten(2, (heads, -1)).flatten(1, 2).unsqueeze(2)
+
+    q_out, k_out = fb.rope(per_head_rows(q), per_head_rows(k), cos, sin, interleaved=False)
+    q_out = q_out.view(q.shape[0], q.shape[1], heads, -1)
+    return q_out, None if k is None else k_out.view(k.shape[0], k.shape[1], heads, -1)
+
+
+def qk_norm_rope_across_heads(query: Tensor, key: Tensor, heads: int, weight_q: Optional[Tensor],
+                              weight_k: Optional[Tensor], eps: float,
+                              rotary: Optional[Tuple[Tensor, Tensor]],
+                              key_rotary: Optional[Tuple[Tensor, Tensor]] = None,
+                              layout: str = "flat") -> Tuple[Tensor, Tensor]:
+    """RMSNorm of q and k over all heads of a token (weights ``[H * D]``, or None), then RoPE
+    with ``rotary`` laid out as ``layout`` says (:data:`ROPE_LAYOUTS`); q/k come flat
+    ``[B, S, H * D]`` and leave ``[B, S, H, D]``. ``key_rotary``: k's own tables (k from another
+    stream, of its own length); None: q's. Interleaved tables: the norm and the rotation in one
+    launch, q and k together where they share tables. Split tables hold a table per head, which
+    the rotary kernel reads per row: the norm first (``rms_norm``, rounding where diffusers
+    rounds), then one rotary launch over heads as rows."""
+    if rotary is None or layout == "split":
+        query, key = fb.rms_norm(query, weight_q, eps), fb.rms_norm(key, weight_k, eps)
+        if rotary is None:
+            return query.unflatten(2, (heads, -1)), key.unflatten(2, (heads, -1))
+        if key_rotary is None:
+            return _split_rope(query, key, heads, rotary)
+        return _split_rope(query, None, heads, rotary)[0], _split_rope(key, None, heads,
+                                                                       key_rotary)[0]
+    if layout == "heads":
+        query, key = query.unflatten(2, (heads, -1)), key.unflatten(2, (heads, -1))
+    if key_rotary is None:
+        query, key = fb.qk_norm_rope(query, key, weight_q, weight_k, *rotary, eps=eps,
+                                     across_heads=True, interleaved=True)
+    else:
+        query = fb.qk_norm_rope(query, None, weight_q, None, *rotary, eps=eps,
+                                across_heads=True, interleaved=True)[0]
+        key = fb.qk_norm_rope(key, None, weight_k, None, *key_rotary, eps=eps,
+                              across_heads=True, interleaved=True)[0]
+    if layout == "flat":
+        query, key = query.unflatten(2, (heads, -1)), key.unflatten(2, (heads, -1))
+    return query, key
 
 
 def complex_rotary_tables(freqs: Tensor) -> Tuple[Tensor, Tensor]:

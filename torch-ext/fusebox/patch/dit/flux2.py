@@ -91,7 +91,8 @@ class Flux2FusedParallelAttnProcessor(FusedAttnProcessor):
 # --------------------------------------------------------------------------- blocks
 
 
-def _swiglu_forward(self, x):
+def swiglu_forward(self, x):
+    """FLUX.2's (and FLUX.3's) SwiGLU: gate first, packed in one projection."""
     if not fusable(x):
         return original_forward(self)(x)
     return fb.gated_activation_packed(x, "silu", gate_first=True)
@@ -162,7 +163,7 @@ def patch(model: torch.nn.Module, report, **options) -> None:
             report.add(path, module, "adaln + gated_residual")
             mark_fused(module.norm, "the block's adaln")
         elif cls is Flux2SwiGLU:
-            replace_forward(module, _swiglu_forward, f"{FAMILY} SwiGLU")
+            replace_forward(module, swiglu_forward, f"{FAMILY} SwiGLU")
             report.add(path, module, "gated_activation_packed (silu)")
         else:
             swap_processor(path, module, report, _FUSED_PROCESSORS)

@@ -52,9 +52,8 @@ class LTXFusedAttnProcessor(TokenQKNormAttnProcessor):
     """``LTXVideoAttnProcessor`` with q/k RMSNorm and RoPE fused. Same call signature (LTXAttention
     filters keyword arguments by it)."""
 
-    # one "head" of width heads * head_dim: the norm spans all heads and the tables hold a
-    # frequency per channel
-    rope_on_flat = True
+    # the norm spans all heads and the tables hold a frequency per channel of the flat q/k
+    rope_layout = "flat"
 
     def __call__(
         self,
@@ -81,6 +80,14 @@ class LTXFusedAttnProcessor(TokenQKNormAttnProcessor):
 # --------------------------------------------------------------------------- block
 
 
+def modulation_terms(table: torch.Tensor, temb: torch.Tensor, batch_size: int):
+    """The terms of ``table [n, D] + temb [B, T, n * D]`` as LTX blocks form them (LTX-2's
+    ``get_mod_params``): ``[B, T, D]`` views of one ``[B, T, n, D]`` sum, with T = 1 (per
+    sample) or T = S (per token), read in place by the fused ops."""
+    return modulation_sum(table[None, None].to(temb.device),
+                          temb.reshape(batch_size, temb.size(1), table.shape[0], -1)).unbind(dim=2)
+
+
 def _block_forward(
     block: torch.nn.Module,
     hidden_states: torch.Tensor,
@@ -95,11 +102,8 @@ def _block_forward(
         return original_forward(block)(hidden_states, encoder_hidden_states, temb, image_rotary_emb,
                                        encoder_attention_mask)
     hidden_states = rows(hidden_states)
-    batch_size = hidden_states.size(0)
-    # [B, T, 6, D] with T = 1 (per sample) or T = S (per token); the six terms stay views
-    ada = modulation_sum(table[None, None].to(temb.device),
-                         temb.reshape(batch_size, temb.size(1), table.shape[0], -1))
-    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = ada.unbind(dim=2)
+    shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = modulation_terms(
+        table, temb, hidden_states.size(0))
 
     norm_hidden_states = fb.adaln(hidden_states, scale_msa, shift_msa, block.norm1.weight,
                                   norm_type="rms", eps=block.norm1.eps)
