@@ -1447,3 +1447,161 @@ def test_own_builder_unpatch_restores_exactly(family, device):
         out = forward(model, inputs)
     assert not ops.calls
     assert torch.equal(out, ref)
+
+
+# --------------------------------------------------------------------------- HunyuanImage 2.1
+
+
+# text padding of the Qwen stream [B, 7] and the ByT5 glyph stream [B, 3] (rows: samples)
+_HYIMG_PADDING = {
+    "none": ([7, 7], [3, 3]),                 # nothing to trim: unmasked attention
+    "per sample": ([7, 5], [2, 3]),           # masked attention over all kept keys
+    "same suffix": ([4, 4], [0, 0]),          # the glyph stream goes, the Qwen suffix too
+}
+
+
+def _hunyuan_image(device="cpu", dtype=torch.float32, padding="per sample", **overrides):
+    """A tiny HunyuanImage 2.1 (the ByT5 glyph stream on) with norm weights off their init, and
+    inputs whose text streams are padded as ``padding`` says (valid tokens first per sample)."""
+    from diffusers import HunyuanImageTransformer2DModel
+
+    torch.manual_seed(0)
+    config = dict(in_channels=4, out_channels=4, num_attention_heads=4, attention_head_dim=16,
+                  num_layers=2, num_single_layers=2, num_refiner_layers=1, patch_size=(1, 1),
+                  text_embed_dim=32, text_embed_2_dim=24, rope_axes_dim=(8, 8))
+    model = HunyuanImageTransformer2DModel(**dict(config, **overrides)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    model = model.to(device=device, dtype=dtype)
+
+    def mask(valid, n):
+        return (torch.arange(n)[None] < torch.tensor(valid)[:, None]).float()
+
+    valid, valid_2 = _HYIMG_PADDING[padding]
+    inputs = dict(hidden_states=torch.randn(B, 4, 4, 6), timestep=torch.tensor([10.0, 500.0]),
+                  encoder_hidden_states=torch.randn(B, 7, 32),
+                  encoder_attention_mask=mask(valid, 7),
+                  encoder_hidden_states_2=torch.randn(B, 3, 24),
+                  encoder_attention_mask_2=mask(valid_2, 3))
+    return model, {k: v.to(device, dtype if "mask" not in k else v.dtype)
+                   for k, v in inputs.items()}
+
+
+def _hyimg_forward(model, inputs):
+    with torch.no_grad():
+        return model(**inputs, return_dict=False)[0]
+
+
+HYIMG_OPS = {"rotary", "rms_norm", "fused_norm", "gated_residual", "act"}
+
+
+@pytest.mark.parametrize("padding", list(_HYIMG_PADDING))
+def test_hunyuan_image_fp32_matches_unpatched(padding, device):
+    model, inputs = _hunyuan_image(device, padding=padding)
+    ref = _hyimg_forward(model, inputs)
+    report = fusebox.patch(model)
+    assert report.family == "hunyuan-image"
+    patched = Counter(e.kind for e in report.patched)
+    assert patched["HunyuanImageTransformerBlock"] == 2, str(report)
+    assert patched["HunyuanImageSingleTransformerBlock"] == 2, str(report)
+    # the blocks' attention; the refiner's (a plain AttnProcessor2_0) is not HunyuanImage's
+    assert patched["Attention"] == 4, str(report)
+    assert patched["AdaLayerNormZero"] == 4 and patched["AdaLayerNormZeroSingle"] == 2, str(report)
+    seen = []
+    model.transformer_blocks[0].register_forward_pre_hook(
+        lambda m, args: seen.append(args[1].shape[1]))
+    with FuseboxOps() as ops:
+        out = _hyimg_forward(model, inputs)
+    assert HYIMG_OPS <= set(ops.calls), ops.calls
+    # the blocks see the text without the padding after every sample's last valid token
+    assert seen == [{"none": 10, "per sample": 10, "same suffix": 4}[padding]]
+    assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_hunyuan_image_half_within_eager_half_spread(dtype, device):
+    model, inputs = _hunyuan_image(device)
+    ref = _hyimg_forward(model, inputs)
+    model_half, inputs_half = _hunyuan_image(device, dtype)
+    eager = _hyimg_forward(model_half, inputs_half)
+    fusebox.patch(model_half)
+    with FuseboxOps() as ops:
+        patched = _hyimg_forward(model_half, inputs_half)
+    assert HYIMG_OPS <= set(ops.calls), ops.calls
+    assert patched.dtype == dtype
+    assert rel_err(patched, ref) <= 1.5 * rel_err(eager, ref), (rel_err(patched, ref),
+                                                               rel_err(eager, ref))
+
+
+def test_hunyuan_image_unpatch_restores_exactly(device):
+    model, inputs = _hunyuan_image(device, padding="same suffix")
+    ref = _hyimg_forward(model, inputs)
+    processors = _processors(model)
+    dicts = {n: set(m.__dict__) for n, m in model.named_modules()}
+    hooks = _module_hooks(model)
+    fusebox.patch(model)
+    fusebox.patch(model)   # patching twice changes nothing more
+    assert fusebox.unpatch(model) > 0
+    assert all(_processors(model)[n] is p for n, p in processors.items())
+    assert {n: set(m.__dict__) for n, m in model.named_modules()} == dicts
+    assert _module_hooks(model) == hooks
+    with FuseboxOps() as ops:
+        out = _hyimg_forward(model, inputs)
+    assert not ops.calls
+    assert torch.equal(out, ref)
+
+
+def test_hunyuan_image_autograd_falls_back_to_original():
+    model, inputs = _hunyuan_image(padding="none")
+    inputs["hidden_states"].requires_grad_(True)
+    out = assert_patch_falls_back(model, lambda m: m(**inputs, return_dict=False)[0])
+    out.square().mean().backward()
+    assert inputs["hidden_states"].grad is not None
+
+
+def test_hunyuan_image_blocks_read_as_hunyuan_video(monkeypatch):
+    """HunyuanImage's blocks and processor take HunyuanVideo's fused code because their source
+    reads as HunyuanVideo's; a class whose source drifts keeps its own forward."""
+    from diffusers.models.transformers import transformer_hunyuan_video as hv
+    from diffusers.models.transformers import transformer_hunyuanimage as hi
+    from fusebox.patch.dit import hunyuan_image
+
+    reads = hunyuan_image.reads_as_hunyuan_video
+    assert reads(hi.HunyuanImageTransformerBlock.forward, hv.HunyuanVideoTransformerBlock.forward)
+    assert reads(hi.HunyuanImageSingleTransformerBlock.forward,
+                 hv.HunyuanVideoSingleTransformerBlock.forward)
+    assert reads(hi.HunyuanImageAttnProcessor.__call__, hv.HunyuanVideoAttnProcessor2_0.__call__)
+    assert not reads(hi.HunyuanImageTransformerBlock.forward,
+                     hv.HunyuanVideoSingleTransformerBlock.forward)
+
+    monkeypatch.setattr(hunyuan_image, "reads_as_hunyuan_video", lambda fn, video_fn: False)
+    model, inputs = _hunyuan_image(padding="none")
+    ref = _hyimg_forward(model, inputs)
+    report = fusebox.patch(model)
+    patched = Counter(e.kind for e in report.patched)
+    assert not patched["HunyuanImageTransformerBlock"] and not patched["Attention"], str(report)
+    assert rel_err(_hyimg_forward(model, inputs), ref) < 1e-5
+
+
+def test_hunyuan_image_compiled_block_has_no_graph_break(device):
+    model, inputs = _hunyuan_image(device)
+    fusebox.patch(model)
+    torch.manual_seed(1)
+    d = 64
+    rotary = model.rope(torch.randn(B, 4, 3, 4, device=device))      # 12 image tokens
+    x, c, temb = (torch.randn(B, 12, d, device=device), torch.randn(B, 5, d, device=device),
+                  torch.randn(B, d, device=device))
+    mask = torch.ones(B, 1, 1, 17, dtype=torch.bool, device=device)
+    mask[1, ..., 15:] = False
+    backend = GraphOps()
+    for block in (model.transformer_blocks[0], model.single_transformer_blocks[0]):
+        torch._dynamo.reset()
+        with torch.no_grad():
+            ref = block(x, c, temb, attention_mask=mask, image_rotary_emb=rotary)
+            out = torch.compile(block, fullgraph=True, backend=backend)(
+                x, c, temb, attention_mask=mask, image_rotary_emb=rotary)
+        for r, o in zip(ref, out):
+            assert torch.allclose(r, o, rtol=1e-5, atol=1e-6)
+    assert HYIMG_OPS <= backend.ops      # the fused path is what was traced

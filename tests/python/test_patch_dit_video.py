@@ -1071,3 +1071,559 @@ def test_vae_channel_rms_norm_keeps_diffusers_forward():
         assert ops.calls["rms_norm"] == 1
         torch.testing.assert_close(out, ref_rows, rtol=1e-5, atol=1e-6)
     fusebox.unpatch(norm)
+
+
+# --------------------------------------------------------------------------- Mochi
+
+# diffusers' own tiny Mochi (tests/models/transformers/test_models_transformer_mochi.py); the
+# last of the 2 blocks is context_pre_only (MochiLayerNormContinuous, no text tail)
+MOCHI_TINY = dict(patch_size=2, num_attention_heads=2, attention_head_dim=8, num_layers=2,
+                  pooled_projection_dim=16, in_channels=4, out_channels=None,
+                  qk_norm="rms_norm", text_embed_dim=16, time_embed_dim=4,
+                  activation_fn="swiglu", max_sequence_length=16)
+# text masks of the 2 samples x 8 tokens: every token valid; the same padded suffix (trimmed
+# at the model's input); a suffix of another length per sample (diffusers' per-sample loop);
+# a hole inside the valid text (the loop lays the text outputs out compacted)
+MOCHI_MASKS = {"all-valid": ((8, 8), ()), "same-suffix": ((6, 6), ()),
+               "ragged": ((8, 5), ()), "holes": ((8, 6), ((0, 2),))}
+
+
+def tiny_mochi(device="cpu", dtype=torch.float32):
+    """diffusers' tiny Mochi with the q/k norm weights moved off 1, the rotary frequencies off
+    their zero init (so the rotary turns) and the modulation linears shifted, so a fusion that
+    dropped a weight, a ``1 +``, a gate or a rotary pair would show."""
+    torch.manual_seed(0)
+    model = diffusers.MochiTransformer3DModel(**MOCHI_TINY)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name and name.endswith("weight") and p.dim() == 1:
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5)
+            elif name == "pos_frequencies":   # angles of a few radians at the tiny grid's
+                p.copy_(0.05 * torch.randn(p.shape, generator=g))   # positions (up to 96)
+            elif "norm1" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def mochi_inputs(device="cpu", dtype=torch.float32, mask="ragged"):
+    """2 frames of 4x4 patches, 8 text tokens (the mask as ``MOCHI_MASKS`` says)."""
+    g = torch.Generator().manual_seed(1)
+    lengths, holes = MOCHI_MASKS[mask]
+    valid = torch.zeros(2, 8, dtype=torch.bool)
+    for i, n in enumerate(lengths):
+        valid[i, :n] = True
+    for i, j in holes:
+        valid[i, j] = False
+    return dict(hidden_states=torch.randn(2, 4, 2, 8, 8, generator=g).to(device, dtype),
+                encoder_hidden_states=torch.randn(2, 8, 16, generator=g).to(device, dtype),
+                timestep=torch.tensor([300, 700], device=device),
+                encoder_attention_mask=valid.to(device), return_dict=False)
+
+
+def build_mochi(device, dtype=torch.float32, mask="ragged"):
+    return tiny_mochi(device, dtype), mochi_inputs(device, dtype, mask)
+
+
+# Per forward: fused_norm x8 (per block adaln x2 and gated_residual_norm x2, x1 in the last
+# block without a text tail; the output AdaLayerNormContinuous), rms_norm x10 (text q/k x2 per
+# block, norm2/norm4 x2 per stream), rotary x2 (one per attention), gated_residual x3 (one per
+# stream's feed-forward residual), gated_act_packed x3 (SwiGLU, generic pass)
+MOCHI_OPS = {"fused_norm": 8, "rms_norm": 10, "rotary": 2, "gated_residual": 3,
+             "gated_act_packed": 3}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask", list(MOCHI_MASKS))
+def test_mochi_fp32_patched_matches_unpatched(mask, device):
+    model, kw = build_mochi(device, mask=mask)
+    ref = run(model, kw)
+    report = fusebox.patch(model)
+    assert report.family == "mochi"
+    with FuseboxOps() as ops:
+        out = run(model, kw)
+    for op, n in MOCHI_OPS.items():
+        assert ops.calls.get(op, 0) == n, f"{op}: ran {ops.calls.get(op, 0)} times, expected {n}"
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert rel_err(out, ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["f16", "bf16"])
+def test_mochi_half_within_eager_spread(dtype, device):
+    """fp16/bf16 patched output is as close to the fp32 model as eager half precision is."""
+    model, kw = build_mochi(device)
+    ref32 = run(model, kw)
+    model, kw16 = build_mochi(device, dtype)
+    eager16 = run(model, kw16)
+    fusebox.patch(model)
+    patched16 = run(model, kw16)
+    assert patched16.dtype == dtype and bool(torch.isfinite(patched16).all())
+    spread = rel_err(eager16, ref32)
+    assert 1e-5 < spread < 5e-2, spread
+    assert rel_err(patched16, ref32) <= 1.5 * spread
+
+
+def _mochi_block_call(model, kw, index=0):
+    """The arguments the model hands block ``index`` (unpatched, so untrimmed)."""
+    captured = {}
+
+    def grab(module, args, kwargs):
+        captured.setdefault("args", (args, kwargs))
+
+    handle = model.transformer_blocks[index].register_forward_pre_hook(grab, with_kwargs=True)
+    run(model, kw)
+    handle.remove()
+    return captured["args"]
+
+
+@pytest.mark.parametrize("mask", ["same-suffix", "ragged", "holes"])
+@pytest.mark.parametrize("index", [0, 1], ids=["two-stream", "context-pre-only"])
+def test_mochi_block_both_streams(mask, index):
+    """A patched block's video and text outputs equal diffusers' for each mask: the same text
+    prefix in both samples (one attention call), others (the per-sample loop)."""
+    model, kw = build_mochi("cpu", mask=mask)
+    args, kwargs = _mochi_block_call(model, kw, index)
+    block = model.transformer_blocks[index]
+    with torch.no_grad():
+        want = block(*args, **kwargs)
+        fusebox.patch(model)
+        with FuseboxOps() as ops:
+            got = block(*args, **kwargs)
+    assert ops.calls["rotary"] == 1 and ops.calls["fused_norm"] == 4 - index
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and rel_err(a, b) < FP32_TOL
+
+
+def test_mochi_rotary_pairs_are_interleaved_per_head():
+    """The fused q/k norm + rotary equals diffusers' MochiRMSNorm then its rotary with per-head
+    tables [S, H, D/2] turning pairs (2j, 2j + 1)."""
+    from fusebox.patch.dit.mochi import _rotary_rows
+
+    g = torch.Generator().manual_seed(0)
+    s, h, d = 6, 3, 8
+    q, k = torch.randn(2, s, h, d, generator=g), torch.randn(2, s, h, d, generator=g)
+    angles = torch.randn(s, h, d // 2, generator=g)
+    cos, sin = angles.cos(), angles.sin()
+    wq, wk = torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5
+
+    def want(x, w):
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * w
+        even, odd = x[..., 0::2], x[..., 1::2]
+        return torch.stack([even * cos - odd * sin, even * sin + odd * cos], -1).flatten(-2)
+
+    c, s_ = _rotary_rows(cos, sin)
+    got_q, got_k = fusebox.functional.qk_norm_rope(q.flatten(1, 2).unsqueeze(2),
+                                                   k.flatten(1, 2).unsqueeze(2), wq, wk, c, s_,
+                                                   1e-5, interleaved=True)
+    assert rel_err(got_q.view(q.shape), want(q, wq)) < 1e-6
+    assert rel_err(got_k.view(k.shape), want(k, wk)) < 1e-6
+
+
+def test_mochi_unpatch_restores():
+    model, kw = build_mochi("cpu")
+    before = _state(model)
+    processors = [m.processor for m in model.modules() if hasattr(m, "processor")]
+    ref = run(model, kw)
+    fusebox.patch(model)
+    assert fusebox.is_patched(model)
+    assert fusebox.unpatch(model) > 0 and not fusebox.is_patched(model)
+    assert _state(model) == before
+    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == processors
+    assert not any("_fusebox_undo" in m.__dict__ or "_fusebox_fused_into" in m.__dict__
+                   for m in model.modules())
+    assert not model._forward_pre_hooks and not model._forward_hooks
+    assert torch.equal(run(model, kw), ref)
+
+
+def test_report_mochi():
+    model = tiny_mochi()
+    report = fusebox.patch(model)
+    assert report.family == "mochi"
+    kinds = {}
+    for e in report.patched:
+        kinds[e.kind] = kinds.get(e.kind, 0) + 1
+    assert kinds["MochiTransformerBlock"] == 2 and kinds["MochiAttention"] == 2
+    assert kinds["SwiGLU"] == 3 and kinds["AdaLayerNormContinuous"] == 1   # generic pass
+    skipped = {e.path: e.what for e in report.skipped}
+    for name in ("0.norm1.norm", "0.norm2_context.norm", "0.norm4.norm", "1.norm1_context.norm.norm",
+                 "1.attn1.norm_q", "0.attn1.norm_added_k"):
+        assert skipped[f"transformer_blocks.{name}"].startswith("done by the ")
+    assert "MochiTransformerBlock" in str(report)
+
+
+def test_mochi_custom_processor_left_alone():
+    from diffusers.models.attention_processor import MochiAttnProcessor2_0
+
+    class Custom(MochiAttnProcessor2_0):
+        pass
+
+    model = tiny_mochi()
+    model.transformer_blocks[0].attn1.processor = custom = Custom()
+    report = fusebox.patch(model)
+    assert model.transformer_blocks[0].attn1.processor is custom
+    skipped = {e.path: e.what for e in report.skipped}
+    assert skipped["transformer_blocks.0.attn1"] == "processor Custom kept"
+    assert type(model.transformer_blocks[1].attn1.processor).__name__ == "MochiFusedAttnProcessor"
+
+
+def test_mochi_autograd_falls_back():
+    model, kw = build_mochi("cpu")
+    out = assert_patch_falls_back(model, lambda m: m(**kw)[0])
+    out.sum().backward()
+    assert model.transformer_blocks[0].norm1.linear.weight.grad is not None
+
+
+def test_mochi_float64_falls_back():
+    model, kw = build_mochi("cpu", torch.float64)
+    assert_patch_falls_back(model, lambda m: run(m, kw))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask", ["all-valid", "ragged", "holes"])
+def test_mochi_compiled_patched_block_fullgraph(mask, device):
+    """Compiled, the block reads no mask on the host: one masked attention call whose text
+    outputs are laid out as diffusers' per-sample loop lays them out."""
+    model, kw = build_mochi(device, mask=mask)
+    args, kwargs = _mochi_block_call(model, kw)
+    block = model.transformer_blocks[0]
+    with torch.no_grad():
+        want = block(*args, **kwargs)
+    fusebox.patch(model)
+    torch._dynamo.reset()
+    backend = GraphOps()
+    with torch.no_grad():
+        got = torch.compile(block, fullgraph=True, backend=backend)(*args, **kwargs)
+    assert {"rotary", "fused_norm", "gated_residual", "rms_norm"} <= backend.ops
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < FP32_TOL
+
+
+@pytest.mark.parametrize("order", ["patch-then-offload", "offload-then-patch"])
+def test_mochi_accelerate_cpu_offload(order):
+    """The blocks stay fused under accelerate's hooks; attention, whose q/k norm weights arrive
+    only in the norms' own hooked forwards, takes diffusers' path."""
+    model, kw = build_mochi("cpu")
+    ref = run(model, kw)
+    offload_and_patch(model, order)
+    with FuseboxOps() as ops:
+        out = run(model, kw)
+    assert ops.calls["gated_residual"] == 3 and "rotary" not in ops.calls
+    assert rel_err(out, ref) < FP32_TOL
+    assert_unpatch_keeps_hooks(model, lambda m: run(m, kw), ref)
+
+
+def test_mochi_group_offload_leaf_level():
+    """Leaf-level group offload hooks the q/k norms (their weights arrive in their own
+    forward): attention keeps diffusers' processor path, the blocks stay fused."""
+    model, kw = build_mochi("cpu")
+    ref = run(model, kw)
+    fusebox.patch(model)
+    model.enable_group_offload(onload_device=torch.device("cpu"), offload_type="leaf_level")
+    with FuseboxOps() as ops:
+        out = run(model, kw)
+    assert ops.calls["gated_residual"] == 3 and "rotary" not in ops.calls
+    assert rel_err(out, ref) < FP32_TOL
+
+
+# --------------------------------------------------------------------------- CogVideoX, ConsisID
+
+# diffusers' tiny CogVideoX (tests/models/transformers/test_models_transformer_cogvideox.py),
+# 2 blocks, with the RoPE of the released 5B models; 1.5 adds a temporal patch and the I2V "ofs"
+# embedding; ConsisID (the compat sweep's tiny config) runs CogVideoX's blocks and attention
+COGVIDEOX_TINY = dict(num_attention_heads=2, attention_head_dim=16, in_channels=4, out_channels=4,
+                      time_embed_dim=8, text_embed_dim=8, num_layers=2, sample_width=8,
+                      sample_height=8, sample_frames=9, patch_size=2, temporal_compression_ratio=4,
+                      max_text_seq_length=6, use_rotary_positional_embeddings=True)
+# the compat sweep's tiny ConsisID (8 channels a head), with RoPE and the face branch
+CONSISID_TINY = dict(COGVIDEOX_TINY, attention_head_dim=8, time_embed_dim=2,
+                     max_text_seq_length=8, sample_frames=8, cross_attn_interval=1, is_kps=False,
+                     is_train_face=True, cross_attn_dim_head=1, cross_attn_num_heads=1,
+                     LFE_id_dim=2, LFE_vit_dim=2, LFE_depth=5, LFE_dim_head=8, LFE_num_heads=2,
+                     LFE_num_id_token=1, LFE_num_querie=1, LFE_output_dim=10, LFE_ff_mult=1,
+                     LFE_num_scale=1)
+COGVIDEOX_CASES = {
+    "cogvideox": ("CogVideoXTransformer3DModel", {}, {}),
+    "cogvideox-1.5": ("CogVideoXTransformer3DModel", dict(patch_size_t=2, ofs_embed_dim=8),
+                      dict(frames=4, ofs=True)),
+    "cogvideox-no-rope": ("CogVideoXTransformer3DModel",
+                          dict(use_rotary_positional_embeddings=False), dict(rotary=False)),
+    "consisid": ("ConsisIDTransformer3DModel", {}, dict(face=True)),
+}
+
+
+def _cogvideox_config(case):
+    cls, config, _ = COGVIDEOX_CASES[case]
+    return cls, dict(CONSISID_TINY if cls.startswith("ConsisID") else COGVIDEOX_TINY, **config)
+
+
+def tiny_cogvideox(case, device="cpu", dtype=torch.float32):
+    """The case's tiny model with its norm weights and biases (the blocks', the q/k LayerNorms')
+    moved off 1 and 0, so a fusion that dropped one would show."""
+    cls, config = _cogvideox_config(case)
+    torch.manual_seed(0)
+    model = getattr(diffusers, cls)(**config)
+    g = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(0.3 * torch.randn(p.shape, generator=g))
+    return keep_fp32(model.to(device).eval(), dtype)
+
+
+def cogvideox_inputs(case, device="cpu", dtype=torch.float32):
+    """3 latent frames (4 with 1.5's temporal patch of 2) of 8x8 at 4 channels, 6 text tokens,
+    RoPE tables [S, D] as the pipeline makes them (fp32; each angle on both channels of a
+    pair)."""
+    _, config = _cogvideox_config(case)
+    opts = COGVIDEOX_CASES[case][2]
+    g = torch.Generator().manual_seed(1)
+    b, f, h, w, text = 2, opts.get("frames", 3), 8, 8, 6
+    tensors = dict(hidden_states=torch.randn(b, f, 4, h, w, generator=g),
+                   encoder_hidden_states=torch.randn(b, text, 8, generator=g))
+    kw = {k: v.to(device=device, dtype=dtype) for k, v in tensors.items()}
+    kw.update(timestep=torch.tensor([300.0, 700.0], device=device), return_dict=False)
+    if opts.get("rotary", True):
+        tokens = f // config.get("patch_size_t", 1) * (h // 2) * (w // 2)
+        angles = torch.rand(tokens, config["attention_head_dim"] // 2, generator=g) * 6
+        kw["image_rotary_emb"] = tuple(t.repeat_interleave(2, -1).to(device)
+                                       for t in (angles.cos(), angles.sin()))
+    if opts.get("ofs"):
+        kw["ofs"] = torch.tensor([2.0, 2.0], device=device)
+    if opts.get("face"):
+        kw.update(id_cond=torch.randn(b, 2, generator=g).to(device),
+                  id_vit_hidden=[torch.randn(b, 2, 2, generator=g).to(device)])
+    return kw
+
+
+def cogvideox_expected_ops(case):
+    """Fused ops per forward of the 2-block tiny models. Per block: fused_norm x4 (each stream's
+    adaln, each stream's residual + norm2), gated_residual x2 (the feed-forward residuals),
+    layer_norm x2 (q and k), rotary x1 (the video tokens of q and k), act x1 (the feed-forward,
+    generic pass); then norm_final (layer_norm) and norm_out (fused_norm)."""
+    ops = {"fused_norm": 2 * 4 + 1, "gated_residual": 2 * 2, "layer_norm": 2 * 2 + 1,
+           "rotary": 2, "act": 2}
+    if "no-rope" in case:
+        ops.pop("rotary")
+    return ops
+
+
+def run_cogvideox(model, kw):
+    with torch.no_grad():
+        return model(**kw)[0]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(COGVIDEOX_CASES))
+def test_cogvideox_fp32_patched_matches_unpatched(case, device):
+    model, kw = tiny_cogvideox(case, device), cogvideox_inputs(case, device)
+    ref = run_cogvideox(model, kw)
+    report = fusebox.patch(model)
+    assert report.family == case.split("-")[0]
+    with FuseboxOps() as ops:
+        out = run_cogvideox(model, kw)
+    expected = cogvideox_expected_ops(case)
+    for op, n in expected.items():
+        got = ops.calls.get(op, 0)
+        # ConsisID's face extractor and cross-attentions hold LayerNorms of their own
+        assert got == n or (op == "layer_norm" and case == "consisid" and got > n), (op, got, n)
+    assert "rotary" in ops.calls or "no-rope" in case
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert rel_err(out, ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["cogvideox", "cogvideox-1.5", "consisid"])
+def test_cogvideox_bf16_within_bf16_spread(case, device):
+    """bf16 patched output is as close to the fp32 model as bf16 eager is (same weights)."""
+    model, kw = tiny_cogvideox(case, device), cogvideox_inputs(case, device)
+    ref32 = run_cogvideox(model, kw)
+    model = tiny_cogvideox(case, device, torch.bfloat16)
+    kw16 = cogvideox_inputs(case, device, torch.bfloat16)
+    eager16 = run_cogvideox(model, kw16)
+    fusebox.patch(model)
+    patched16 = run_cogvideox(model, kw16)
+    assert patched16.dtype == torch.bfloat16 and bool(torch.isfinite(patched16).all())
+    spread = rel_err(eager16, ref32)
+    assert 1e-4 < spread < 5e-2, spread
+    assert rel_err(patched16, ref32) < 1.25 * spread
+    assert rel_err(patched16, eager16) < 1.5 * spread
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cogvideox_attention_matches_diffusers(device, monkeypatch):
+    """The fused processor alone against ``CogVideoXAttnProcessor2_0`` on the same module: per-head
+    LayerNorm of q and k, the video tokens rotated, the text tokens (first) not; the tables
+    with the text's identity rows are formed once for all blocks of a forward."""
+    from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
+
+    from fusebox.patch.dit.cogvideox import CogVideoXFusedAttnProcessor
+
+    model = tiny_cogvideox("cogvideox", device)
+    attn = model.transformer_blocks[0].attn1
+    g = torch.Generator().manual_seed(5)
+    b, text, video, d = 2, 3, 7, attn.inner_dim
+    hs, ehs = (torch.randn(b, n, d, generator=g).to(device) for n in (video, text))
+    angles = torch.rand(video, 8, generator=g) * 6
+    rotary = tuple(t.repeat_interleave(2, -1).to(device) for t in (angles.cos(), angles.sin()))
+    with torch.no_grad():
+        want = CogVideoXAttnProcessor2_0()(attn, hs, ehs, image_rotary_emb=rotary)
+        fused = CogVideoXFusedAttnProcessor(CogVideoXAttnProcessor2_0())
+        cats = []
+        cat = torch.cat
+        monkeypatch.setattr(torch, "cat", lambda *a, **k: cats.append(1) or cat(*a, **k))
+        with FuseboxOps() as ops:
+            got = fused(attn, hs, ehs, image_rotary_emb=rotary)
+            fused(attn, hs, ehs, image_rotary_emb=rotary)
+    assert ops.calls == {"layer_norm": 4, "rotary": 2}
+    assert len(cats) == 2 + 2      # text + video per call; cos and sin with text rows once
+    for a, w in zip(got, want):       # video, then text
+        assert a.shape == w.shape
+        assert rel_err(a, w) < 1e-6
+
+
+def test_cogvideox_attention_mask_keeps_diffusers_processor():
+    from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
+
+    from fusebox.patch.dit.cogvideox import CogVideoXFusedAttnProcessor
+
+    model = tiny_cogvideox("cogvideox")
+    attn = model.transformer_blocks[0].attn1
+    hs, ehs = torch.randn(2, 5, attn.inner_dim), torch.randn(2, 3, attn.inner_dim)
+    mask = torch.ones(2, 8, dtype=torch.bool)
+    mask[0, 2] = False
+    with torch.no_grad():
+        want = CogVideoXAttnProcessor2_0()(attn, hs, ehs, attention_mask=mask)
+        with FuseboxOps() as ops:
+            got = CogVideoXFusedAttnProcessor(CogVideoXAttnProcessor2_0())(
+                attn, hs, ehs, attention_mask=mask)
+    assert not ops.calls
+    assert all(torch.equal(a, w) for a, w in zip(got, want))
+
+
+def test_cogvideox_fused_qkv_projections():
+    """After ``fuse_qkv_projections`` (``FusedCogVideoXAttnProcessor2_0``, one QKV projection)
+    q, k and v are chunks of one tensor, read in place."""
+    model, kw = tiny_cogvideox("cogvideox"), cogvideox_inputs("cogvideox")
+    ref = run_cogvideox(model, kw)
+    model.fuse_qkv_projections()
+    report = fusebox.patch(model)
+    assert sum(e.kind == "Attention" for e in report.patched) == 2
+    with FuseboxOps() as ops:
+        out = run_cogvideox(model, kw)
+    assert ops.calls["rotary"] == 2 and ops.calls["layer_norm"] == 5, ops.calls
+    assert rel_err(out, ref) < FP32_TOL
+
+
+@pytest.mark.parametrize("case", ["cogvideox", "consisid"])
+def test_report_cogvideox(case):
+    model = tiny_cogvideox(case)
+    report = fusebox.patch(model)
+    assert report.family == case
+    kinds = {}
+    for e in report.patched:
+        kinds[e.kind] = kinds.get(e.kind, 0) + 1
+    block = "ConsisIDBlock" if case == "consisid" else "CogVideoXBlock"
+    assert kinds[block] == 2 and kinds["Attention"] == 2 and kinds["AdaLayerNorm"] == 1
+    assert kinds["GELU"] == 2
+    skipped = {e.path: e.what for e in report.skipped}
+    for name in ("norm1.norm", "norm2.norm", "attn1.norm_q", "attn1.norm_k"):
+        assert skipped[f"transformer_blocks.1.{name}"].startswith("done by the ")
+        assert not _common.is_patched(model.transformer_blocks[1].get_submodule(name))
+    assert skipped["norm_out.norm"].startswith("done by the ")
+    assert block in str(report)
+
+
+def test_cogvideox_unpatch_restores():
+    model, kw = tiny_cogvideox("cogvideox"), cogvideox_inputs("cogvideox")
+    before = _state(model)
+    ref = run_cogvideox(model, kw)
+    fusebox.patch(model)
+    fusebox.patch(model)       # a second patch is one patch
+    assert fusebox.unpatch(model) > 0 and not fusebox.is_patched(model)
+    assert _state(model) == before
+    assert not any("_fusebox_undo" in m.__dict__ or "_fusebox_fused_into" in m.__dict__
+                   for m in model.modules())
+    assert torch.equal(run_cogvideox(model, kw), ref)
+
+
+def test_cogvideox_custom_processor_left_alone():
+    from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
+
+    class Custom(CogVideoXAttnProcessor2_0):
+        pass
+
+    model = tiny_cogvideox("cogvideox")
+    model.transformer_blocks[0].attn1.set_processor(Custom())
+    report = fusebox.patch(model)
+    skipped = {e.path: e.what for e in report.skipped}
+    assert "custom" in skipped["transformer_blocks.0.attn1"]
+    assert type(model.transformer_blocks[0].attn1.processor) is Custom
+
+
+@pytest.mark.parametrize("case", ["cogvideox", "consisid"])
+def test_cogvideox_autograd_falls_back(case):
+    """Training with gradient checkpointing (the blocks take their arguments positionally, the
+    attention kwargs too): every fused forward falls back."""
+    model, kw = tiny_cogvideox(case), cogvideox_inputs(case)
+    model.enable_gradient_checkpointing()
+    out = assert_patch_falls_back(model, lambda m: m(**kw)[0])
+    out.sum().backward()
+    assert model.transformer_blocks[0].norm1.linear.weight.grad is not None
+
+
+def test_cogvideox_float64_falls_back():
+    model = tiny_cogvideox("cogvideox", dtype=torch.float64)
+    kw = cogvideox_inputs("cogvideox", dtype=torch.float64)
+    assert_patch_falls_back(model, lambda m: run_cogvideox(m, kw))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["cogvideox", "consisid"])
+def test_cogvideox_compiled_patched_block_fullgraph(case, device):
+    model, kw = tiny_cogvideox(case, device), cogvideox_inputs(case, device)
+    captured = {}
+
+    def grab(module, args, kwargs):
+        captured.setdefault("args", (args, kwargs))
+
+    block = model.transformer_blocks[0]
+    handle = block.register_forward_pre_hook(grab, with_kwargs=True)
+    run_cogvideox(model, kw)
+    handle.remove()
+    args, kwargs = captured["args"]
+    fusebox.patch(model)
+    torch._dynamo.reset()
+    backend = GraphOps()
+    with torch.no_grad():
+        eager = block(*args, **kwargs)
+        out = torch.compile(block, fullgraph=True, backend=backend)(*args, **kwargs)
+    assert {"rotary", "fused_norm", "gated_residual", "layer_norm"} <= backend.ops
+    assert all(rel_err(a, b) < FP32_TOL for a, b in zip(out, eager))
+
+
+@pytest.mark.parametrize("order", ["patch-then-offload", "offload-then-patch"])
+def test_cogvideox_accelerate_cpu_offload(order):
+    """Under accelerate's hooks the norms' weights arrive with their own forwards: the blocks and
+    the processor run those modules (the hooked LayerNorms eagerly) and fuse the rest: per
+    block each stream's attention and feed-forward residuals, the RoPE of q and k."""
+    model, kw = tiny_cogvideox("cogvideox"), cogvideox_inputs("cogvideox")
+    ref = run_cogvideox(model, kw)
+    offload_and_patch(model, order)
+    assert _common.has_hooks(model.transformer_blocks[0].norm1.norm)
+    with FuseboxOps() as ops:
+        out = run_cogvideox(model, kw)
+    assert ops.calls["gated_residual"] == 2 * 4 and ops.calls["rotary"] == 2, ops.calls
+    assert rel_err(out, ref) < FP32_TOL
+    assert_unpatch_keeps_hooks(model, lambda m: run_cogvideox(m, kw), ref)
+
+
+def test_cogvideox_diffusers_group_offload():
+    model, kw = tiny_cogvideox("cogvideox"), cogvideox_inputs("cogvideox")
+    ref = run_cogvideox(model, kw)
+    fusebox.patch(model)
+    model.enable_group_offload(onload_device=torch.device("cpu"), offload_type="leaf_level")
+    with FuseboxOps() as ops:
+        out = run_cogvideox(model, kw)
+    assert ops.calls["gated_residual"] == 2 * 4 and ops.calls["rotary"] == 2, ops.calls
+    assert rel_err(out, ref) < FP32_TOL

@@ -253,6 +253,19 @@ def _hunyuan15_inputs(frames, height, width, text=1000, valid_text=128, glyph_te
                               1, 729, 1152, device=device, dtype=dtype))
 
 
+def _hunyuan_image_inputs(size=2048, text=1000, valid_text=128, glyph_text=128):
+    """HunyuanImage 2.1 text-to-image as the diffusers pipeline feeds it: 64-channel latents of a
+    32x VAE, one CFG branch per forward (its guider splits them), Qwen2.5-VL text states padded
+    to the tokenizer's 1000 (``valid_text`` of them valid) and ByT5 glyph states padded to 128
+    with none valid (a prompt without quoted text)."""
+    latents = (1, 64, size // 32, size // 32)
+    # the timestep in the latents' dtype, as the pipeline hands it
+    return _latent_inputs(latents, text, _filled(1, 500.0), 3584,
+                          encoder_attention_mask=_mask(1, text, valid_text),
+                          encoder_hidden_states_2=_drawn(1, glyph_text, 1472),
+                          encoder_attention_mask_2=_mask(1, glyph_text, 0))
+
+
 def _sd3_inputs(size=1024, text=333):
     """SD3.5: 16-channel latents at 1/8, batched CFG, 77 CLIP + 256 T5 tokens."""
     return _latent_inputs((2, 16, size // 8, size // 8), text, 500.0,
@@ -284,6 +297,19 @@ def _pixart_inputs(size=1024, text=300):
                           encoder_attention_mask=_mask(2, text))
 
 
+def _mochi_inputs(frames, height, width, text=256, valid_text=64):
+    """Mochi latents (12 channels, 6x temporal / 8x spatial VAE), batched CFG as the pipeline
+    runs it: the negative prompt "" with no valid text token (the pipeline's all-False mask),
+    then the prompt with its first ``valid_text``."""
+    latents = (2, 12, (frames - 1) // 6 + 1, height // 8, width // 8)
+
+    def mask(device, dtype, g):
+        valid = torch.zeros(2, text, dtype=torch.bool, device=device)
+        valid[1, :valid_text] = True
+        return valid
+    return _latent_inputs(latents, text, 500.0, encoder_attention_mask=mask)
+
+
 def _krea2_inputs(size=1024, text=256, text_layers=12, text_dim=2560):
     """Krea 2: one sample (its pipeline runs CFG as two forwards), 64-channel packed latents (8x
     VAE, 2x2 patches), the text encoder's states of ``text_layers`` layers per token, and the
@@ -301,6 +327,21 @@ def _krea2_inputs(size=1024, text=256, text_layers=12, text_dim=2560):
                     timestep=torch.full((1,), 0.5, device=device), position_ids=positions,
                     return_dict=False)
     return make
+
+
+def _cogvideox_inputs(frames=49, height=480, width=720, batch=2, text=226):
+    """CogVideoX 1.0 as its pipeline feeds it: 16-channel latents [B, F, C, H, W] of a 4x
+    temporal / 8x spatial VAE, batched CFG (batch 2), T5 states padded to 226 tokens, and the
+    pipeline's 3-D RoPE tables ([S, 64] cos and sin, fp32) for the 2x2 patch grid; at the
+    model's base resolution (480x720) the grid's crop region is the whole grid."""
+    f, h, w = (frames - 1) // 4 + 1, height // 8, width // 8
+
+    def rotary(device, dtype, g):
+        from diffusers.models.embeddings import get_3d_rotary_pos_embed
+
+        grid = (h // 2, w // 2)
+        return get_3d_rotary_pos_embed(64, ((0, 0), grid), grid, f, device=torch.device(device))
+    return _latent_inputs((batch, f, 16, h, w), text, 500.0, image_rotary_emb=rotary)
 
 
 # --------------------------------------------------------------------------- models
@@ -434,6 +475,18 @@ SPECS: Dict[str, Spec] = {
         "33 frames 480x848 -> latent 9x30x53 -> 14310 tokens + 1000 text (128 valid) + 256 glyph "
         "(none valid) + 729 image (all zero: text-to-video), padded as the pipeline pads them "
         "(121 frames, 49290 tokens, is the pipeline default)", steps=50),
+    "hunyuan-image-2.1": Spec(
+        "HunyuanImage 2.1 17B, 2048x2048 (4096 image tokens), pipeline-padded text, CFG as 2 "
+        "forwards, 50 steps",
+        "HunyuanImageTransformer2DModel",
+        # diffusers' conversion script's config of the released base model
+        dict(in_channels=64, out_channels=64, num_attention_heads=28, attention_head_dim=128,
+             num_layers=20, num_single_layers=40, num_refiner_layers=2, patch_size=[1, 1],
+             qk_norm="rms_norm", guidance_embeds=False, text_embed_dim=3584,
+             text_embed_2_dim=1472, rope_theta=256.0, rope_axes_dim=[64, 64]),
+        _hunyuan_image_inputs(),
+        "2048x2048 -> latent 64x64 -> 4096 tokens + 1000 text (128 valid) + 128 glyph (none "
+        "valid), padded as the pipeline pads them, batch 1", steps=50, forwards_per_step=2),
     "sd3.5-large": Spec(
         "Stable Diffusion 3.5 Large 8B, 1024x1024 (4096 tokens), CFG batch 2, 28 steps",
         "SD3Transformer2DModel",
@@ -484,6 +537,31 @@ SPECS: Dict[str, Spec] = {
              sample_size=128, upcast_attention=False, use_additional_conditions=False,
              use_linear_projection=False),
         _pixart_inputs(), "1024x1024 -> 4096 tokens, text 300, batch 2 (CFG)", steps=20),
+    "mochi-1-preview": Spec(
+        "Mochi 1 preview 10B, 19x480x848 (6360 tokens), CFG batch 2, 64 steps",
+        "MochiTransformer3DModel",
+        dict(patch_size=2, num_attention_heads=24, attention_head_dim=128, num_layers=48,
+             pooled_projection_dim=1536, in_channels=12, out_channels=None, qk_norm="rms_norm",
+             text_embed_dim=4096, time_embed_dim=256, activation_fn="swiglu",
+             max_sequence_length=256),
+        _mochi_inputs(19, 480, 848),
+        "19 frames 480x848 (the pipeline defaults) -> latent 4x60x106 -> 6360 tokens, text 256 "
+        "(64 valid in the prompt, none in the negative one), batch 2 (CFG)", steps=64),
+    "cogvideox-5b": Spec(
+        "CogVideoX-5B, 49x480x720 (17550 video + 226 text tokens), CFG batch 2, 50 steps",
+        "CogVideoXTransformer3DModel",
+        # THUDM/CogVideoX-5b transformer/config.json
+        dict(activation_fn="gelu-approximate", attention_bias=True, attention_head_dim=64,
+             dropout=0.0, flip_sin_to_cos=True, freq_shift=0, in_channels=16,
+             max_text_seq_length=226, norm_elementwise_affine=True, norm_eps=1e-5,
+             num_attention_heads=48, num_layers=42, out_channels=16, patch_size=2,
+             sample_frames=49, sample_height=60, sample_width=90, spatial_interpolation_scale=1.875,
+             temporal_compression_ratio=4, temporal_interpolation_scale=1.0, text_embed_dim=4096,
+             time_embed_dim=512, timestep_activation_fn="silu",
+             use_rotary_positional_embeddings=True, use_learned_positional_embeddings=False),
+        _cogvideox_inputs(),
+        "49 frames 480x720 -> latent 13x60x90 -> 13x30x45 = 17550 tokens + 226 text, batch 2 "
+        "(CFG)", steps=50),
     "tiny-dit": Spec(
         "tiny LTX-Video (2 layers, width 32): a functional run, CPU included",
         "LTXVideoTransformer3DModel",

@@ -18,7 +18,8 @@ from typing import List
 import torch
 
 FAMILY_MODULES = ("ltx", "ltx2", "wan", "flux", "chroma", "flux2", "sd3", "pixart",
-                  "hunyuan_video", "hunyuan_video15", "qwen_image", "z_image", "krea2", "flux3")
+                  "hunyuan_video", "hunyuan_video15", "hunyuan_image", "qwen_image", "z_image",
+                  "krea2", "flux3", "mochi", "cogvideox")
 
 
 def _families() -> List[object]:

@@ -149,8 +149,8 @@ def double_block_forward(self, hidden_states, encoder_hidden_states, temb, atten
     return hidden_states, encoder_hidden_states
 
 
-def _single_block_forward(self, hidden_states, encoder_hidden_states, temb, attention_mask=None,
-                          image_rotary_emb=None, *args, **kwargs):
+def single_block_forward(self, hidden_states, encoder_hidden_states, temb, attention_mask=None,
+                         image_rotary_emb=None, *args, **kwargs):
     text_seq_length = encoder_hidden_states.shape[1]
     hidden_states = torch.cat([hidden_states, encoder_hidden_states], dim=1)
     residual = hidden_states
@@ -170,8 +170,11 @@ def _single_block_forward(self, hidden_states, encoder_hidden_states, temb, atte
     return hidden_states[:, :-text_seq_length, :], hidden_states[:, -text_seq_length:, :]
 
 
-def _patch_attention(path, module, report) -> None:
-    if type(original_processor(module)) is not HunyuanVideoAttnProcessor2_0:
+def patch_attention(path, module, report,
+                    processor_class: type = HunyuanVideoAttnProcessor2_0) -> None:
+    """Installs the fused processor on attention whose processor is a ``processor_class`` (one
+    whose ``__call__`` reads as ``HunyuanVideoAttnProcessor2_0``'s)."""
+    if type(original_processor(module)) is not processor_class:
         return
     install_processor(module, HunyuanVideoFusedAttnProcessor)
     report.add(path, module, "qk_norm_rope per head (interleaved) on video tokens")
@@ -192,8 +195,8 @@ def patch(model: torch.nn.Module, report, **options) -> None:
         type(model).__name__, FAMILY)
     patch_two_stream_model(model, report, family,
                            (HunyuanVideoTransformerBlock, double_block_forward),
-                           (HunyuanVideoSingleTransformerBlock, _single_block_forward),
-                           _patch_attention)
+                           (HunyuanVideoSingleTransformerBlock, single_block_forward),
+                           patch_attention)
     # the trim is exact for the forward read above, not for FramePack's or a subclass's
     if type(model).forward is HunyuanVideoTransformer3DModel.forward:
         trim_text_padding(model, TEXT_INPUTS, _trim_text)
