@@ -881,6 +881,13 @@ def test_ltx2_float64_falls_back():
 @pytest.mark.parametrize("case", ["ltx2-interleaved", "ltx2-split", "ltx2.3-interleaved-token"])
 def test_ltx2_compiled_patched_block_fullgraph(case, device):
     model, kw = build_ltx2(case, device)
+    assert_compiled_first_block(model, lambda: run_ltx2(model, kw),
+                                {"rotary", "fused_norm", "gated_residual", "rms_norm"})
+
+
+def assert_compiled_first_block(model, run, ops):
+    """The first block, patched and compiled fullgraph on the inputs an unpatched ``run()``
+    hands it, traces ``ops`` (the fused path) and matches the patched eager block."""
     captured = {}
 
     def grab(module, args, kwargs):
@@ -888,7 +895,7 @@ def test_ltx2_compiled_patched_block_fullgraph(case, device):
 
     block = model.transformer_blocks[0]
     handle = block.register_forward_pre_hook(grab, with_kwargs=True)
-    run_ltx2(model, kw)
+    run()
     handle.remove()
     args, kwargs = captured["args"]
     fusebox.patch(model)
@@ -897,8 +904,7 @@ def test_ltx2_compiled_patched_block_fullgraph(case, device):
     with torch.no_grad():
         eager = block(*args, **kwargs)
         out = torch.compile(block, fullgraph=True, backend=backend)(*args, **kwargs)
-    # the fused path is what was traced
-    assert {"rotary", "fused_norm", "gated_residual", "rms_norm"} <= backend.ops
+    assert ops <= backend.ops, backend.ops
     assert all(rel_err(a, b) < FP32_TOL for a, b in zip(out, eager))
 
 
@@ -1582,24 +1588,8 @@ def test_cogvideox_float64_falls_back():
 @pytest.mark.parametrize("case", ["cogvideox", "consisid"])
 def test_cogvideox_compiled_patched_block_fullgraph(case, device):
     model, kw = tiny_cogvideox(case, device), cogvideox_inputs(case, device)
-    captured = {}
-
-    def grab(module, args, kwargs):
-        captured.setdefault("args", (args, kwargs))
-
-    block = model.transformer_blocks[0]
-    handle = block.register_forward_pre_hook(grab, with_kwargs=True)
-    run_cogvideox(model, kw)
-    handle.remove()
-    args, kwargs = captured["args"]
-    fusebox.patch(model)
-    torch._dynamo.reset()
-    backend = GraphOps()
-    with torch.no_grad():
-        eager = block(*args, **kwargs)
-        out = torch.compile(block, fullgraph=True, backend=backend)(*args, **kwargs)
-    assert {"rotary", "fused_norm", "gated_residual", "layer_norm"} <= backend.ops
-    assert all(rel_err(a, b) < FP32_TOL for a, b in zip(out, eager))
+    assert_compiled_first_block(model, lambda: run_cogvideox(model, kw),
+                                {"rotary", "fused_norm", "gated_residual", "layer_norm"})
 
 
 @pytest.mark.parametrize("order", ["patch-then-offload", "offload-then-patch"])
