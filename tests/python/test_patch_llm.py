@@ -38,24 +38,28 @@ def logits(model, ids):
     return model(ids).logits
 
 
-def build(name, **kwargs):
+def build(name, device="cpu", **kwargs):
     """A tiny model of a family (LLM_FAMILIES), of a Falcon layout (FALCON_VARIANTS), of a
     LayerNorm LLM (LAYER_NORM_LLMS), of MORE_ATTENTION's families, Gemma 4, Qwen3.5 or
-    DeepSeek-V3."""
+    DeepSeek-V3, on ``device``."""
     if name in FALCON_VARIANTS:
-        return tiny_falcon(name, **kwargs)
+        return tiny_falcon(name, device=device, **kwargs)
+    if name in LAYER_NORM_LLMS:
+        return tiny_layer_norm_llm(name, device=device, **kwargs)
+    if name in LLM_FAMILIES:
+        return tiny_llm(name, device=device, **kwargs)
     if name == "gemma4_text":
-        return tiny_gemma4()
-    if name == "gemma3n_text":
-        return tiny_gemma3n()
-    if name == "qwen3_5_text":
-        return tiny_qwen3_5()
-    if name in LATENT_ATTENTION:
-        return tiny_latent_attention(name)
-    if name in MORE_ATTENTION:
+        model = tiny_gemma4()
+    elif name == "gemma3n_text":
+        model = tiny_gemma3n()
+    elif name == "qwen3_5_text":
+        model = tiny_qwen3_5()
+    elif name in LATENT_ATTENTION:
+        model = tiny_latent_attention(name)
+    else:
         cls_name, extra, _ = MORE_ATTENTION[name]
-        return causal_lm(getattr(transformers, cls_name)(**{**_TINY_BASE, **extra}))
-    return tiny_layer_norm_llm(name, **kwargs) if name in LAYER_NORM_LLMS else tiny_llm(name, **kwargs)
+        model = causal_lm(getattr(transformers, cls_name)(**{**_TINY_BASE, **extra}))
+    return model.to(device)
 
 
 def fused_forwards(model):
