@@ -4,6 +4,8 @@ hooks, autograd fallback, torch.compile of a patched block, and the e2e bench CL
 
 import copy
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -806,9 +808,7 @@ def test_report_ltx2(rope_type):
     model = tiny_ltx2(rope_type=rope_type)
     report = fusebox.patch(model)
     assert report.family == "ltx-2"
-    kinds = {}
-    for e in report.patched:
-        kinds[e.kind] = kinds.get(e.kind, 0) + 1
+    kinds = Counter(e.kind for e in report.patched)
     # 2 blocks of 6 attentions (self, text and cross-modal, per stream)
     assert kinds["LTX2VideoTransformerBlock"] == 2 and kinds["LTX2Attention"] == 12
     assert kinds["GELU"] == 4 and kinds["LayerNorm"] == 2      # generic: ff, norm_out
@@ -1246,9 +1246,7 @@ def test_report_mochi():
     model = tiny_mochi()
     report = fusebox.patch(model)
     assert report.family == "mochi"
-    kinds = {}
-    for e in report.patched:
-        kinds[e.kind] = kinds.get(e.kind, 0) + 1
+    kinds = Counter(e.kind for e in report.patched)
     assert kinds["MochiTransformerBlock"] == 2 and kinds["MochiAttention"] == 2
     assert kinds["SwiGLU"] == 3 and kinds["AdaLayerNormContinuous"] == 1   # generic pass
     skipped = {e.path: e.what for e in report.skipped}
@@ -1526,9 +1524,7 @@ def test_report_cogvideox(case):
     model = tiny_cogvideox(case)
     report = fusebox.patch(model)
     assert report.family == case
-    kinds = {}
-    for e in report.patched:
-        kinds[e.kind] = kinds.get(e.kind, 0) + 1
+    kinds = Counter(e.kind for e in report.patched)
     block = "ConsisIDBlock" if case == "consisid" else "CogVideoXBlock"
     assert kinds[block] == 2 and kinds["Attention"] == 2 and kinds["AdaLayerNorm"] == 1
     assert kinds["GELU"] == 2
