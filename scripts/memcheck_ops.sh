@@ -7,7 +7,8 @@
 #      SANITIZE_STRIDE / SANITIZE_OFFSET (run every Nth case of each test function from the
 #      Kth, K < N; default 1 / 0: all),
 #      SANITIZE_TIMEOUT (seconds for all of it; no new process starts after it; default 420),
-#      SANITIZE_TESTS (default: the norm, rope and activation test files).
+#      SANITIZE_TESTS (default: the norm, rope and activation test files),
+#      SANITIZE_SELECT (the pytest -k expression; default: cuda).
 set -uo pipefail
 log="${1:?usage: memcheck_ops.sh LOG}"
 py="${PY:-python3}"
@@ -15,13 +16,14 @@ chunk="${SANITIZE_CHUNK:-250}"
 stride="${SANITIZE_STRIDE:-1}"
 offset="${SANITIZE_OFFSET:-0}"
 budget="${SANITIZE_TIMEOUT:-420}"
+select="${SANITIZE_SELECT:-cuda}"
 # shellcheck disable=SC2206
 files=(${SANITIZE_TESTS:-tests/python/test_norm.py tests/python/test_rope.py tests/python/test_activation.py})
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 : >"$log"
 
-"$py" -m pytest "${files[@]}" -q -p no:cacheprovider -k cuda -m "not large" --collect-only 2>/dev/null \
+"$py" -m pytest "${files[@]}" -q -p no:cacheprovider -k "$select" -m "not large" --collect-only 2>/dev/null \
   | grep '::' | awk -v s="$stride" -v o="$offset" '{f = $0; sub(/\[.*/, "", f); if ((n[f]++) % s == o) print}' >"$work/ids"
 selected=$(wc -l <"$work/ids")
 split -l "$chunk" "$work/ids" "$work/chunk."
