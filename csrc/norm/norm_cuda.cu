@@ -1249,7 +1249,17 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   // every row hit L1, and staging keeps fewer rows resident (Wan 14B adaln: 355 -> 291 us), and
   // those that change from row to row go faster too since the use is compile-time (Wan 14B
   // per-token adaln 497.6 -> 458.8 us, norm_items_and_stage_172e9aa.txt).
-  const bool stage_by_default = !params_f32;
+  // A modulated LayerNorm with its own weight and bias (CogVideoX) has four or five 16-bit
+  // operands and no compile-time twin: their slots cost more resident rows than the staging
+  // hides. Read at use (H100, alternating processes, bench/results/2026-12-05_h100_90deb5e/
+  // stage_wb.txt): adaln [2x17550x3072] 193.0-194.0 -> 152.3-152.6 us, [2x8192x4096] 126.1-126.8
+  // -> 99.0-99.1, [1x8192x6144] 99.5-99.6 -> 77.4-77.5; gated_residual_norm [2x8192x4096]
+  // 214.5-215.3 -> 200.2-200.6, [1x8192x6144] 154.7-155.2 -> 151.3-151.7. The RMS rows with a
+  // weight gained at 4096 wide and lost at 3072 or 6144 (adaln 148.9-149.5 -> 151.6), so they
+  // stay staged.
+  const bool affine_modulated_layer_norm =
+      args.norm == NormType::kLayer && args.weight.defined() && args.bias.defined() && mod;
+  const bool stage_by_default = !params_f32 && !affine_modulated_layer_norm;
   const bool stage = tuning_knobs().norm_stage.value_or(int(stage_by_default)) != 0;
   // The flat twin where the rows form one group (FUSEBOX_NORM_FLAT=0: no twin, flat or sample,
   // for tuning runs). The 2-vector rows of a residual + RMS norm take it only while their threads

@@ -1,5 +1,5 @@
 """Launch plans and kernel variants the tuning variables can force (FUSEBOX_NORM_ITEMS,
-FUSEBOX_ROPE_ITEMS, FUSEBOX_ACT_FLAT, FUSEBOX_NORM_FLAT, FUSEBOX_NORM_SHORT, FUSEBOX_ROPE_SHORT,
+FUSEBOX_NORM_STAGE, FUSEBOX_ROPE_ITEMS, FUSEBOX_ACT_FLAT, FUSEBOX_NORM_FLAT, FUSEBOX_NORM_SHORT, FUSEBOX_ROPE_SHORT,
 FUSEBOX_ROPE_EARLY, FUSEBOX_ADD_FLAT, used by scripts/tune.py): each still computes the reference result on CUDA."""
 
 import os
@@ -77,6 +77,18 @@ for dtype in (BF16, F16, F32):
                                                                    norm_type=norm_type, eps=1e-6)
                     assert_close(h, expect_h, dtype, name="gated_residual_norm h, no affine")
                     assert_close(out, expect_out, dtype, name="gated_residual_norm, no affine")
+                # a LayerNorm's weight and bias with the modulation (CogVideoX): no twin, the
+                # operands read at use by default, staged under FUSEBOX_NORM_STAGE=1
+                w, b = weight(gen, width, mod_dtype, "cuda"), small(gen, (width,), mod_dtype, "cuda")
+                assert_close(call(fusebox.adaln, x, scale, shift, w, b, norm_type="layer"),
+                             ref.modulate(ref.layer_norm(x, w, b, eps=1e-6), scale, shift), dtype,
+                             name=f"adaln layer affine {rows}x{width} {mod_dtype} modulation")
+                out, h = call(fusebox.gated_residual_norm, x, res, gate, scale, shift, w, b,
+                              norm_type="layer", eps=1e-6)
+                expect_out, expect_h = ref.gated_residual_norm(x, res, gate, scale, shift, w, b,
+                                                               norm_type="layer", eps=1e-6)
+                assert_close(h, expect_h, dtype, name="gated_residual_norm h, affine")
+                assert_close(out, expect_out, dtype, name="gated_residual_norm, affine")
     for tokens, heads, kv_heads in ((1, 32, 8), (300, 32, 8), (40, 24, 24)):
         q = randn(gen, (1, tokens, heads, 128), dtype, "cuda")
         k = randn(gen, (1, tokens, kv_heads, 128), dtype, "cuda")
@@ -143,7 +155,8 @@ print("ok")
 @pytest.mark.gpu
 @pytest.mark.parametrize("setting", ["FUSEBOX_NORM_ITEMS=1", "FUSEBOX_NORM_ITEMS=2", "FUSEBOX_NORM_ITEMS=3",
                                      "FUSEBOX_NORM_ITEMS=4",
-                                     "FUSEBOX_NORM_ITEMS=8", "FUSEBOX_ROPE_ITEMS=1",
+                                     "FUSEBOX_NORM_ITEMS=8", "FUSEBOX_NORM_STAGE=0", "FUSEBOX_NORM_STAGE=1",
+                                     "FUSEBOX_ROPE_ITEMS=1",
                                      "FUSEBOX_ROPE_ITEMS=2", "FUSEBOX_ROPE_ITEMS=4",
                                      "FUSEBOX_ACT_FLAT=0", "FUSEBOX_ACT_FLAT=1", "FUSEBOX_NORM_FLAT=0",
                                      "FUSEBOX_NORM_SHORT=0", "FUSEBOX_ROPE_SHORT=0", "FUSEBOX_ROPE_SHORT=2",
