@@ -20,6 +20,15 @@ import fusebox
 import reference as ref
 from helpers import BF16, F16, F32, assert_close, call, randn, small, weight
 
+
+def check_gated_residual_norm(x, res, gate, scale, shift, w, b, norm_type, dtype, label):
+    out, h = call(fusebox.gated_residual_norm, x, res, gate, scale, shift, w, b,
+                  norm_type=norm_type, eps=1e-6)
+    expect_out, expect_h = ref.gated_residual_norm(x, res, gate, scale, shift, w, b,
+                                                   norm_type=norm_type, eps=1e-6)
+    assert_close(h, expect_h, dtype, name=f"gated_residual_norm h{label}")
+    assert_close(out, expect_out, dtype, name=f"gated_residual_norm{label}")
+
 gen = torch.Generator().manual_seed(7)
 for dtype in (BF16, F16, F32):
     for rows, width in ((3, 2048), (64, 3072), (130, 4096), (5, 769)):
@@ -41,12 +50,7 @@ for dtype in (BF16, F16, F32):
                      name="adaln")
         # per-row gate / scale / shift (per-token modulation) with a residual and a LayerNorm
         gate, tscale, tshift = (small(gen, (rows, width), dtype, "cuda") for _ in range(3))
-        out, h = call(fusebox.gated_residual_norm, x, res, gate, tscale, tshift, w, b,
-                      norm_type="layer", eps=1e-6)
-        expect_out, expect_h = ref.gated_residual_norm(x, res, gate, tscale, tshift, w, b,
-                                                       norm_type="layer", eps=1e-6)
-        assert_close(h, expect_h, dtype, name="gated_residual_norm h")
-        assert_close(out, expect_out, dtype, name="gated_residual_norm")
+        check_gated_residual_norm(x, res, gate, tscale, tshift, w, b, "layer", dtype, "")
         # the residual add alone (elementwise; the row kernel under FUSEBOX_ADD_FLAT=0 and at odd widths)
         assert_close(call(fusebox.gated_residual, x, res, gate), ref.gated_residual(x, res, gate), dtype,
                      name="gated_residual")
@@ -71,24 +75,16 @@ for dtype in (BF16, F16, F32):
                     # shift only: their compile-time twins on the 2-4 vector plans)
                     res = randn(gen, (rows, width), dtype, "cuda")
                     gate = small(gen, (mod_rows, width), mod_dtype, "cuda")
-                    out, h = call(fusebox.gated_residual_norm, x, res, gate, scale, shift, None, None,
-                                  norm_type=norm_type, eps=1e-6)
-                    expect_out, expect_h = ref.gated_residual_norm(x, res, gate, scale, shift, None, None,
-                                                                   norm_type=norm_type, eps=1e-6)
-                    assert_close(h, expect_h, dtype, name="gated_residual_norm h, no affine")
-                    assert_close(out, expect_out, dtype, name="gated_residual_norm, no affine")
+                    check_gated_residual_norm(x, res, gate, scale, shift, None, None, norm_type,
+                                              dtype, ", no affine")
                 # a LayerNorm's weight and bias with the modulation (CogVideoX): no twin, the
                 # operands read at use by default, staged under FUSEBOX_NORM_STAGE=1
                 w, b = weight(gen, width, mod_dtype, "cuda"), small(gen, (width,), mod_dtype, "cuda")
                 assert_close(call(fusebox.adaln, x, scale, shift, w, b, norm_type="layer"),
                              ref.modulate(ref.layer_norm(x, w, b, eps=1e-6), scale, shift), dtype,
                              name=f"adaln layer affine {rows}x{width} {mod_dtype} modulation")
-                out, h = call(fusebox.gated_residual_norm, x, res, gate, scale, shift, w, b,
-                              norm_type="layer", eps=1e-6)
-                expect_out, expect_h = ref.gated_residual_norm(x, res, gate, scale, shift, w, b,
-                                                               norm_type="layer", eps=1e-6)
-                assert_close(h, expect_h, dtype, name="gated_residual_norm h, affine")
-                assert_close(out, expect_out, dtype, name="gated_residual_norm, affine")
+                check_gated_residual_norm(x, res, gate, scale, shift, w, b, "layer", dtype,
+                                          ", affine")
     for tokens, heads, kv_heads in ((1, 32, 8), (300, 32, 8), (40, 24, 24)):
         q = randn(gen, (1, tokens, heads, 128), dtype, "cuda")
         k = randn(gen, (1, tokens, kv_heads, 128), dtype, "cuda")
