@@ -1250,8 +1250,9 @@ void norm_cuda(const NormArgs& args, const detail::RowLayout& layout, const Norm
   // those that change from row to row go faster too since the use is compile-time (Wan 14B
   // per-token adaln 497.6 -> 458.8 us, norm_items_and_stage_172e9aa.txt).
   // A modulated LayerNorm with its own weight and bias (CogVideoX) has four or five 16-bit
-  // operands and no compile-time twin: their slots cost more resident rows than the staging
-  // hides. Read at use (H100, alternating processes, bench/results/2026-12-05_h100_90deb5e/tune/
+  // operands and no compile-time twin; staged, those rows ran well below the copy (the slots
+  // take 256-320 bytes a thread on the 4-vector plan; occupancy not profiled). Read at use (H100,
+  // alternating processes, bench/results/2026-12-05_h100_90deb5e/tune/
   // stage_wb.txt): adaln [2x17550x3072] 193.0-194.0 -> 152.3-152.6 us, [2x8192x4096] 126.1-126.8
   // -> 99.0-99.1, [1x8192x6144] 99.5-99.6 -> 77.4-77.5; gated_residual_norm [2x8192x4096]
   // 214.5-215.3 -> 200.2-200.6, [1x8192x6144] 154.7-155.2 -> 151.3-151.7. The RMS rows with a
