@@ -1285,9 +1285,14 @@ def test_mochi_float64_falls_back():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mask", ["all-valid", "ragged", "holes"])
-def test_mochi_compiled_patched_block_fullgraph(mask, device):
-    """Compiled, the block reads no mask on the host: one masked attention call whose text
-    outputs are laid out as diffusers' per-sample loop lays them out."""
+def test_mochi_compiled_patched_block_fullgraph(mask, device, monkeypatch):
+    """Compiled, the block reads no mask on the host: diffusers' per-sample loop over each
+    sample's valid text, its ``nonzero`` traced as a data-dependent size, in one graph."""
+    from fusebox.patch.dit import mochi as mochi_patch
+
+    def masked_call(*_):
+        raise AssertionError("the compiled block took the masked call, not the per-sample loop")
+
     model, kw = build_mochi(device, mask=mask)
     args, kwargs = _mochi_block_call(model, kw)
     block = model.transformer_blocks[0]
@@ -1295,10 +1300,33 @@ def test_mochi_compiled_patched_block_fullgraph(mask, device):
         want = block(*args, **kwargs)
     fusebox.patch(model)
     torch._dynamo.reset()
+    monkeypatch.setattr(mochi_patch, "_compact_text", masked_call)
     backend = GraphOps()
     with torch.no_grad():
         got = torch.compile(block, fullgraph=True, backend=backend)(*args, **kwargs)
     assert {"rotary", "fused_norm", "gated_residual", "rms_norm"} <= backend.ops
+    for a, b in zip(got, want):
+        assert rel_err(a, b) < FP32_TOL
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mask", ["ragged", "holes"])
+def test_mochi_masked_attention_matches_loop(mask, device, monkeypatch):
+    """Where the mask cannot be read on the host and no size may depend on it (a captured CUDA
+    graph), one masked attention call; its text outputs laid out as diffusers' loop lays them
+    out (valid ones first, then zeros)."""
+    from fusebox.patch.dit import mochi as mochi_patch
+
+    model, kw = build_mochi(device, mask=mask)
+    args, kwargs = _mochi_block_call(model, kw)
+    block = model.transformer_blocks[0]
+    with torch.no_grad():
+        want = block(*args, **kwargs)
+    fusebox.patch(model)
+    monkeypatch.setattr(mochi_patch, "host_readable", lambda *_: False)
+    with torch.no_grad(), FuseboxOps() as ops:
+        got = block(*args, **kwargs)
+    assert ops.calls.get("rotary", 0) == 1
     for a, b in zip(got, want):
         assert rel_err(a, b) < FP32_TOL
 
