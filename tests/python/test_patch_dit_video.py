@@ -1283,6 +1283,18 @@ def test_mochi_float64_falls_back():
     assert_patch_falls_back(model, lambda m: run(m, kw))
 
 
+def _mochi_patched_first_block(mask, device):
+    """(block, args, kwargs, unpatched output) of the first block of a tiny Mochi, the model
+    patched after that output was taken."""
+    model, kw = build_mochi(device, mask=mask)
+    args, kwargs = _mochi_block_call(model, kw)
+    block = model.transformer_blocks[0]
+    with torch.no_grad():
+        want = block(*args, **kwargs)
+    fusebox.patch(model)
+    return block, args, kwargs, want
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("mask", ["all-valid", "ragged", "holes"])
 def test_mochi_compiled_patched_block_fullgraph(mask, device, monkeypatch):
@@ -1293,12 +1305,7 @@ def test_mochi_compiled_patched_block_fullgraph(mask, device, monkeypatch):
     def masked_call(*_):
         raise AssertionError("the compiled block took the masked call, not the per-sample loop")
 
-    model, kw = build_mochi(device, mask=mask)
-    args, kwargs = _mochi_block_call(model, kw)
-    block = model.transformer_blocks[0]
-    with torch.no_grad():
-        want = block(*args, **kwargs)
-    fusebox.patch(model)
+    block, args, kwargs, want = _mochi_patched_first_block(mask, device)
     torch._dynamo.reset()
     monkeypatch.setattr(mochi_patch, "_compact_text", masked_call)
     backend = GraphOps()
@@ -1317,12 +1324,7 @@ def test_mochi_masked_attention_matches_loop(mask, device, monkeypatch):
     out (valid ones first, then zeros)."""
     from fusebox.patch.dit import mochi as mochi_patch
 
-    model, kw = build_mochi(device, mask=mask)
-    args, kwargs = _mochi_block_call(model, kw)
-    block = model.transformer_blocks[0]
-    with torch.no_grad():
-        want = block(*args, **kwargs)
-    fusebox.patch(model)
+    block, args, kwargs, want = _mochi_patched_first_block(mask, device)
     monkeypatch.setattr(mochi_patch, "host_readable", lambda *_: False)
     with torch.no_grad(), FuseboxOps() as ops:
         got = block(*args, **kwargs)
