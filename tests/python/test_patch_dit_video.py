@@ -951,6 +951,32 @@ def test_bench_tiny_cli(tmp_path, capsys):
     assert (tmp_path / rec["summary"]["video"].split("/")[-1]).exists()
 
 
+def test_bench_rounds_reverse_the_order(tmp_path, capsys):
+    """--rounds 3: the variants run forward, reversed, forward; each reports the median of its
+    rounds' forward times, every round's time kept."""
+    import json
+    import statistics
+
+    from fusebox.bench.e2e import main
+
+    rc = main(["--model", "tiny-dit", "--device", "cpu", "--quick", "--dtype", "fp32",
+               "--variants", "eager,patched", "--rounds", "3", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    starts = [line.strip()[:-4] for line in out.splitlines() if line.endswith(" ...")]
+    assert starts == ["eager", "patched", "patched", "eager", "eager", "patched"], starts
+    rec = json.loads((tmp_path / "results_e2e.json").read_text())["models"]["tiny-dit"]
+    for variant in ("eager", "patched"):
+        v = rec["variants"][variant]
+        assert not v.get("error"), v
+        assert len(v["forward_ms_rounds"]) == 3
+        assert v["forward_ms"] == statistics.median(v["forward_ms_rounds"])
+        assert v["step_ms"] == v["forward_ms"] * rec["summary"]["forwards_per_step"]
+        assert 0 < v["forward_min_ms"] <= min(v["forward_ms_rounds"])
+    assert rec["variants"]["patched"]["rel_diff_vs_eager"] < 1e-4
+    assert rec["summary"]["rounds"].startswith("3,")
+
+
 def test_bench_attention_backend_reaches_every_variant(tmp_path, monkeypatch):
     # --attention-backend is set once on the model; the patched processors share it
     from diffusers.models import attention_dispatch

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List
@@ -712,6 +713,29 @@ def _time_compiled(model, inputs, mode, device, quick, rec):
     raise AssertionError("unreachable")
 
 
+def _timing_fields(forward_ms: float, forward_min_ms: float, spec: Spec) -> Dict[str, float]:
+    step_ms = forward_ms * spec.forwards_per_step
+    return dict(forward_ms=forward_ms, forward_min_ms=forward_min_ms, step_ms=step_ms,
+                run_s=step_ms * spec.steps / 1e3, steps_per_s=1e3 / step_ms)
+
+
+def _merge_rounds(recs: List[dict], spec: Spec) -> dict:
+    """One variant's record over several rounds: the first round's record with the median of
+    the rounds' forward times (each round's kept in ``forward_ms_rounds``)."""
+    timed = [r for r in recs if "forward_ms" in r]
+    if len(recs) == 1 or not timed:
+        return recs[0]
+    merged = dict(timed[0])
+    rounds_ms = [r["forward_ms"] for r in timed]
+    merged.update(_timing_fields(statistics.median(rounds_ms),
+                                 min(r["forward_min_ms"] for r in timed), spec))
+    merged["forward_ms_rounds"] = rounds_ms
+    errors = [r["error"] for r in recs if r.get("error")]
+    if errors:
+        merged["round_errors"] = errors
+    return merged
+
+
 def _run_variant(model, inputs, variant, spec, device, quick, eager_out):
     import fusebox
 
@@ -729,9 +753,7 @@ def _run_variant(model, inputs, variant, spec, device, quick, eager_out):
             t, out = _time_graphed(model, inputs, device, quick, rec)
         else:
             t, out = _time_compiled(model, inputs, mode, device, quick, rec)
-        step_ms = t["median_ms"] * spec.forwards_per_step
-        rec.update(forward_ms=t["median_ms"], forward_min_ms=t["min_ms"], step_ms=step_ms, run_s=step_ms * spec.steps / 1e3,
-                   steps_per_s=1e3 / step_ms)
+        rec.update(_timing_fields(t["median_ms"], t["min_ms"], spec))
         if eager_out is not None:
             rec["rel_diff_vs_eager"] = common.rel_diff(out.float(), eager_out.float())
         return rec, out
@@ -911,13 +933,27 @@ def run(name: str, args) -> dict:
         rec["summary"]["attention_backend"] = backend
     inputs = spec.inputs(device, dtype)
     rec["summary"]["params_b"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 3)
+    # Rounds after the first run the variants in the reverse order: on a card at its power
+    # limit the variants' places in the run move their times by a few percent (FLUX.3 on an
+    # H100: bench/results/2026-12-05_h100_9f0ad78/).
+    order, rounds = _variants(args), max(1, getattr(args, "rounds", 1) or 1)
+    per_round: Dict[str, List[dict]] = {v: [] for v in order}
     eager_out = None
-    for variant in _variants(args):
-        rec["variants"][variant], out = common.run_guarded(
-            variant, device,
-            lambda: _run_variant(model, inputs, variant, spec, device, args.quick, eager_out))
-        if variant == "eager":
-            eager_out = out
+    for r in range(rounds):
+        if rounds > 1:
+            print(f"  round {r + 1} of {rounds}", flush=True)
+        for variant in order if r % 2 == 0 else order[::-1]:
+            against = None if variant == "eager" else eager_out
+            variant_rec, out = common.run_guarded(
+                variant, device,
+                lambda: _run_variant(model, inputs, variant, spec, device, args.quick, against))
+            per_round[variant].append(variant_rec)
+            if variant == "eager" and eager_out is None:
+                eager_out = out
+    for variant, recs in per_round.items():
+        rec["variants"][variant] = _merge_rounds(recs, spec)
+    if rounds > 1:
+        rec["summary"]["rounds"] = f"{rounds}, every other one in reverse order; forward_ms is the median"
     torch._dynamo.reset()
     if eager_out is not None and dtype != torch.float32:
         try:
