@@ -977,6 +977,14 @@ def test_bench_rounds_reverse_the_order(tmp_path, capsys):
     assert rec["summary"]["rounds"].startswith("3,")
 
 
+def test_bench_rounds_must_be_positive(capsys):
+    from fusebox.bench.e2e import main
+
+    with pytest.raises(SystemExit):
+        main(["--model", "tiny-dit", "--device", "cpu", "--rounds", "0"])
+    assert "--rounds must be 1 or more; got 0" in capsys.readouterr().err
+
+
 def test_bench_attention_backend_reaches_every_variant(tmp_path, monkeypatch):
     # --attention-backend is set once on the model; the patched processors share it
     from diffusers.models import attention_dispatch

@@ -68,6 +68,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     models = families()
     parser = build_parser(models)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.rounds < 1:
+        parser.error(f"--rounds must be 1 or more; got {args.rounds}")
     names = []
     for m in (m.strip() for m in args.model.split(",")):
         # "tiny": the small functional configs of every family (tiny-llm, tiny-dit)

@@ -933,10 +933,10 @@ def run(name: str, args) -> dict:
         rec["summary"]["attention_backend"] = backend
     inputs = spec.inputs(device, dtype)
     rec["summary"]["params_b"] = round(sum(p.numel() for p in model.parameters()) / 1e9, 3)
-    # Rounds after the first run the variants in the reverse order: on a card at its power
-    # limit the variants' places in the run move their times by a few percent (FLUX.3 on an
-    # H100: bench/results/2026-12-05_h100_9f0ad78/).
-    order, rounds = _variants(args), max(1, getattr(args, "rounds", 1) or 1)
+    # Rounds after the first run the variants in the reverse order: a variant's place in the
+    # run moved its time by a few percent (FLUX.3 on an H100, 2.5-4.6%, cause not settled:
+    # bench/results/2026-12-05_h100_9f0ad78/).
+    order, rounds = _variants(args), getattr(args, "rounds", 1)
     per_round: Dict[str, List[dict]] = {v: [] for v in order}
     eager_out = None
     for r in range(rounds):
