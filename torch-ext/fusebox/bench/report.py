@@ -16,6 +16,7 @@ LABELS = {"fusebox": "fusebox", "eager": "eager", "torch": "torch op",
 ERR_WARN = 3e-2            # fusebox vs the eager reference; bf16/fp16 rounding is ~1e-3..1e-2
 DIT_FUSED = ("qk_norm_rope", "adaln", "gated_residual_norm", "rope_3d")
 UNSTEADY_RATIO = 1.5       # a median this many times the fastest sample: two modes, not one
+UNSTEADY_RETIMES = 3       # timings again at most this many times while they stay in two modes
 
 
 def _num(x) -> Optional[float]:
@@ -180,8 +181,8 @@ def unsteady(results: List[dict]) -> List[str]:
     """Measurements whose median is UNSTEADY_RATIO or more times their fastest sample: two
     modes in one case's samples (a clock or a neighbour changed under it) make its median, and
     every ratio built on it, say more about the machine than about the kernel. The timer
-    retimes such a measurement once; those still two-moded are named, so that a reader reruns
-    them (``--ops``/``--shapes``) instead of trusting them."""
+    retimes such a measurement up to UNSTEADY_RETIMES times; those still two-moded are named, so
+    that a reader reruns them (``--ops``/``--shapes``) instead of trusting them."""
     out = []
     for r in results:
         for name, m in r["impls"].items():
@@ -394,8 +395,8 @@ def summary_lines(doc: dict, md: bool = False) -> List[str]:
     if s.get("worst"):
         out.append("lowest speedups: " + ", ".join(s["worst"]))
     if s.get("retimed"):
-        out.append(f"retimed once for samples in two modes (first medians in results.json): "
-                   f"{len(s['retimed'])}")
+        out.append(f"retimed for samples in two modes (up to {UNSTEADY_RETIMES} times; first "
+                   f"medians in results.json): {len(s['retimed'])}")
     if s.get("unsteady"):
         out.append(f"unsteady timings (median >= {UNSTEADY_RATIO:g}x the fastest sample; rerun "
                    "before trusting): " + ", ".join(s["unsteady"]))

@@ -26,7 +26,7 @@ from typing import Callable, List, Optional, Sequence
 
 import torch
 
-from .report import UNSTEADY_RATIO
+from .report import UNSTEADY_RATIO, UNSTEADY_RETIMES
 
 MAX_SETS = 32
 GRAPH_CALLS = 20
@@ -207,10 +207,15 @@ class Timer:
             iters = int(min(self.iters, max(self.min_iters, self.budget_s / wall)))
         ts = self.device_times(fn, sets, iters, flush, enq)
         out = {}
-        if median(ts) >= UNSTEADY_RATIO * min(ts):
-            # two modes in the samples (a clock or a neighbour changed under them): timed once
-            # more, the first median kept beside the result
-            out["retimed_from_us"] = median(ts)
+        # Two modes in the samples (a clock or a neighbour changed under them): timed again, up
+        # to UNSTEADY_RETIMES times, until one pass has a single mode; the first median is kept
+        # beside the result. One retime left one H100 case of 151 in two modes
+        # (bench/results/2026-12-05_h100_0e9703a/README.md).
+        for _ in range(UNSTEADY_RETIMES):
+            if median(ts) < UNSTEADY_RATIO * min(ts):
+                break
+            out.setdefault("retimed_from_us", median(ts))
+            out["retimes"] = out.get("retimes", 0) + 1
             ts = self.device_times(fn, sets, iters, flush, enq)
         out.update({"us": median(ts), "min_us": min(ts), "n": len(ts),
                     "host_enqueue_us": round(enq, 2)})
