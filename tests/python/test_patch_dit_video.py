@@ -880,14 +880,67 @@ def test_ltx2_float64_falls_back():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", ["ltx2-interleaved", "ltx2-split", "ltx2.3-interleaved-token"])
 def test_ltx2_compiled_patched_block_fullgraph(case, device):
+    """Compiled, the split RoPE is left to the compiler (torch operations reading the per-head
+    tables in place, no rows formed per block); the interleaved one keeps the operator."""
     model, kw = build_ltx2(case, device)
+    ops = {"fused_norm", "gated_residual", "rms_norm"}
+    split = "split" in case
+    assert_compiled_first_block(model, lambda: run_ltx2(model, kw),
+                                ops if split else ops | {"rotary"},
+                                absent={"rotary"} if split else set())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_ltx2_compiled_split_rope_kernel_knob(device, monkeypatch):
+    """FUSEBOX_COMPILED_SPLIT_ROTARY=kernel keeps the rotary operator in the compiled block."""
+    from fusebox.patch.dit import _shared
+
+    monkeypatch.setattr(_shared, "COMPILED_SPLIT_ROTARY", "kernel")
+    model, kw = build_ltx2("ltx2-split", device)
     assert_compiled_first_block(model, lambda: run_ltx2(model, kw),
                                 {"rotary", "fused_norm", "gated_residual", "rms_norm"})
 
 
-def assert_compiled_first_block(model, run, ops):
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16],
+                         ids=["fp32", "bf16", "fp16"])
+def test_ltx2_split_rope_in_torch_matches_the_operator(dtype, device):
+    """The compiled split RoPE's torch form equals the operator on the rows it would be given
+    and diffusers' ``apply_split_rotary_emb``, for tables as diffusers makes them (a transposed
+    view of ``[B, S, H, D/2]``), q/k read from a wider projection (strided rows), odd sizes."""
+    from diffusers.models.transformers.transformer_ltx2 import apply_split_rotary_emb
+
+    from fusebox.patch.dit._shared import _split_rope, _split_rope_in_torch
+
+    g = torch.Generator().manual_seed(11)
+    b, s, s_k, heads, d = 2, 13, 7, 3, 10
+    qkv = torch.randn(b, s, 3 * heads * d, generator=g).to(device, dtype)
+    q = qkv[..., :heads * d]
+    k = torch.randn(b, s_k, heads * d, generator=g).to(device, dtype)
+
+    def tables(n):   # diffusers: [B, S, H, D/2] computed, returned swapped to [B, H, S, D/2]
+        angles = torch.rand(b, n, heads, d // 2, generator=g) * 6
+        return tuple(t.to(device).swapaxes(1, 2) for t in (angles.cos(), angles.sin()))
+
+    rotary, key_rotary = tables(s), tables(s_k)
+    for x, rot in ((q, rotary), (k, key_rotary)):
+        ref = apply_split_rotary_emb(x.double(), tuple(t.double() for t in rot))
+        x_out = torch.full((b, x.shape[1], heads, d), float("nan"), device=device, dtype=dtype)
+        x_out.copy_(_split_rope_in_torch(x, heads, *rot).view(x_out.shape))
+        with torch.no_grad():
+            op_out = _split_rope(x, None, heads, rot)[0]
+        assert not x_out.isnan().any()
+        assert x_out.dtype == dtype and x_out.shape == op_out.shape
+        fp32 = dtype == torch.float32
+        assert rel_err(x_out.flatten(2), ref) < (1e-6 if fp32 else 1e-2)
+        assert rel_err(x_out, op_out) < (1e-6 if fp32 else 2e-3)   # one rounding each
+    assert _split_rope_in_torch(None, heads, *rotary) is None
+
+
+def assert_compiled_first_block(model, run, ops, absent=frozenset()):
     """The first block, patched and compiled fullgraph on the inputs an unpatched ``run()``
-    hands it, traces ``ops`` (the fused path) and matches the patched eager block."""
+    hands it, traces ``ops`` (the fused path) and none of ``absent``, and matches the patched
+    eager block."""
     captured = {}
 
     def grab(module, args, kwargs):
@@ -905,6 +958,7 @@ def assert_compiled_first_block(model, run, ops):
         eager = block(*args, **kwargs)
         out = torch.compile(block, fullgraph=True, backend=backend)(*args, **kwargs)
     assert ops <= backend.ops, backend.ops
+    assert not (set(absent) & backend.ops), backend.ops
     assert all(rel_err(a, b) < FP32_TOL for a, b in zip(out, eager))
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -26,6 +27,7 @@ from ... import functional as fb
 # eager norm would copy it
 from ...functional import has_unit_stride_rows as has_contiguous_rows
 from ...functional import unit_stride_rows as rows
+from ...functional import _check_choice
 from .._common import (add_undo, derived_once, gemm_bias_gelu_tanh, gemm_gelu_tanh_ok, has_hooks,
                        needs_autograd, replace_forward)
 
@@ -611,8 +613,34 @@ def split_rotary_rows(cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
     return derived_once(cos, ("split rows", sin.shape), lambda: (rows_of(cos), rows_of(sin)))
 
 
+# Under torch.compile the split RoPE is written in torch operations (fp32 math, rounded once, as
+# the operator computes it) instead of the operator on rows from split_rotary_rows: a compiled
+# block cannot reuse the rows the first eager layer forms, so each block would write them again,
+# both tables at twice their size. For LTX-2 19B's 6144 video tokens that is about 1.2 GB a block
+# (the self-attention's tables and the cross-modal ones), as much as patched + regional compile
+# trailed patched eager on an H100 (698.0 against 679.9 ms a forward,
+# bench/results/2026-12-05_h100_0e9703a/). The compiler fuses the rotation into one pass that
+# reads the tables as they are. "kernel" keeps the operator (for comparisons).
+COMPILED_SPLIT_ROTARY = os.environ.get("FUSEBOX_COMPILED_SPLIT_ROTARY", "torch")
+_check_choice("FUSEBOX_COMPILED_SPLIT_ROTARY", COMPILED_SPLIT_ROTARY, ("torch", "kernel"))
+
+
+def _split_rope_in_torch(x: Optional[Tensor], heads: int, cos: Tensor, sin: Tensor) -> Optional[Tensor]:
+    """:func:`_split_rope` of one tensor as one elementwise expression: flat ``[B, S, H * D]``
+    as ``[B, S, H, 2, D/2]`` halves, each turned toward the other (the flipped halves, signed),
+    tables ``[B, H, S, D/2]`` read where they lie."""
+    if x is None:
+        return None
+    y = x.unflatten(2, (heads, 2, -1)).float()
+    c, s = (t.transpose(1, 2).unsqueeze(-2).float() for t in (cos, sin))
+    sign = torch.tensor([-1.0, 1.0], device=x.device).view(2, 1)
+    return (y * c + y.flip(-2) * (s * sign)).flatten(-2).to(x.dtype)
+
+
 def _split_rope(q: Tensor, k: Optional[Tensor], heads: int, rotary) -> Tuple[Tensor, Tensor]:
     """Split RoPE of (already normed) flat q [and k] with per-head tables; [B, S, H, D] out."""
+    if COMPILED_SPLIT_ROTARY == "torch" and torch.compiler.is_compiling():
+        return _split_rope_in_torch(q, heads, *rotary), _split_rope_in_torch(k, heads, *rotary)
     cos, sin = split_rotary_rows(*rotary)
 
     def per_head_rows(x):

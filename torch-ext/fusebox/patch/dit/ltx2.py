@@ -11,7 +11,8 @@ over all heads) and the RoPE of q and k ->
   :func:`rms_norm` of q and of k, then one :func:`rope` launch over the heads as rows (the
   kernel reads one table per row, and the norm spans all heads of a token, so the two cannot
   share a launch); the tables, ``[B, H, S, D/2]``, are written once per forward as
-  ``[B, S * H, D]`` rows;
+  ``[B, S * H, D]`` rows (under ``torch.compile`` the rotation is torch operations that read
+  the tables in place instead: a compiled block would write the rows again);
 - text cross-attention (no RoPE): :func:`rms_norm` of q and of k;
 
 then diffusers' attention dispatch; LTX-2.3's per-head output gates run eagerly.
