@@ -620,7 +620,8 @@ def split_rotary_rows(cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
 # (the self-attention's tables and the cross-modal ones), as much as patched + regional compile
 # trailed patched eager on an H100 (698.0 against 679.9 ms a forward,
 # bench/results/2026-12-05_h100_0e9703a/). The compiler fuses the rotation into one pass that
-# reads the tables as they are. "kernel" keeps the operator (for comparisons).
+# reads the tables as they are (the saving itself is not yet timed on a GPU). "kernel" keeps the
+# operator (for comparisons).
 COMPILED_SPLIT_ROTARY = os.environ.get("FUSEBOX_COMPILED_SPLIT_ROTARY", "torch")
 _check_choice("FUSEBOX_COMPILED_SPLIT_ROTARY", COMPILED_SPLIT_ROTARY, ("torch", "kernel"))
 
