@@ -1459,3 +1459,44 @@ def test_e2e_parent_holds_no_model_while_a_child_runs(monkeypatch, variants):
     if "eager" in variants:
         assert "process" not in record["variants"]["eager"]
         assert record["summary"]["prefill_ms speedup patched vs eager"] > 0
+
+
+def test_e2e_own_process_rounds_alternate_and_report_medians(monkeypatch):
+    """--rounds 3 on the variants timed in processes of their own: a child a variant a round,
+    forward, reversed, forward; each variant reports the median of its rounds' decode rates,
+    every round's rate kept, and a failed round's error beside them."""
+    import argparse
+
+    from fusebox.bench.e2e import llm
+
+    calls = []
+    rates = {"graphs": iter([180.0, 170.0, 190.0]), "patched+graphs": iter([200.0, 160.0, None])}
+
+    def child(name, variant, args):
+        calls.append(variant)
+        rate = next(rates[variant])
+        if rate is None:
+            raise RuntimeError("the child process (exit 1) wrote no result: boom")
+        return {"decode_tok_s_b1": rate, "decode_tok_s_b16": 10 * rate, "process": "own"}
+
+    monkeypatch.setattr(llm, "run_in_own_process", child)
+    monkeypatch.setattr(llm, "_runs_in_own_process", lambda v, a, d: True)
+    args = argparse.Namespace(dtype="fp32", device="cpu", quick=True,
+                              variants="graphs,patched+graphs", rounds=3)
+    record = llm.run("tiny-llm", args)
+    assert calls == ["graphs", "patched+graphs", "patched+graphs", "graphs", "graphs",
+                     "patched+graphs"]
+    graphs, patched = record["variants"]["graphs"], record["variants"]["patched+graphs"]
+    assert graphs["decode_tok_s_b1"] == 180.0 and graphs["decode_tok_s_b1_rounds"] == [180.0, 170.0, 190.0]
+    assert graphs["decode_tok_s_b16"] == 1800.0 and "round_errors" not in graphs
+    assert patched["decode_tok_s_b1"] == 180.0 and patched["decode_tok_s_b1_rounds"] == [200.0, 160.0]
+    assert patched["round_errors"] == ["RuntimeError: the child process (exit 1) wrote no result: boom"]
+    assert record["summary"]["decode_tok_s_b1 speedup patched+graphs vs graphs"] == 1.0
+    # one round: each child's record as it came
+    calls.clear()
+    rates = {"graphs": iter([150.0]), "patched+graphs": iter([165.0])}
+    record = llm.run("tiny-llm", argparse.Namespace(dtype="fp32", device="cpu", quick=True,
+                                                    variants="graphs,patched+graphs"))
+    assert calls == ["graphs", "patched+graphs"]
+    assert record["variants"]["patched+graphs"] == {"decode_tok_s_b1": 165.0,
+                                                    "decode_tok_s_b16": 1650.0, "process": "own"}

@@ -56,9 +56,10 @@ def build_parser(models: Dict[str, object]) -> argparse.ArgumentParser:
                    help="LLMs: time the CUDA-graph variants in this process too (by default each "
                         "runs in a process of its own)")
     p.add_argument("--rounds", type=int, default=1, metavar="N",
-                   help="diffusers models: run the variants N times, every other round in the "
-                        "reverse order, and report each variant's median over the rounds (a "
-                        "variant's place in the run can move its time by a few percent)")
+                   help="run the variants N times, every other round in the reverse order, "
+                        "and report each variant's median over the rounds (a variant's place in "
+                        "the run can move its time by a few percent); LLMs: the variants timed "
+                        "in processes of their own (CUDA graphs), a process each a round")
     p.add_argument("--pipeline", action="store_true",
                    help="diffusers models: also run the full pipeline and write its output file")
     return p

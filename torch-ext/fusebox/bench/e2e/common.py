@@ -63,6 +63,25 @@ def release(device) -> None:
         torch.cuda.empty_cache()
 
 
+def merge_rounds(recs: List[dict], keys: Sequence[str]) -> dict:
+    """One variant's record over several rounds: the first timed round's record with each of
+    ``keys`` the median over the rounds that have it (every round's value kept in
+    ``<key>_rounds``), and the errors of rounds that failed in ``round_errors``."""
+    timed = [r for r in recs if any(k in r for k in keys)]
+    if len(recs) == 1 or not timed:
+        return recs[0]
+    merged = dict(timed[0])
+    for key in keys:
+        values = [r[key] for r in timed if key in r]
+        if values:
+            merged[key] = statistics.median(values)
+            merged[f"{key}_rounds"] = values
+    errors = [r["error"] for r in recs if r.get("error")]
+    if errors:
+        merged["round_errors"] = errors
+    return merged
+
+
 def run_guarded(variant: str, device, call: Callable[[], tuple]) -> tuple:
     """``call()``'s (record, output) between two progress lines; a failure becomes the variant's
     error record, since one failing variant must not end the run."""

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import inspect
-import statistics
 import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List
@@ -720,19 +719,13 @@ def _timing_fields(forward_ms: float, forward_min_ms: float, spec: Spec) -> Dict
 
 
 def _merge_rounds(recs: List[dict], spec: Spec) -> dict:
-    """One variant's record over several rounds: the first round's record with the median of
-    the rounds' forward times (each round's kept in ``forward_ms_rounds``)."""
-    timed = [r for r in recs if "forward_ms" in r]
-    if len(recs) == 1 or not timed:
-        return recs[0]
-    merged = dict(timed[0])
-    rounds_ms = [r["forward_ms"] for r in timed]
-    merged.update(_timing_fields(statistics.median(rounds_ms),
-                                 min(r["forward_min_ms"] for r in timed), spec))
-    merged["forward_ms_rounds"] = rounds_ms
-    errors = [r["error"] for r in recs if r.get("error")]
-    if errors:
-        merged["round_errors"] = errors
+    """One variant's record over several rounds (:func:`common.merge_rounds` of the forward
+    time), the step times derived from the median forward, the fastest forward of any round."""
+    merged = common.merge_rounds(recs, ("forward_ms",))
+    if "forward_ms_rounds" in merged:
+        merged.update(_timing_fields(merged["forward_ms"],
+                                     min(r["forward_min_ms"] for r in recs if "forward_ms" in r),
+                                     spec))
     return merged
 
 

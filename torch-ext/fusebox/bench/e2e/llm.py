@@ -334,10 +334,20 @@ def run(name: str, args) -> dict:
         _set_variant(model, "eager")
         del model, ids, ref_logits
         common.release(device)
-    # each child builds its own model, so this process holds none while they run
-    for variant in elsewhere:
-        record["variants"][variant], logits[variant] = common.run_guarded(
-            variant, device, lambda: (run_in_own_process(name, variant, args), None))
+    # each child builds its own model, so this process holds none while they run; with
+    # --rounds N the children run N times, every other round in the reverse order (one
+    # variant's decode rate moved up to 15% from one process to the next: bench/results/
+    # 2026-12-05_h100_0e9703a/), and each variant reports its median
+    rounds = getattr(args, "rounds", 1)
+    per_round: Dict[str, List[dict]] = {v: [] for v in elsewhere}
+    for r in range(rounds):
+        for variant in elsewhere if r % 2 == 0 else elsewhere[::-1]:
+            per_round[variant].append(common.run_guarded(
+                variant, device, lambda: (run_in_own_process(name, variant, args), None))[0])
+    for variant, recs in per_round.items():
+        keys = sorted({k for rec in recs for k, v in rec.items()
+                       if k.startswith("decode_tok_s") and isinstance(v, (int, float))})
+        record["variants"][variant], logits[variant] = common.merge_rounds(recs, keys), None
     record["summary"] = summarize(record["variants"], logits)
     if getattr(args, "attention_backend", None):
         record["summary"]["attention_backend"] = "not applied (a diffusers option)"
@@ -385,7 +395,8 @@ def summarize(results: Dict[str, dict], logits: Dict[str, torch.Tensor]) -> dict
         for key in ("prefill_ms",):
             if a.get(key) and b.get(key):
                 summary[f"{key} speedup {fused} vs {base}"] = round(a[key] / b[key], 3)
-        for key in (k for k in b if k.startswith("decode_tok_s")):
+        for key in (k for k, v in b.items()
+                    if k.startswith("decode_tok_s") and isinstance(v, (int, float))):
             if a.get(key) and b.get(key):
                 summary[f"{key} speedup {fused} vs {base}"] = round(b[key] / a[key], 3)
     return summary
