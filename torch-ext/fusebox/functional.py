@@ -216,11 +216,12 @@ def _rotary_in_torch(x, cos, sin, norm, across_heads, weight, eps, weight_offset
 
     r = cos.shape[-1]
     y_r = y[..., :r]
-    if interleaved:
-        pairs = y_r.unflatten(-1, (-1, 2))
-        partner = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
-    else:
-        partner = torch.cat((-y_r[..., r // 2:], y_r[..., :r // 2]), dim=-1)
+    # each pair's partner: its other element, the first negated, as a flip (an index the compiler
+    # folds into the pass; a cat of the halves was a copy of its own in a compiled LTX-2 block)
+    pairs = y_r.unflatten(-1, (-1, 2) if interleaved else (2, -1))
+    sign = torch.tensor([-1.0, 1.0], device=x.device)
+    partner = (pairs.flip(-1 if interleaved else -2)
+               * (sign if interleaved else sign.view(2, 1))).flatten(-2)
     rotated = y_r * table(cos) + partner * table(sin)
     if r < y.shape[-1]:
         rotated = torch.cat((rotated, y[..., r:]), dim=-1)

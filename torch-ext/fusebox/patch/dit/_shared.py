@@ -27,7 +27,7 @@ from ... import functional as fb
 # eager norm would copy it
 from ...functional import has_unit_stride_rows as has_contiguous_rows
 from ...functional import unit_stride_rows as rows
-from ...functional import _check_choice
+from ...functional import _check_choice, _rotary_in_torch
 from .._common import (add_undo, derived_once, gemm_bias_gelu_tanh, gemm_gelu_tanh_ok, has_hooks,
                        needs_autograd, replace_forward)
 
@@ -627,15 +627,14 @@ _check_choice("FUSEBOX_COMPILED_SPLIT_ROTARY", COMPILED_SPLIT_ROTARY, ("torch", 
 
 
 def _split_rope_in_torch(x: Optional[Tensor], heads: int, cos: Tensor, sin: Tensor) -> Optional[Tensor]:
-    """:func:`_split_rope` of one tensor as one elementwise expression: flat ``[B, S, H * D]``
-    as ``[B, S, H, 2, D/2]`` halves, each turned toward the other (the flipped halves, signed),
-    tables ``[B, H, S, D/2]`` read where they lie."""
+    """:func:`_split_rope` of one flat ``[B, S, H * D]`` tensor (``[B, S, H, D]`` out) as the operator's torch form
+    (``functional._rotary_in_torch``), the tables ``[B, H, S, D/2]`` read where they lie: each
+    half written twice and laid out as x, views the compiler folds into one pass."""
     if x is None:
         return None
-    y = x.unflatten(2, (heads, 2, -1)).float()
-    c, s = (t.transpose(1, 2).unsqueeze(-2).float() for t in (cos, sin))
-    sign = torch.tensor([-1.0, 1.0], device=x.device).view(2, 1)
-    return (y * c + y.flip(-2) * (s * sign)).flatten(-2).to(x.dtype)
+    c, s = (torch.cat([t, t], dim=-1).transpose(1, 2) for t in (cos, sin))
+    return _rotary_in_torch(x.unflatten(2, (heads, -1)), c, s, "none", False, None, 0.0, 0.0,
+                            False, False)
 
 
 def _split_rope(q: Tensor, k: Optional[Tensor], heads: int, rotary) -> Tuple[Tensor, Tensor]:
