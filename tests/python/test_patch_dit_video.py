@@ -1177,9 +1177,11 @@ MOCHI_TINY = dict(patch_size=2, num_attention_heads=2, attention_head_dim=8, num
                   activation_fn="swiglu", max_sequence_length=16)
 # text masks of the 2 samples x 8 tokens: every token valid; the same padded suffix (trimmed
 # at the model's input); a suffix of another length per sample (diffusers' per-sample loop);
-# a hole inside the valid text (the loop lays the text outputs out compacted)
+# a hole inside the valid text (the loop lays the text outputs out compacted); no valid text
+# in one sample (CFG's empty negative prompt, as the Mochi pipeline masks it)
 MOCHI_MASKS = {"all-valid": ((8, 8), ()), "same-suffix": ((6, 6), ()),
-               "ragged": ((8, 5), ()), "holes": ((8, 6), ((0, 2),))}
+               "ragged": ((8, 5), ()), "holes": ((8, 6), ((0, 2),)),
+               "one-empty": ((5, 0), ())}
 
 
 def tiny_mochi(device="cpu", dtype=torch.float32):
@@ -1287,6 +1289,33 @@ def test_mochi_block_both_streams(mask, index):
     assert ops.calls["rotary"] == 1 and ops.calls["fused_norm"] == 4 - index
     for a, b in zip(got, want):
         assert a.shape == b.shape and rel_err(a, b) < FP32_TOL
+
+
+@pytest.mark.parametrize("mask", ["ragged", "one-empty"])
+def test_mochi_ragged_text_sliced_without_host_reads_in_blocks(mask, monkeypatch):
+    """Each sample's valid text a prefix of its own length: the patched blocks slice it by the
+    counts read once a forward, with no ``nonzero`` (a host read per sample and block), and
+    give diffusers' loop's output, zeros after each sample's valid text outputs included."""
+    model, kw = build_mochi("cpu", mask=mask)
+    args, kwargs = _mochi_block_call(model, kw, 0)
+    block = model.transformer_blocks[0]
+    with torch.no_grad():
+        want = block(*args, **kwargs)
+    ref = run(model, kw)
+    fusebox.patch(model)
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: pytest.fail("nonzero in a block"))
+    reads = []
+    real_tolist = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.shape) or real_tolist(t))
+    out = run(model, kw)
+    assert len(reads) == 2, reads    # the input trim, then the blocks' counts (once, not a block)
+    assert rel_err(out, ref) < FP32_TOL
+    with torch.no_grad():
+        got = block(*args, **kwargs)
+    for a, b in zip(got, want):
+        assert a.shape == b.shape and rel_err(a, b) < FP32_TOL
+    text_out = got[1]
+    assert bool(torch.isfinite(text_out).all())
 
 
 def test_mochi_rotary_pairs_are_interleaved_per_head():

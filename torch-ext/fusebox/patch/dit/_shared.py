@@ -509,27 +509,35 @@ def host_readable(t: Tensor, parallel_config) -> bool:
                 or (t.is_cuda and torch.cuda.is_current_stream_capturing()))
 
 
-def valid_key_prefix(processor: FusedAttnProcessor, mask: Tensor) -> Optional[int]:
-    """How many keys a boolean key mask (``[B, N]`` or ``[B, 1, 1, N]``, True = attend) lets
-    through when, in every sample, they are the same first ones; else None. Attention over that
-    prefix needs no mask, so SDPA runs its unmasked kernels, where a mask (even all True) keeps
-    it on the masked one. The mask is read on the host once per mask tensor: a model hands
-    every block the same one, so once a forward. None without a read where the count cannot
-    be used: in a compiled or captured graph, and under context parallelism (keys split over
-    ranks)."""
+def valid_key_counts(processor: FusedAttnProcessor, mask: Tensor) -> Optional[Tuple[int, ...]]:
+    """Each sample's number of valid keys under a boolean key mask (``[B, N]`` or ``[B, 1, 1,
+    N]``, True = attend) when in every sample they are its first ones (the counts may differ
+    between samples); else None. The mask is read on the host once per mask tensor: a model
+    hands every block the same one, so once a forward. None without a read where the counts
+    cannot be used: in a compiled or captured graph, and under context parallelism (keys split
+    over ranks)."""
     if (mask.dtype != torch.bool or mask.dim() not in (2, 4) or mask.shape[1:-1].numel() != 1
             or not host_readable(mask, processor._parallel_config)):
         return None
 
-    def read() -> Optional[int]:
+    def read() -> Optional[Tuple[int, ...]]:
         valid = mask.reshape(mask.shape[0], -1)
         counts = valid.sum(1)
         positions = torch.arange(valid.shape[1], device=valid.device)
         prefix = (valid == (positions < counts[:, None])).all()
-        low, high, is_prefix = torch.stack([counts.min(), counts.max(), prefix.long()]).tolist()
-        return low if is_prefix and low == high and low > 0 else None
+        *values, is_prefix = torch.cat([counts, prefix.long().reshape(1)]).tolist()
+        return tuple(values) if is_prefix else None
 
-    return derived_once(mask, "valid key prefix", read)
+    return derived_once(mask, "valid key counts", read)
+
+
+def valid_key_prefix(processor: FusedAttnProcessor, mask: Tensor) -> Optional[int]:
+    """How many keys a boolean key mask lets through when, in every sample, they are the same
+    first ones (:func:`valid_key_counts`, all equal and not zero); else None. Attention over that
+    prefix needs no mask, so SDPA runs its unmasked kernels, where a mask (even all True) keeps
+    it on the masked one."""
+    counts = valid_key_counts(processor, mask)
+    return counts[0] if counts and min(counts) == max(counts) > 0 else None
 
 
 def attend(processor: FusedAttnProcessor, query: Tensor, key: Tensor, value: Tensor,

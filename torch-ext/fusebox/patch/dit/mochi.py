@@ -12,9 +12,11 @@
   as ``[B, S * H, 1, D]`` rows. The text stream's q/k norms (no rotary) run as ``rms_norm``.
   Attention calls ``scaled_dot_product_attention`` as diffusers' Mochi processor does (it has no
   attention dispatch): one batched call when the text is all valid or a prefix of the same
-  length in every sample, diffusers' per-sample loop over each sample's valid text otherwise
-  (compiled too: the loop's ``nonzero`` traces as a data-dependent size, as in diffusers' own
-  compiled processor), and, in captured CUDA graphs (no host read of the mask, no
+  length in every sample, diffusers' per-sample loop over each sample's valid text otherwise:
+  eager, with each sample's valid prefix counted once a forward and sliced (no host read in the
+  blocks; a sample without valid text, CFG's empty negative prompt, attends over its video
+  tokens in place), compiled, with diffusers' ``nonzero`` (a data-dependent size, as in diffusers'
+  own compiled processor), and, in captured CUDA graphs (no host read of the mask, no
   data-dependent size), one masked call whose text outputs are placed as the loop places them
   (valid ones first, then zeros). The masked call attends over every padded key and its mask
   rules out SDPA's flash kernel: compiled, it made the patched forward 1.19x slower than
@@ -63,7 +65,7 @@ from ._shared import (
     rows,
     text_suffix_trim,
     trim_text_padding,
-    valid_key_prefix,
+    valid_key_counts,
 )
 
 FAMILY = "mochi"
@@ -182,10 +184,11 @@ class MochiFusedAttnProcessor(FusedAttnProcessor):
             video_out, text_out = out.split_with_sizes((query.shape[1], length), dim=1)
             return torch.cat([video_out, _compact_text(text_out, valid_text)], dim=1)
         else:
-            valid = valid_key_prefix(self, mask)
-            if valid is None:
+            counts = valid_key_counts(self, mask)
+            if counts is None or min(counts) != max(counts) or counts[0] == 0:
                 return self.attend_per_sample(query, key, value, encoder_query, encoder_key,
-                                              encoder_value, mask)
+                                              encoder_value, mask, counts)
+            valid = counts[0]
         # the same first `valid` text tokens in every sample: one call, zeros for the rest
         out = F.scaled_dot_product_attention(
             joint(query, encoder_query[:, :valid]), joint(key, encoder_key[:, :valid]),
@@ -193,9 +196,27 @@ class MochiFusedAttnProcessor(FusedAttnProcessor):
         return F.pad(out.transpose(1, 2), (0, 0, 0, 0, 0, length - valid))
 
     @staticmethod
-    def attend_per_sample(query, key, value, encoder_query, encoder_key, encoder_value, mask):
-        """diffusers' loop: per sample, attention over the video and its valid text tokens."""
-        total = query.shape[1] + encoder_query.shape[1]
+    def attend_per_sample(query, key, value, encoder_query, encoder_key, encoder_value, mask,
+                          counts=None):
+        """diffusers' loop: per sample, attention over the video and its valid text tokens.
+        With ``counts`` (each sample's valid text is its first ``counts[i]`` tokens, read once a
+        forward) the text is sliced and each output written into one buffer, with no host read
+        in the loop and no copy of the video q/k/v for a sample without text (CFG's empty
+        negative prompt). Else, as diffusers, the valid tokens are found by ``nonzero`` (a host
+        read per sample; a data-dependent size when compiled)."""
+        video, length = query.shape[1], encoder_query.shape[1]
+        if counts is not None:
+            out = query.new_empty(query.shape[0], video + length, *query.shape[2:])
+            for idx, valid in enumerate(counts):
+                def joint(v, text):
+                    v = v[idx:idx + 1]
+                    return (torch.cat([v, text[idx:idx + 1, :valid]], dim=1) if valid
+                            else v).transpose(1, 2)
+                out[idx, :video + valid] = F.scaled_dot_product_attention(
+                    joint(query, encoder_query), joint(key, encoder_key),
+                    joint(value, encoder_value), dropout_p=0.0, is_causal=False)[0].transpose(0, 1)
+                out[idx, video + valid:] = 0
+            return out
         outputs = []
         for idx in range(query.shape[0]):
             keep = torch.nonzero(mask[idx].flatten(), as_tuple=False).flatten()
@@ -207,7 +228,7 @@ class MochiFusedAttnProcessor(FusedAttnProcessor):
                 torch.cat([value[idx:idx + 1], encoder_value[idx:idx + 1, keep]],
                           dim=1).transpose(1, 2),
                 dropout_p=0.0, is_causal=False)
-            outputs.append(F.pad(out, (0, 0, 0, total - out.shape[2])))
+            outputs.append(F.pad(out, (0, 0, 0, video + length - out.shape[2])))
         return torch.cat(outputs, dim=0).transpose(1, 2)
 
 
