@@ -6,7 +6,11 @@ tests of diffusers (``tests/models/transformers/test_models_transformer_<name>.p
 those are large. Prints one line per class: OK (every output within 1e-5 of the unpatched one,
 max abs difference over the unpatched output's max abs) with what was patched, counted per module
 class; untouched (nothing recognized); MISMATCH; FAIL (the patch or the patched model raised);
-skip (no inputs for the class, or the unpatched model does not run with them).
+skip (no inputs for the class, or the unpatched model does not run with them). An OK line also
+names the host reads of tensors (``item``, ``tolist``, ``nonzero``, ``bool``...) that the patched
+model's repeated blocks make after its first block, beside the unpatched model's count: each
+stalls the host until the GPU catches up, once a block; a value read once a forward belongs in
+the first block or before it.
 Exits 1 on any MISMATCH or FAIL.
 
     PYTHONPATH=torch-ext python scripts/compat_sweep_dit.py [--only NAME ...] [--tol 1e-5]
@@ -17,6 +21,7 @@ NAME is a class name (``WanTransformer3DModel``) or a case-insensitive part of o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import inspect
@@ -602,8 +607,8 @@ TINY = {
              text_embed_dim=16, time_embed_dim=4, activation_fn="swiglu", max_sequence_length=16),
         lambda r: dict(hidden_states=r.randn(2, 4, 2, 8, 8), encoder_hidden_states=r.randn(2, 16, 16),
                        timestep=r.steps(2),
-                       encoder_attention_mask=torch.ones(2, 16, dtype=torch.bool).index_fill_(
-                           1, torch.tensor([14, 15]), False))),
+                       encoder_attention_mask=torch.arange(16).expand(2, 16)
+                       < torch.tensor([[14], [11]]))),   # valid text of two lengths, as in CFG
     "MotifVideoTransformer3DModel": (
         dict(in_channels=33, out_channels=16, num_attention_heads=2, attention_head_dim=12,
              num_layers=1, num_single_layers=1, num_decoder_layers=0, mlp_ratio=4.0, patch_size=1,
@@ -815,6 +820,50 @@ def where(e: BaseException) -> str:
     return f"{frame.filename.split('/')[-1]}:{frame.lineno}"
 
 
+_HOST_READS = ("item", "tolist", "nonzero", "cpu", "numpy", "__bool__", "__int__", "__float__")
+
+
+@contextlib.contextmanager
+def host_reads_after_first_block(model):
+    """Counts, by ``file:line``, the host reads of tensors made inside the model's repeated
+    blocks (``_repeated_blocks``, the classes regional compile compiles; else the modules of
+    its ``...blocks`` and ``...layers`` lists) after the first one."""
+    reads, state = Counter(), {"inside": 0, "blocks_done": 0}
+    kinds = set(getattr(model, "_repeated_blocks", None) or ())
+    blocks = ([m for m in model.modules() if type(m).__name__ in kinds] if kinds else
+              [b for name, m in model.named_children() if isinstance(m, torch.nn.ModuleList)
+               and name.endswith(("blocks", "layers")) for b in m])
+
+    def counting(real, name):
+        def read(*args, **kwargs):
+            if state["inside"] and state["blocks_done"] > 0:
+                frame = traceback.extract_stack(limit=2)[0]
+                reads[f"{name}@{frame.filename.split('/')[-1]}:{frame.lineno}"] += 1
+            return real(*args, **kwargs)
+        return read
+
+    def enter(*_):
+        state["inside"] += 1
+
+    def leave(*_):
+        state["inside"] -= 1
+        state["blocks_done"] += state["inside"] == 0
+
+    saved = [(torch.Tensor, n, getattr(torch.Tensor, n)) for n in _HOST_READS]
+    saved.append((torch, "nonzero", torch.nonzero))
+    hooks = [h for b in blocks for h in (b.register_forward_pre_hook(enter),
+                                         b.register_forward_hook(leave, always_call=True))]
+    try:
+        for owner, name, real in saved:
+            setattr(owner, name, counting(real, name))
+        yield reads
+    finally:
+        for owner, name, real in saved:
+            setattr(owner, name, real)
+        for h in hooks:
+            h.remove()
+
+
 def sweep_one(name: str, cls, tol: float) -> str:
     import fusebox
 
@@ -827,7 +876,8 @@ def sweep_one(name: str, cls, tol: float) -> str:
             patched = copy.deepcopy(model)
         except Exception:  # noqa: BLE001 - a model that does not copy is built again
             patched = build(cls, config)
-        ref = forward(model, make_inputs)
+        with host_reads_after_first_block(model) as reads_unpatched:
+            ref = forward(model, make_inputs)
         if not ref:
             return "skip: no floating-point output"
     except Exception as e:  # noqa: BLE001
@@ -835,7 +885,8 @@ def sweep_one(name: str, cls, tol: float) -> str:
     del model
     try:
         report = fusebox.patch(patched)
-        out = forward(patched, make_inputs)
+        with host_reads_after_first_block(patched) as reads_patched:
+            out = forward(patched, make_inputs)
     except Exception as e:  # noqa: BLE001
         return f"FAIL {type(e).__name__}: {str(e)[:160]} ({where(e)})"
     err = max_rel_diff(out, ref)
@@ -846,7 +897,10 @@ def sweep_one(name: str, cls, tol: float) -> str:
     kinds = Counter(e.kind for e in report.patched)
     family = f" [{report.family}]" if report.family else ""
     fused = ", ".join(f"{k} x{n}" for k, n in sorted(kinds.items()))
-    return f"OK max rel diff {err:.1e}, {report.num_patched} modules{family}: {fused}"
+    reads = (f"; host reads in blocks after the first: {sum(reads_patched.values())} "
+             f"(unpatched {sum(reads_unpatched.values())}): {dict(reads_patched)}"
+             if reads_patched else "")
+    return f"OK max rel diff {err:.1e}, {report.num_patched} modules{family}: {fused}{reads}"
 
 
 def main() -> int:
