@@ -53,13 +53,13 @@ def build_parser(models: Dict[str, object]) -> argparse.ArgumentParser:
                    help="diffusers models: the attention backend every variant runs "
                         "(model.set_attention_backend, e.g. _native_cudnn; default: diffusers' own)")
     p.add_argument("--same-process", action="store_true",
-                   help="LLMs: time the CUDA-graph variants in this process too (by default each "
-                        "runs in a process of its own)")
+                   help="LLMs: time the variants that compile (compile, CUDA graphs) in this "
+                        "process too (by default each runs in a process of its own)")
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="run the variants N times, every other round in the reverse order, "
                         "and report each variant's median over the rounds (a variant's place in "
                         "the run can move its time by a few percent); LLMs: the variants timed "
-                        "in processes of their own (CUDA graphs), a process each a round")
+                        "in processes of their own (compile, CUDA graphs), a process each a round")
     p.add_argument("--pipeline", action="store_true",
                    help="diffusers models: also run the full pipeline and write its output file")
     return p

@@ -23,10 +23,14 @@ Variants:
   compiling costs one layer, and a graph break in a fused forward fails the variant); decode
   through transformers' compiled decode step on a static cache (not with ``--quick``);
 - ``graphs``, ``patched+graphs`` (default on CUDA): decode only, on a static cache with the step
-  compiled with ``mode="reduce-overhead"`` (CUDA graphs). On CUDA each runs in a process of its
-  own (``--same-process`` runs them here): in one process, the graphs recorded after the first
-  recording launch slower (0.2-0.5 ms a decode step more, which made the second of the pair
-  7-11% slower whichever it was), and a user's process records one model's graphs.
+  compiled with ``mode="reduce-overhead"`` (CUDA graphs).
+
+On CUDA every variant that compiles runs in a process of its own (``--same-process`` runs them
+here), as a user's process compiles one model once: in one process, the graphs recorded after the
+first recording launch slower (0.2-0.5 ms a decode step more, which made the second of the pair
+7-11% slower whichever it was), and the second compiled prefill ran slower too, whichever it
+was (DeepSeek-V2-Lite on an H100: compile 31.97 ms then patched + compile 43.53; in the other
+order patched + compile 35.19 then compile 73.6).
 """
 
 from __future__ import annotations
@@ -337,7 +341,7 @@ def run(name: str, args) -> dict:
     # each child builds its own model, so this process holds none while they run; with
     # --rounds N the children run N times, every other round in the reverse order (one
     # variant's decode rate moved up to 15% from one process to the next: bench/results/
-    # 2026-12-05_h100_0e9703a/), and each variant reports its median
+    # 2026-12-05_h100_0e9703a/), and each variant reports its medians
     rounds = getattr(args, "rounds", 1)
     per_round: Dict[str, List[dict]] = {v: [] for v in elsewhere}
     for r in range(rounds):
@@ -346,7 +350,8 @@ def run(name: str, args) -> dict:
                 variant, device, lambda: (run_in_own_process(name, variant, args), None))[0])
     for variant, recs in per_round.items():
         keys = sorted({k for rec in recs for k, v in rec.items()
-                       if k.startswith("decode_tok_s") and isinstance(v, (int, float))})
+                       if k.startswith(("decode_tok_s", "prefill_ms", "prefill_min_ms"))
+                       and isinstance(v, (int, float))})
         record["variants"][variant], logits[variant] = common.merge_rounds(recs, keys), None
     record["summary"] = summarize(record["variants"], logits)
     if getattr(args, "attention_backend", None):
@@ -355,8 +360,8 @@ def run(name: str, args) -> dict:
 
 
 def _runs_in_own_process(variant: str, args, device) -> bool:
-    """The CUDA-graph variants, on CUDA, unless ``--same-process``."""
-    return (variant.endswith("graphs") and device.type == "cuda"
+    """The variants that compile (``compile``, CUDA graphs), on CUDA, unless ``--same-process``."""
+    return (("compile" in variant or variant.endswith("graphs")) and device.type == "cuda"
             and not getattr(args, "same_process", False))
 
 
