@@ -1243,7 +1243,9 @@ COMPILED_OPS = {"llama": {"rms_norm", "rotary", "gated_act"},
                 "qwen3_5_text": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm"},
                 "deepseek_v3": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm"},
                 "deepseek_v2": {"rms_norm", "rotary", "gated_act", "fused_add_rms_norm"},
-                "gemma3n_text": {"rms_norm", "rotary", "act"},
+                # its MLP (activation sparsity) keeps its code; the act_fn it calls alone is
+                # left to the compiler, which fuses it with the product around it
+                "gemma3n_text": {"rms_norm", "rotary"},
                 "gptj": {"layer_norm", "act", "rotary"}}
 
 
@@ -1263,6 +1265,27 @@ def test_compile_fullgraph_no_graph_break(family):
         out = compiled(ids).logits
     assert COMPILED_OPS[family] <= backend.ops   # the fused path was traced
     assert rel_err(out, ref) < 1e-5
+
+
+@pytest.mark.parametrize("family", ["deepseek_v2", "gemma3n_text"])
+def test_activation_module_alone_runs_the_kernel_eager_and_torch_compiled(family):
+    """A patched activation module called alone (the experts' act_fn of a mixture of experts,
+    Gemma 3n's sparse MLP) runs the operator in eager calls and its own torch form compiled,
+    where the compiler fuses it with the product its caller forms."""
+    model = build(family)
+    ids = token_ids()
+    ref = logits(model, ids)
+    report = fusebox.patch(model)
+    assert any(e.what.startswith("activation (") for e in report.patched), str(report)
+    with FuseboxOps() as ops:
+        eager = logits(model, ids)
+    assert ops.calls.get("act", 0) > 0, ops.calls
+    torch._dynamo.reset()
+    backend = GraphOps()
+    with torch.no_grad():
+        out = torch.compile(model, fullgraph=True, backend=backend)(ids).logits
+    assert "act" not in backend.ops and "rms_norm" in backend.ops, backend.ops
+    assert rel_err(eager, ref) < 1e-5 and rel_err(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -1461,6 +1484,24 @@ def test_e2e_parent_holds_no_model_while_a_child_runs(monkeypatch, variants):
         assert record["summary"]["prefill_ms speedup patched vs eager"] > 0
 
 
+def test_e2e_compiling_variants_run_in_own_process_on_cuda():
+    """On CUDA every variant that compiles gets a process of its own (the second compiled
+    prefill of a process ran slower, whichever variant it was); eager ones stay, the CPU keeps
+    all, and --same-process keeps all."""
+    import argparse
+
+    from fusebox.bench.e2e import llm
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    args = argparse.Namespace(same_process=False)
+    own = [v for v in llm.VARIANTS if llm._runs_in_own_process(v, args, cuda)]
+    assert sorted(own) == sorted(v for v in llm.VARIANTS if "compile" in v or "graphs" in v)
+    assert {"compile", "patched+compile", "graphs", "patched+graphs"} <= set(own)
+    assert not any(llm._runs_in_own_process(v, args, cpu) for v in llm.VARIANTS)
+    args.same_process = True
+    assert not any(llm._runs_in_own_process(v, args, cuda) for v in llm.VARIANTS)
+
+
 def test_e2e_own_process_rounds_alternate_and_report_medians(monkeypatch):
     """--rounds 3 on the variants timed in processes of their own: a child a variant a round,
     forward, reversed, forward; each variant reports the median of its rounds' decode rates,
@@ -1477,7 +1518,8 @@ def test_e2e_own_process_rounds_alternate_and_report_medians(monkeypatch):
         rate = next(rates[variant])
         if rate is None:
             raise RuntimeError("the child process (exit 1) wrote no result: boom")
-        return {"decode_tok_s_b1": rate, "decode_tok_s_b16": 10 * rate, "process": "own"}
+        return {"decode_tok_s_b1": rate, "decode_tok_s_b16": 10 * rate, "prefill_ms": rate / 10,
+                "peak_mb": 5.0, "process": "own"}
 
     monkeypatch.setattr(llm, "run_in_own_process", child)
     monkeypatch.setattr(llm, "_runs_in_own_process", lambda v, a, d: True)
@@ -1489,6 +1531,8 @@ def test_e2e_own_process_rounds_alternate_and_report_medians(monkeypatch):
     graphs, patched = record["variants"]["graphs"], record["variants"]["patched+graphs"]
     assert graphs["decode_tok_s_b1"] == 180.0 and graphs["decode_tok_s_b1_rounds"] == [180.0, 170.0, 190.0]
     assert graphs["decode_tok_s_b16"] == 1800.0 and "round_errors" not in graphs
+    assert graphs["prefill_ms"] == 18.0 and graphs["prefill_ms_rounds"] == [18.0, 17.0, 19.0]
+    assert graphs["peak_mb"] == 5.0 and "peak_mb_rounds" not in graphs
     assert patched["decode_tok_s_b1"] == 180.0 and patched["decode_tok_s_b1_rounds"] == [200.0, 160.0]
     assert patched["round_errors"] == ["RuntimeError: the child process (exit 1) wrote no result: boom"]
     assert record["summary"]["decode_tok_s_b1 speedup patched+graphs vs graphs"] == 1.0
@@ -1499,4 +1543,6 @@ def test_e2e_own_process_rounds_alternate_and_report_medians(monkeypatch):
                                                     variants="graphs,patched+graphs"))
     assert calls == ["graphs", "patched+graphs"]
     assert record["variants"]["patched+graphs"] == {"decode_tok_s_b1": 165.0,
-                                                    "decode_tok_s_b16": 1650.0, "process": "own"}
+                                                    "decode_tok_s_b16": 1650.0,
+                                                    "prefill_ms": 16.5, "peak_mb": 5.0,
+                                                    "process": "own"}
