@@ -389,9 +389,11 @@ LLM_FAMILIES = {
 }
 
 
-# module kinds a family has no fused forward for: MoE blocks (the experts keep their code), Llama
-# 4's attention on its NoPE layers (their temperature tuning keeps the model's code)
-LLM_KINDS_LEFT = {"mixtral": ("MLP",), "gpt_oss": ("MLP",), "llama4": ("Attention",)}
+# module kinds a family has no fused forward for: MoE blocks (their routing keeps its code; the
+# experts module has a fused forward of its own), GPT-OSS's experts (biases, interleaved gate/up,
+# a clamped gate), Llama 4's attention on its NoPE layers (their temperature tuning keeps the
+# model's code)
+LLM_KINDS_LEFT = {"mixtral": ("MLP",), "gpt_oss": ("MLP", "Experts"), "llama4": ("Attention",)}
 
 
 def tiny_llm(family, dtype=torch.float32, device="cpu", **overrides):

@@ -1267,10 +1267,48 @@ def test_compile_fullgraph_no_graph_break(family):
     assert rel_err(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("family", ["deepseek_v2", "gemma3n_text"])
+MOE_LAYERS = {"qwen3_moe": 1, "qwen2_moe": 2, "mixtral": 2, "glm4_moe": 1, "deepseek_v2": 1}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", list(MOE_LAYERS))
+def test_grouped_experts_fused_eager_original_compiled(family, device, monkeypatch):
+    """transformers' grouped experts (its default experts implementation) run their gate as one
+    gated_activation_packed a MoE layer and match the original in fp32; compiled, and with the
+    experts split over ranks or another experts implementation, the original runs."""
+    model = build(family, device=device)
+    ids = token_ids(device=device)
+    ref = logits(model, ids)
+    report = fusebox.patch(model)
+    assert any(e.kind.endswith("Experts") and "grouped experts" in e.what
+               for e in report.patched), str(report)
+    with FuseboxOps() as ops:
+        out = logits(model, ids)
+    assert ops.calls.get("gated_act_packed", 0) == MOE_LAYERS[family], ops.calls
+    assert rel_err(out, ref) < 1e-5
+    torch._dynamo.reset()
+    backend = GraphOps()
+    with torch.no_grad():
+        compiled = torch.compile(model, fullgraph=True, backend=backend)(ids).logits
+    assert "gated_act_packed" not in backend.ops, backend.ops
+    assert rel_err(compiled, ref) < 1e-5
+    from fusebox.patch import llm as patch_llm
+    for setting in ("ranks", "implementation"):
+        with monkeypatch.context() as m:
+            if setting == "ranks":
+                m.setattr(patch_llm, "_expert_parallel", lambda: True)
+            else:
+                m.setattr(model.config, "_experts_implementation_internal", "batched_mm")
+            with FuseboxOps() as ops:
+                out = logits(model, ids)
+        assert ops.calls.get("gated_act_packed", 0) == 0, (setting, ops.calls)
+        assert rel_err(out, ref) < 1e-5, setting
+
+
+@pytest.mark.parametrize("family", ["gemma3n_text"])
 def test_activation_module_alone_runs_the_kernel_eager_and_torch_compiled(family):
-    """A patched activation module called alone (the experts' act_fn of a mixture of experts,
-    Gemma 3n's sparse MLP) runs the operator in eager calls and its own torch form compiled,
+    """A patched activation module called alone (Gemma 3n's sparse MLP; the act_fn of experts
+    left to their own code) runs the operator in eager calls and its own torch form compiled,
     where the compiler fuses it with the product its caller forms."""
     model = build(family)
     ids = token_ids()
@@ -1402,7 +1440,7 @@ def _e2e_llm_configs():
 @pytest.mark.parametrize("name", _e2e_llm_configs())
 def test_e2e_configs_build_and_fuse_their_attention(name):
     """Each end-to-end LLM config (the published values) builds, on the meta device, and gets
-    its norms and attention fused."""
+    its norms and attention fused, and its experts where it has them."""
     from fusebox.bench.e2e import llm as e2e_llm
 
     values = dict(e2e_llm.CONFIGS[name])
@@ -1412,6 +1450,8 @@ def test_e2e_configs_build_and_fuse_their_attention(name):
     kinds = {e.kind for e in fusebox.patch(model).patched}
     assert any(k.endswith("Attention") for k in kinds), kinds
     assert any(k.endswith(("RMSNorm", "LayerNorm")) for k in kinds), kinds
+    if any(type(m).__name__.endswith("Experts") for m in model.modules()):
+        assert any(k.endswith("Experts") for k in kinds), kinds
 
 
 def test_e2e_bench_tiny_on_cpu(tmp_path):

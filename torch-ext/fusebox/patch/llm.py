@@ -52,6 +52,10 @@ What is replaced, module by module (every other module keeps its forward):
   layer's residual adds with their norms), Gemma 3n text (its attention as Gemma 4's, the
   shared keys and values found by layer index), Qwen3-Next/Qwen3.5 (gated attention; the hybrid
   layer's mixer add with its norm) and Llama 4 (its complex rotary as interleaved ``rope``);
+- the experts of transformers' grouped experts implementation (its default; concatenated
+  gate/up weights, no biases, the default gate): the gate -> ``gated_activation_packed`` over
+  the (token, expert) rows, without the masks that only expert parallelism needs, in eager
+  calls; compiled or over several ranks, the original;
 - multi-head latent attention (DeepSeek-V2 and V3, MiniCPM3, and the classes that read as
   DeepSeek-V3's: Kimi K2 loads as it, GLM-4.7-Flash, Youtu): the rotary of q's last
   ``qk_rope_head_dim`` channels and of the shared key channels -> one ``rope``, V3's
@@ -378,7 +382,7 @@ def mlp_activation(module: torch.nn.Module) -> Tuple[Optional[str], str]:
     form = mlp_form(module)
     if form is None:
         if hasattr(module, "experts"):
-            return None, "mixture of experts: the experts keep their code"
+            return None, "mixture of experts: the routing keeps its code (the experts module is its own)"
         return None, "forward is not down(act(gate(x)) * up(x)) or out(act(in(x)))"
     if form == "plain":
         return activation_kind(getattr(module, plain_mlp_layout(type(module)).act))
@@ -551,6 +555,98 @@ def _make_packed_mlp_forward(activation: str, dropout: bool) -> Callable:
         return self.down_proj(F.gated_activation_packed(self.gate_up_proj(hidden_states),
                                                         activation, gate_first=True))
     return forward
+
+
+# --------------------------------------------------------------------------- mixture of experts
+
+# transformers' grouped experts forward (``grouped_mm``, its default experts implementation),
+# the lines the fused one re-implements: the (token, expert) pairs sorted by expert, the
+# gate_up and down projections as grouped GEMMs over them, the gate as ``_default_apply_gate``
+# computes it, the routing weights applied in fp32 and each token's top-k rows summed in fp32.
+_GROUPED_EXPERTS = (
+    "expert_ids_g,perm=torch.sort(expert_ids)selected_hidden_states_g=hidden_states[perm//num_top_k]"
+    "sample_weights_g=sample_weights[perm]",
+    "tokens_per_expert=torch.histc(histc_input,bins=self.num_experts,min=0,max=self.num_experts-1)"
+    "offsets=torch.cumsum(tokens_per_expert,dim=0,dtype=torch.int32)",
+    "proj_out=proj_out.masked_fill(sentinel_mask,0.0)ifself.has_gate:proj_out=self._apply_gate(proj_out)",
+    "weighted_out=proj_out*sample_weights_g.unsqueeze(-1)inv_perm=torch.empty_like(perm)"
+    "inv_perm[perm]=torch.arange(perm.size(0),device=device)weighted_out=weighted_out[inv_perm]",
+    "final_hidden_states=weighted_out.view(num_tokens,num_top_k,hidden_dim).sum(dim=1)"
+    "returnfinal_hidden_states.to(hidden_states.dtype)",
+)
+_DEFAULT_GATE = "gate,up=gate_up_out.chunk(2,dim=-1)returnself.act_fn(gate)*up"
+
+
+def _experts_patch(module: torch.nn.Module) -> Tuple[Optional[Callable], str]:
+    """The grouped experts forward for an experts class of transformers' experts interface with
+    concatenated gate/up weights, no biases and the default gate; else (None, why)."""
+    try:
+        from transformers.integrations import moe
+    except ImportError:
+        return None, "this transformers has no experts interface"
+    grouped = getattr(moe, "grouped_mm_experts_forward", None)
+    if (grouped is None or not hasattr(moe, "_grouped_linear")
+            or not all(line in source_text(grouped) for line in _GROUPED_EXPERTS)):
+        return None, "transformers' grouped experts forward differs from the supported versions"
+    if not (getattr(module, "has_gate", False) and getattr(module, "is_concatenated", False)
+            and not getattr(module, "has_bias", True)
+            and _DEFAULT_GATE in source_text(getattr(type(module), "_apply_gate", None))):
+        return None, "experts with biases, interleaved gate/up or a gate of their own"
+    kind, why = activation_kind(module.act_fn)
+    if kind is None:
+        return None, why
+    return _experts_forward, f"gated_activation_packed ({kind}) in the grouped experts"
+
+
+def _expert_parallel() -> bool:
+    """Several ranks: the experts may be split over them (expert parallelism), where the router
+    marks the pairs of other ranks' experts with an index past this module's experts, which the
+    original forward masks."""
+    return (torch.distributed.is_available() and torch.distributed.is_initialized()
+            and torch.distributed.get_world_size() > 1)
+
+
+def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    # Compiled, the original: the compiler fuses its masks, gate and weighting with their
+    # neighbours, as it cannot with an operator in between. The original is reached through the
+    # class (a closure of transformers' experts interface, whose cells a compiled call would
+    # check on every call if reached through the instance), and the activation is read off the
+    # module, so this forward holds no closure values either.
+    if (torch.compiler.is_compiling() or self.config._experts_implementation != "grouped_mm"
+            or not hidden_states.shape[0] or _expert_parallel()
+            or not _fusable(hidden_states, self.gate_up_proj, self.down_proj)):
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+    return _grouped_experts(self, hidden_states, top_k_index, top_k_weights,
+                            activation_kind(self.act_fn)[0])
+
+
+def _grouped_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                     top_k_weights: torch.Tensor, kind: str) -> torch.Tensor:
+    """transformers' grouped experts forward with fewer passes over the (token, expert) rows,
+    the same grouped GEMMs and sums: no sentinel masks (every index names one of this module's
+    experts without expert parallelism: the masks only copy), the gate as one
+    ``gated_activation_packed`` (act(gate) * up rounded once, where the original rounds both),
+    and the rows put back in token order before the routing weights, so the weighted fp32 rows
+    are formed once and summed (the same products and sums as the original's)."""
+    from transformers.integrations.moe import _grouped_linear
+
+    num_tokens, hidden_dim = hidden_states.shape
+    num_top_k = top_k_index.shape[-1]
+    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
+    # histc counts floats on these devices, ints on the others (as the original)
+    counts_of = (expert_ids.float() if hidden_states.device.type in ("cpu", "mps")
+                 else expert_ids.int())
+    offsets = torch.cumsum(torch.histc(counts_of, bins=self.num_experts, min=0,
+                                       max=self.num_experts - 1), dim=0, dtype=torch.int32)
+    gate_up = _grouped_linear(hidden_states[perm // num_top_k], self.gate_up_proj, offsets,
+                              is_transposed=self.is_transposed)
+    out = _grouped_linear(F.gated_activation_packed(gate_up, kind, gate_first=True),
+                          self.down_proj, offsets, is_transposed=self.is_transposed)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
+    weighted = (out[inv_perm].view(num_tokens, num_top_k, hidden_dim)
+                * top_k_weights.reshape(num_tokens, num_top_k, 1))
+    return weighted.sum(dim=1).to(hidden_states.dtype)
 
 
 # --------------------------------------------------------------------------- attention
@@ -1882,6 +1978,10 @@ def _classify(module) -> Tuple[Optional[Callable], str, bool]:
                     f"gated_activation_packed ({activation})", True)
         return (_make_mlp_forward(activation, _has_dropout(module)),
                 f"gated_activation ({activation})", True)
+    if name.endswith("Experts") and hasattr(module, "gate_up_proj") and hasattr(module, "has_gate"):
+        # an experts class of transformers' experts interface (which sets has_gate)
+        fn, what = _experts_patch(module)
+        return fn, what, True
     if name.endswith("Attention"):
         if name in ("DeepseekV3Attention", "DeepseekV2Attention", "MiniCPM3Attention"):
             fn, what = _mla_attention_patch(module)

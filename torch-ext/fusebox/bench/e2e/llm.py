@@ -66,6 +66,8 @@ MODELS = {
     "starcoder2-3b": "bigcode/starcoder2-3b: 30 layers, 3072 wide, GQA 24/2, LayerNorm, gelu-tanh MLP",
     "deepseek-v2-lite": "deepseek-ai/DeepSeek-V2-Lite: 27 layers, 2048 wide, latent attention "
                         "(kv rank 512, rotary on 64 of 192 q/k channels), 64 experts, 6 a token",
+    "olmoe-1b-7b": "allenai/OLMoE-1B-7B-0924: 16 layers, 2048 wide, q/k norms across heads, "
+                   "64 experts of 1024, 8 a token",
     TINY: "2-layer Qwen3-style model, 128 wide (functional check; runs on CPU)",
 }
 
@@ -147,6 +149,12 @@ CONFIGS: Dict[str, dict] = {
                                           "original_max_position_embeddings": 4096},
         max_position_embeddings=163840, vocab_size=102400, tie_word_embeddings=False,
         bos_token_id=100000, eos_token_id=100001, initializer_range=0.02),
+    "olmoe-1b-7b": dict(
+        model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+        num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
+        norm_topk_prob=False, clip_qkv=None, hidden_act="silu", rms_norm_eps=1e-5,
+        rope_theta=10000.0, max_position_embeddings=4096, vocab_size=50304,
+        tie_word_embeddings=False, pad_token_id=1, eos_token_id=50279, initializer_range=0.02),
     TINY: dict(
         model_type="qwen3", hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, hidden_act="silu",
