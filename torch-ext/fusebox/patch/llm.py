@@ -515,10 +515,11 @@ def _activation_patch(module: torch.nn.Module) -> Tuple[Optional[Callable], str]
 
 
 def _make_activation_forward(kind: str) -> Callable:
-    # An activation module alone (a mixture of experts' act_fn, whose caller multiplies by up)
-    # is one elementwise pass either way; compiled, its torch form fuses with what its caller
-    # does around it, where the operator is a pass of its own plus a copy of a strided input
-    # (DeepSeek-V2-Lite's prefill on an H100: 1.3 ms a forward more than the fused form).
+    # An activation module alone (the act_fn of Gemma 3n's sparse MLP, or of experts that keep
+    # their code, whose caller multiplies by up) is one elementwise pass either way; compiled,
+    # its torch form fuses with what its caller does around it, where the operator is a pass of
+    # its own plus a copy of a strided input (DeepSeek-V2-Lite's experts compiled, H100: 1.3 ms
+    # a prefill more than the fused form).
     def forward(self, input):
         if torch.compiler.is_compiling() or not _fusable(input):
             return original_forward(self)(input)
