@@ -614,7 +614,7 @@ def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
     # check on every call if reached through the instance), and the activation is read off the
     # module, so this forward holds no closure values either.
     if (torch.compiler.is_compiling() or self.config._experts_implementation != "grouped_mm"
-            or not hidden_states.shape[0] or _expert_parallel()
+            or hidden_states.dim() != 2 or not hidden_states.shape[0] or _expert_parallel()
             or not _fusable(hidden_states, self.gate_up_proj, self.down_proj)):
         return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
     return _grouped_experts(self, hidden_states, top_k_index, top_k_weights,
