@@ -1433,6 +1433,49 @@ def test_mochi_compiled_patched_block_fullgraph(mask, device, monkeypatch):
         assert rel_err(a, b) < FP32_TOL
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_mochi_blocks_compiled_slice_by_the_input_counts(device, monkeypatch):
+    """Blocks compiled one by one (regional compile), the model's input eager: its hook counts
+    each sample's valid text once a forward, and the compiled blocks slice by those counts (no
+    ``nonzero``). The second text length recompiles each block once (the text length becomes
+    dynamic, as for any input); later lengths and counts, a sample without text included, run
+    the same graphs."""
+    model, kw = build_mochi(device, mask="ragged")
+    fusebox.patch(model)
+    refs = {}
+    masks = {"ragged": ((8, 5), ()), "other": ((7, 3), ()), "third": ((6, 2), ()),
+             "one-empty": ((5, 0), ())}
+    for name, lengths in masks.items():
+        monkeypatch.setitem(MOCHI_MASKS, name, lengths)
+        refs[name] = (mochi_inputs(device, mask=name), None)
+    model_ref, _ = build_mochi(device)
+    for name, (inputs, _) in refs.items():
+        refs[name] = (inputs, run(model_ref, inputs))
+    torch._dynamo.reset()
+    backend = GraphOps()
+    graphs = []
+
+    def counting(gm, example_inputs):
+        graphs.append(gm)
+        return backend(gm, example_inputs)
+
+    for block in model.transformer_blocks:
+        block.compile(fullgraph=True, backend=counting)
+    monkeypatch.setattr(torch, "nonzero", lambda *a, **k: pytest.fail("nonzero in a block"))
+    try:
+        for name in masks:
+            inputs, want = refs[name]
+            assert rel_err(run(model, inputs), want) < FP32_TOL, name
+            if name == "other":
+                settled = len(graphs)
+        assert settled == 2 * len(model.transformer_blocks), settled
+        assert len(graphs) == settled, len(graphs)
+    finally:
+        for block in model.transformer_blocks:
+            block._compiled_call_impl = None
+    assert {"rotary", "fused_norm", "rms_norm"} <= backend.ops
+
+
 @pytest.mark.parametrize("mask", ["all-valid", "ragged", "holes"])
 def test_mochi_compiled_patched_model_fullgraph(mask):
     """The whole patched model in one graph: the text is not trimmed at its input (no host read

@@ -119,6 +119,14 @@ class FusedAttnProcessor:
         sample? Then attention needs no text mask. Known without a host read, compiled too."""
         return self.text_padding is not None and self.text_padding.all_valid
 
+    def text_counts(self) -> Optional[Tuple[Any, ...]]:
+        """Each sample's number of valid text tokens (its first ones) in this forward, where
+        the model's input hook counted them (:attr:`TextPadding.counts`); else None. Sizes of a
+        tensor a compiled graph takes as unknown (unbacked): a compiled block slices by them
+        without a host read, and new counts do not recompile it."""
+        carrier = None if self.text_padding is None else self.text_padding.counts
+        return None if carrier is None else tuple(carrier.shape[1:])
+
 
 class TokenQKNormAttnProcessor(FusedAttnProcessor):
     """Base of the processors of attention modules whose q/k RMSNorm spans all heads of a token
@@ -519,9 +527,13 @@ def valid_key_counts(processor: FusedAttnProcessor, mask: Tensor) -> Optional[Tu
     if (mask.dtype != torch.bool or mask.dim() not in (2, 4) or mask.shape[1:-1].numel() != 1
             or not host_readable(mask, processor._parallel_config)):
         return None
+    return _prefix_counts(mask)
 
+
+def _prefix_counts(mask: Tensor) -> Optional[Tuple[int, ...]]:
+    """:func:`valid_key_counts` without its checks: one host read per mask tensor."""
     def read() -> Optional[Tuple[int, ...]]:
-        valid = mask.reshape(mask.shape[0], -1)
+        valid = mask.reshape(mask.shape[0], -1).bool()
         counts = valid.sum(1)
         positions = torch.arange(valid.shape[1], device=valid.device)
         prefix = (valid == (positions < counts[:, None])).all()
@@ -773,10 +785,14 @@ class TextPadding:
     ``all_valid`` is True while every text token the model hands its blocks is valid in every
     sample (its inputs were trimmed of padding), so attention needs no text mask. A plain
     attribute, read without a host sync; compiled blocks guard on it, so a flip recompiles them
-    instead of running a graph traced for the other value."""
+    instead of running a graph traced for the other value. ``counts``, where the model counts
+    (``trim_text_padding(count_mask=...)``) and the valid text of each sample is a prefix: an
+    empty tensor of sizes ``[0, n_0, n_1, ...]`` (n_i: sample i's valid text tokens), its sizes
+    marked unbacked, so a compiled graph neither guards on them nor specializes 0 and 1."""
 
     def __init__(self):
         self.all_valid = False
+        self.counts: Optional[Tensor] = None
 
 
 class PaddedStream(NamedTuple):
@@ -847,7 +863,8 @@ TEXT_PADDING_ATTR = "_fusebox_text_padding"   # the model's TextPadding, while p
 
 
 def trim_text_padding(model: torch.nn.Module, names: Sequence[str],
-                      trim: Callable[[Dict[str, Any]], Optional[bool]]) -> None:
+                      trim: Callable[[Dict[str, Any]], Optional[bool]],
+                      count_mask: Optional[str] = None) -> None:
     """Trims the text padding off ``model``'s inputs before each eager forward and tells the
     model's fused attention processors when none is left. A forward pre-hook hands ``trim`` the
     forward's arguments ``names`` (positional or keyword; absent ones as None); ``trim``
@@ -856,6 +873,8 @@ def trim_text_padding(model: torch.nn.Module, names: Sequence[str],
     captured calls and under context parallelism the hook does nothing. A forward hook that
     also runs when the forward raises clears the processors' state, so no later call sees a
     stale one (a whole-model compile, where the pre-hook does nothing, reads it in its graph).
+    ``count_mask`` names the trimmed input whose per-sample valid prefixes the hook counts
+    (:attr:`TextPadding.counts`, read with the count the eager blocks read, so no read more).
     Patching again keeps the hooks and hands the state to the new processors."""
     state = model.__dict__.get(TEXT_PADDING_ATTR)
     if state is None:
@@ -863,7 +882,7 @@ def trim_text_padding(model: torch.nn.Module, names: Sequence[str],
         parameters = list(inspect.signature(type(model).forward).parameters)[1:]   # no self
         positions = {name: parameters.index(name) for name in names}
         trim_hook = model.register_forward_pre_hook(
-            functools.partial(_trim_inputs, state, positions, trim), with_kwargs=True)
+            functools.partial(_trim_inputs, state, positions, trim, count_mask), with_kwargs=True)
         clear_hook = model.register_forward_hook(functools.partial(_clear, state),
                                                  always_call=True)
         model.__dict__[TEXT_PADDING_ATTR] = state
@@ -878,7 +897,8 @@ def _context_parallel(model: torch.nn.Module):
     return getattr(getattr(model, "_parallel_config", None), "context_parallel_config", None)
 
 
-def _trim_inputs(state: TextPadding, positions: Dict[str, int], trim, model, args, kwargs):
+def _trim_inputs(state: TextPadding, positions: Dict[str, int], trim, count_mask, model, args,
+                 kwargs):
     if torch.compiler.is_compiling():     # before any other work, which a graph would trace
         return None
     inputs = {name: args[at] if at < len(args) else kwargs.get(name)
@@ -896,11 +916,17 @@ def _trim_inputs(state: TextPadding, positions: Dict[str, int], trim, model, arg
         elif name in kwargs:
             kwargs[name] = inputs[name]
     state.all_valid = all_valid
+    counts = None if all_valid or count_mask is None else _prefix_counts(inputs[count_mask])
+    if counts is not None:
+        # strides 0: a compiled graph guards on none that a size enters
+        state.counts = torch.empty_strided((0,) + counts, (0,) * (len(counts) + 1))
+        torch._dynamo.decorators.mark_unbacked(state.counts, list(range(1, len(counts) + 1)))
     return tuple(args), kwargs
 
 
 def _clear(state: TextPadding, model, args, output) -> None:
     state.all_valid = False
+    state.counts = None
 
 
 def _remove_text_trim(model: torch.nn.Module, *hooks) -> None:

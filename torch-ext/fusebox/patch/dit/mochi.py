@@ -15,8 +15,10 @@
   length in every sample, diffusers' per-sample loop over each sample's valid text otherwise:
   eager, with each sample's valid prefix counted once a forward and sliced (no host read in the
   blocks; a sample without valid text, CFG's empty negative prompt, attends over its video
-  tokens in place), compiled, with diffusers' ``nonzero`` (a data-dependent size, as in diffusers'
-  own compiled processor), and, in captured CUDA graphs (no host read of the mask, no
+  tokens in place); with the blocks compiled and the model's input eager (regional compile),
+  sliced by the counts of the model's input hook, which the graphs take as unknown sizes (no
+  host read, no recompile for new counts); with the whole model compiled, with diffusers'
+  ``nonzero`` (a data-dependent size, as in diffusers' own compiled processor); and, in captured CUDA graphs (no host read of the mask, no
   data-dependent size), one masked call whose text outputs are placed as the loop places them
   (valid ones first, then zeros). The masked call attends over every padded key and its mask
   rules out SDPA's flash kernel: compiled, it made the patched forward 1.19x slower than
@@ -171,9 +173,11 @@ class MochiFusedAttnProcessor(FusedAttnProcessor):
 
         if self.text_all_valid():
             valid = length
-        elif torch.compiler.is_compiling():      # diffusers' compiled path: sizes from the mask
+        elif torch.compiler.is_compiling():
+            # the counts of the model's input hook (regional compile), else diffusers' compiled
+            # path: sizes from the mask
             return self.attend_per_sample(query, key, value, encoder_query, encoder_key,
-                                          encoder_value, mask)
+                                          encoder_value, mask, self.text_counts())
         elif not host_readable(mask, None):
             valid_text = mask.bool()
             keep = torch.cat([valid_text.new_ones(query.shape[:2]), valid_text], dim=1)
@@ -207,15 +211,25 @@ class MochiFusedAttnProcessor(FusedAttnProcessor):
         video, length = query.shape[1], encoder_query.shape[1]
         if counts is not None:
             out = query.new_empty(query.shape[0], video + length, *query.shape[2:])
+            # compiled, the counts are sizes the graph does not know (unbacked symbols): no
+            # branch on them, their bounds told to the compiler
+            symbolic = torch.compiler.is_compiling()
             for idx, valid in enumerate(counts):
+                empty = not symbolic and valid == 0
+                if symbolic:
+                    torch._check_is_size(valid)
+                    torch._check(valid <= length)
+
                 def joint(v, text):
                     v = v[idx:idx + 1]
-                    return (torch.cat([v, text[idx:idx + 1, :valid]], dim=1) if valid
-                            else v).transpose(1, 2)
-                out[idx, :video + valid] = F.scaled_dot_product_attention(
+                    if empty:
+                        return v.transpose(1, 2)
+                    return torch.cat([v, text[idx:idx + 1, :valid]], dim=1).transpose(1, 2)
+                row = out[idx]
+                row.narrow(0, 0, video + valid).copy_(F.scaled_dot_product_attention(
                     joint(query, encoder_query), joint(key, encoder_key),
-                    joint(value, encoder_value), dropout_p=0.0, is_causal=False)[0].transpose(0, 1)
-                out[idx, video + valid:] = 0
+                    joint(value, encoder_value), dropout_p=0.0, is_causal=False)[0].transpose(0, 1))
+                row.narrow(0, video + valid, length - valid).zero_()
             return out
         outputs = []
         for idx in range(query.shape[0]):
@@ -377,5 +391,5 @@ def patch(model: torch.nn.Module, report, **options) -> None:
                 mark_fused(getattr(module, name), "the attention processor")
     # the trim is exact for the forward read above, not for a subclass's
     if type(model).forward is MochiTransformer3DModel.forward:
-        trim_text_padding(model, TEXT_INPUTS, _trim_text)
+        trim_text_padding(model, TEXT_INPUTS, _trim_text, count_mask="encoder_attention_mask")
         report.note(f"{FAMILY}: the text padding is trimmed at the model's input (eager calls)")
