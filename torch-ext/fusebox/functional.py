@@ -217,7 +217,8 @@ def _rotary_in_torch(x, cos, sin, norm, across_heads, weight, eps, weight_offset
     r = cos.shape[-1]
     y_r = y[..., :r]
     # each pair's partner: its other element, the first negated, as a flip (an index the compiler
-    # folds into the pass; a cat of the halves was a copy of its own in a compiled LTX-2 block)
+    # folds into the pass; a cat of the halves was a copy of its own in a compiled LTX-2 block).
+    # Both callers trace this under torch.compile, where the sign tensor is a constant.
     pairs = y_r.unflatten(-1, (-1, 2) if interleaved else (2, -1))
     sign = torch.tensor([-1.0, 1.0], device=x.device)
     partner = (pairs.flip(-1 if interleaved else -2)

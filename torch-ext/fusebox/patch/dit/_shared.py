@@ -637,11 +637,10 @@ def split_rotary_rows(cos: Tensor, sin: Tensor) -> Tuple[Tensor, Tensor]:
 # the operator computes it) instead of the operator on rows from split_rotary_rows: a compiled
 # block cannot reuse the rows the first eager layer forms, so each block would write them again,
 # both tables at twice their size. For LTX-2 19B's 6144 video tokens that is about 1.2 GB a block
-# (the self-attention's tables and the cross-modal ones), as much as patched + regional compile
-# trailed patched eager on an H100 (698.0 against 679.9 ms a forward,
-# bench/results/2026-12-05_h100_0e9703a/). The compiler fuses the rotation into one pass that
-# reads the tables as they are (the saving itself is not yet timed on a GPU). "kernel" keeps the
-# operator (for comparisons).
+# (the self-attention's tables and the cross-modal ones). The compiler fuses the rotation into
+# one pass that reads the tables as they are: LTX-2's patched + regional compile forward went
+# from 703.4 ms ("kernel") to 677.5 on an H100 (bench/results/2026-12-05_h100_39a6971/), ahead
+# of patched eager (688.6). "kernel" keeps the operator (for comparisons).
 COMPILED_SPLIT_ROTARY = os.environ.get("FUSEBOX_COMPILED_SPLIT_ROTARY", "torch")
 _check_choice("FUSEBOX_COMPILED_SPLIT_ROTARY", COMPILED_SPLIT_ROTARY, ("torch", "kernel"))
 

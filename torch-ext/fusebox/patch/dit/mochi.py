@@ -18,9 +18,10 @@
   tokens in place); with the blocks compiled and the model's input eager (regional compile),
   sliced by the counts of the model's input hook, which the graphs take as unknown sizes (no
   host read, no recompile for new counts); with the whole model compiled, with diffusers'
-  ``nonzero`` (a data-dependent size, as in diffusers' own compiled processor); and, in captured CUDA graphs (no host read of the mask, no
-  data-dependent size), one masked call whose text outputs are placed as the loop places them
-  (valid ones first, then zeros). The masked call attends over every padded key and its mask
+  ``nonzero`` (a data-dependent size, as in diffusers' own compiled processor); and, in captured
+  CUDA graphs (no host read of the mask, no data-dependent size), one masked call whose text
+  outputs are placed as the loop places them (valid ones first, then zeros). The masked call
+  attends over every padded key and its mask
   rules out SDPA's flash kernel: compiled, it made the patched forward 1.19x slower than
   diffusers' compiled loop (H100: 423.6 against 355.7 ms; 354.5 with the loop);
 - blocks: ``MochiRMSNormZero`` / ``MochiLayerNormContinuous`` (RMSNorm then ``(1 + scale)``) as
