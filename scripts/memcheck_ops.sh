@@ -7,7 +7,7 @@
 #      SANITIZE_STRIDE / SANITIZE_OFFSET (run every Nth case of each test function from the
 #      Kth, K < N; default 1 / 0: all),
 #      SANITIZE_TIMEOUT (seconds for all of it; no new process starts after it; default 420),
-#      SANITIZE_TESTS (default: the norm, rope and activation test files),
+#      SANITIZE_TESTS (default: the norm, rope, activation and MoE test files),
 #      SANITIZE_SELECT (the pytest -k expression; default: cuda).
 set -uo pipefail
 log="${1:?usage: memcheck_ops.sh LOG}"
@@ -18,7 +18,7 @@ offset="${SANITIZE_OFFSET:-0}"
 budget="${SANITIZE_TIMEOUT:-420}"
 select="${SANITIZE_SELECT:-cuda}"
 # shellcheck disable=SC2206
-files=(${SANITIZE_TESTS:-tests/python/test_norm.py tests/python/test_rope.py tests/python/test_activation.py})
+files=(${SANITIZE_TESTS:-tests/python/test_norm.py tests/python/test_rope.py tests/python/test_activation.py tests/python/test_moe.py})
 work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 : >"$log"

@@ -33,7 +33,8 @@ fusebox::DType to_dtype(const Tensor& t, const char* name) {
   }
 }
 
-TensorView view(const Tensor& t, const char* name) {
+// The view of `t` with the core dtype `dtype` (checked by the caller).
+TensorView view_as(const Tensor& t, const char* name, fusebox::DType dtype) {
   TORCH_CHECK_VALUE(t.layout() == at::kStrided, "fusebox: ", name, " must be a dense (strided) tensor");
   TORCH_CHECK_VALUE(t.is_cpu() || t.is_cuda(), "fusebox: ", name,
                     " must be on a CPU or CUDA device; got ", t.device());
@@ -41,7 +42,7 @@ TensorView view(const Tensor& t, const char* name) {
                     " dimensions; at most ", fusebox::kMaxDims, " are supported");
   TensorView v;
   v.data = t.numel() > 0 ? t.data_ptr() : nullptr;
-  v.dtype = to_dtype(t, name);
+  v.dtype = dtype;
   v.device = t.is_cuda() ? fusebox::Device::kCUDA : fusebox::Device::kCPU;
   v.ndim = int(t.dim());
   for (int i = 0; i < v.ndim; ++i) {
@@ -54,6 +55,15 @@ TensorView view(const Tensor& t, const char* name) {
     v.strides[0] = 1;
   }
   return v;
+}
+
+TensorView view(const Tensor& t, const char* name) { return view_as(t, name, to_dtype(t, name)); }
+
+// An integer operand (indices).
+TensorView index_view(const Tensor& t, const char* name) {
+  const auto type = t.scalar_type();
+  TORCH_CHECK_TYPE(type == at::kInt || type == at::kLong, "fusebox: ", name, " must be int32 or int64; got ", type);
+  return view_as(t, name, type == at::kLong ? fusebox::DType::kInt64 : fusebox::DType::kInt32);
 }
 
 TensorView view(const OptTensor& t, const char* name) {
@@ -375,6 +385,19 @@ Tensor act(const Tensor& x, const OptTensor& bias, const std::string& act) {
   return out;
 }
 
+// ---------------------------------------------------------------- mixture of experts
+
+Tensor moe_combine(const Tensor& rows, const Tensor& index, const Tensor& weights) {
+  TORCH_CHECK_VALUE(rows.dim() == 2, "fusebox: rows must be a 2-D tensor [rows, hidden]; got shape ", rows.sizes());
+  TORCH_CHECK_VALUE(index.dim() == 2, "fusebox: index must be a 2-D tensor [tokens, top_k]; got shape ",
+                    index.sizes());
+  Tensor out = at::empty({index.size(0), rows.size(1)}, rows.options());
+  const TensorView r = view(rows, "rows"), i = index_view(index, "index"), w = view(weights, "weights"),
+                   o = view(out, "out");
+  run(rows, [&](cudaStream_t s) { fusebox::moe_combine(r, i, w, o, s); });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fusebox, m) {
@@ -393,6 +416,7 @@ TORCH_LIBRARY(fusebox, m) {
   m.def("gated_act(Tensor gate, Tensor up, str act) -> Tensor", tags);
   m.def("gated_act_packed(Tensor x, str act, bool gate_first) -> Tensor", tags);
   m.def("act(Tensor x, Tensor? bias, str act) -> Tensor", tags);
+  m.def("moe_combine(Tensor rows, Tensor index, Tensor weights) -> Tensor", tags);
 }
 
 #define FUSEBOX_IMPL_ALL(m)                              \
@@ -405,7 +429,8 @@ TORCH_LIBRARY(fusebox, m) {
   m.impl("rotary", &rotary);                             \
   m.impl("gated_act", &gated_act);                       \
   m.impl("gated_act_packed", &gated_act_packed);         \
-  m.impl("act", &act)
+  m.impl("act", &act);                                   \
+  m.impl("moe_combine", &moe_combine)
 
 TORCH_LIBRARY_IMPL(fusebox, CPU, m) { FUSEBOX_IMPL_ALL(m); }
 TORCH_LIBRARY_IMPL(fusebox, CUDA, m) { FUSEBOX_IMPL_ALL(m); }

@@ -29,6 +29,7 @@ void run(ActPlan& p, cudaStream_t stream) {
 void gated_activation(const TensorView& gate, const TensorView& up, const TensorView& out,
                       Activation act, cudaStream_t stream) {
   FUSEBOX_CHECK(gate.defined() && gate.ndim >= 1, "gate must be a tensor of at least 1 dimension");
+  detail::check_floating(gate, "gate");
   FUSEBOX_CHECK(up.defined(), "up is required");
   FUSEBOX_CHECK(out.defined(), "out is required");
   detail::check_same_shape(up, "up", gate, "gate");
@@ -47,6 +48,7 @@ void gated_activation(const TensorView& gate, const TensorView& up, const Tensor
 void activation(const TensorView& x, const TensorView& bias, const TensorView& out, Activation act,
                 cudaStream_t stream) {
   FUSEBOX_CHECK(x.defined() && x.ndim >= 1, "x must be a tensor of at least 1 dimension");
+  detail::check_floating(x, "x");
   FUSEBOX_CHECK(out.defined(), "out is required");
   detail::check_same_shape(out, "out", x, "x");
   detail::check_dtype_is(out, "out", x.dtype, "the dtype of x");

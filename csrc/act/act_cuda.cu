@@ -77,32 +77,6 @@ __global__ void __launch_bounds__(kBlockThreads) activation_kernel(const ActKern
 
 constexpr int kMaxItems = 4;
 
-// How a row's vectors spread over the threads of its blocks: `tpr` threads (a row's share of
-// a block) each take `items` vectors of each of `chunks` column chunks.
-struct ColumnSplit {
-  int tpr;
-  int64_t chunks;
-  int64_t idle(int64_t vec_per_row, int items) const { return chunks * tpr * items - vec_per_row; }
-};
-
-// Rows of more than 32 threads' work are cut into the fewest chunks of at most kBlockThreads
-// threads, each a whole number of warps, sized alike, so the last chunk leaves few threads idle
-// (Wan 1.3B's 1120-vector rows with 2 vectors a thread: 3 chunks of 192 threads, 32 slots idle,
-// where power-of-two chunks of 256 left 416; gelu_tanh + bias 303.3 -> 291.1 us, Wan 14B 449.4
-// -> 447.2, bench/results/2026-11-26_h200_ca4d16f/tune/act_column_chunks_vs_eccd7ef.txt).
-// Narrower rows take a power of two of threads, stacked several to a block; one long (flat) row
-// takes full blocks.
-ColumnSplit column_split(int64_t vec_per_row, int items, bool flat) {
-  const int64_t need = (vec_per_row + items - 1) / items;  // threads for the whole row
-  if (flat || need <= 32) {
-    const int tpr = int(std::min<int64_t>(next_pow2(need), kBlockThreads));
-    return {tpr, (need + tpr - 1) / tpr};
-  }
-  const int64_t chunks = (need + kBlockThreads - 1) / kBlockThreads;
-  const int tpr = int(((need + chunks - 1) / chunks + 31) / 32 * 32);
-  return {tpr, chunks};
-}
-
 // Vectors per thread (H200, bench/results/2026-11-26_h200_ca4d16f/tune/act_items_and_streaming_stores.txt,
 // 1, 2 and 4 side by side):
 // - gated forms (silu(gate) * up, gelu_tanh(gate) * up): 1, at every size. Decode swiglu
@@ -117,7 +91,7 @@ int vectors_per_thread(int64_t vec_per_row, bool gated, bool bias) {
   if (gated) return 1;
   if (!bias) return 2;
   auto idle = [&](int items) {  // (rows with a bias take the row plan, never flat)
-    return column_split(vec_per_row, items, false).idle(vec_per_row, items);
+    return column_split(vec_per_row, items, false, kBlockThreads).idle(vec_per_row, items);
   };
   return idle(kMaxItems) <= idle(2) ? kMaxItems : 2;
 }
@@ -153,7 +127,7 @@ void activation_cuda(const ActPlan& plan, int vec, cudaStream_t stream) {
     p.vec_per_row = int(total_vecs);
   }
   const int items = vectors_per_thread(p.vec_per_row, p.b != nullptr, p.bias.ptr != nullptr);
-  const ColumnSplit split = column_split(p.vec_per_row, items, flat);
+  const ColumnSplit split = column_split(p.vec_per_row, items, flat, kBlockThreads);
   const int tpr = split.tpr;
   const int64_t chunks = split.chunks;
   p.rows_per_block = std::max(1, kBlockThreads / tpr);

@@ -16,6 +16,8 @@ inline float load(const void* base, DType dtype, int64_t offset) {
     case DType::kFloat32: return static_cast<const float*>(base)[offset];
     case DType::kFloat16: return host::to_float(static_cast<const host::float16*>(base)[offset]);
     case DType::kBFloat16: return host::to_float(static_cast<const host::bfloat16*>(base)[offset]);
+    case DType::kInt32: return float(static_cast<const int32_t*>(base)[offset]);
+    case DType::kInt64: return float(static_cast<const int64_t*>(base)[offset]);
   }
   return 0.f;
 }
@@ -26,6 +28,8 @@ inline void store(void* base, DType dtype, int64_t offset, float v) {
     case DType::kFloat32: static_cast<float*>(base)[offset] = v; break;
     case DType::kFloat16: static_cast<host::float16*>(base)[offset] = host::from_float<host::float16>(v); break;
     case DType::kBFloat16: static_cast<host::bfloat16*>(base)[offset] = host::from_float<host::bfloat16>(v); break;
+    case DType::kInt32: static_cast<int32_t*>(base)[offset] = int32_t(v); break;  // (indices: tests)
+    case DType::kInt64: static_cast<int64_t*>(base)[offset] = int64_t(v); break;
   }
 }
 
@@ -35,6 +39,8 @@ inline float round_to(DType dtype, float v) {
     case DType::kFloat32: return v;
     case DType::kFloat16: return host::to_float(host::from_float<host::float16>(v));
     case DType::kBFloat16: return host::to_float(host::from_float<host::bfloat16>(v));
+    case DType::kInt32:
+    case DType::kInt64: break;
   }
   return v;
 }

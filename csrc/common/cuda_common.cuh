@@ -6,6 +6,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <type_traits>
@@ -358,6 +359,9 @@ void dispatch_dtype(DType dtype, F&& f) {
     case DType::kFloat32: f(float{}); break;
     case DType::kFloat16: f(__half{}); break;
     case DType::kBFloat16: f(__nv_bfloat16{}); break;
+    case DType::kInt32:
+    case DType::kInt64:
+      throw Error(ErrorKind::kInvalidArgument, "fusebox: internal error: an integer tensor reached a kernel's dtype dispatch");
   }
 }
 
@@ -454,6 +458,32 @@ inline int next_pow2(int64_t v) {
   int p = 1;
   while (p < v) p <<= 1;
   return p;
+}
+
+// How a row's vectors spread over the threads of its blocks: `tpr` threads (a row's share of
+// a block) each take `items` vectors of each of `chunks` column chunks.
+struct ColumnSplit {
+  int tpr;
+  int64_t chunks;
+  int64_t idle(int64_t vec_per_row, int items) const { return chunks * tpr * items - vec_per_row; }
+};
+
+// Rows of more than 32 threads' work are cut into the fewest chunks of at most `block_threads`
+// threads, each a whole number of warps, sized alike, so the last chunk leaves few threads idle
+// (Wan 1.3B's 1120-vector rows with 2 vectors a thread: 3 chunks of 192 threads, 32 slots idle,
+// where power-of-two chunks of 256 left 416; gelu_tanh + bias 303.3 -> 291.1 us, Wan 14B 449.4
+// -> 447.2, bench/results/2026-11-26_h200_ca4d16f/tune/act_column_chunks_vs_eccd7ef.txt).
+// Narrower rows take a power of two of threads, stacked several to a block; one long (flat) row
+// takes full blocks.
+inline ColumnSplit column_split(int64_t vec_per_row, int items, bool flat, int block_threads) {
+  const int64_t need = (vec_per_row + items - 1) / items;  // threads for the whole row
+  if (flat || need <= 32) {
+    const int tpr = int(std::min<int64_t>(next_pow2(need), block_threads));
+    return {tpr, (need + tpr - 1) / tpr};
+  }
+  const int64_t chunks = (need + block_threads - 1) / block_threads;
+  const int tpr = int(((need + chunks - 1) / chunks + 31) / 32 * 32);
+  return {tpr, chunks};
 }
 
 }  // namespace fusebox::cuda

@@ -4,6 +4,11 @@
 
 namespace fusebox::detail {
 
+void check_floating(const TensorView& t, const char* name) {
+  FUSEBOX_CHECK(t.dtype == DType::kFloat32 || t.dtype == DType::kFloat16 || t.dtype == DType::kBFloat16, name,
+                " must be float32, float16 or bfloat16; got ", dtype_name(t.dtype));
+}
+
 void check_unit_last_stride(const TensorView& t, const char* name) {
   if (t.ndim == 0) return;
   FUSEBOX_CHECK(t.shape[t.ndim - 1] <= 1 || t.strides[t.ndim - 1] == 1, name,

@@ -12,6 +12,8 @@
 namespace fusebox::detail {
 
 // Checks shared by all ops.
+// The main operand of every computing op: float32, float16 or bfloat16.
+void check_floating(const TensorView& t, const char* name);
 void check_unit_last_stride(const TensorView& t, const char* name);
 void check_same_shape(const TensorView& t, const char* name, const TensorView& ref, const char* ref_name);
 void check_dtype_is(const TensorView& t, const char* name, DType expected, const char* why);

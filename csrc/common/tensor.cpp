@@ -10,6 +10,8 @@ size_t dtype_size(DType dtype) {
     case DType::kFloat32: return 4;
     case DType::kFloat16: return 2;
     case DType::kBFloat16: return 2;
+    case DType::kInt32: return 4;
+    case DType::kInt64: return 8;
   }
   return 0;
 }
@@ -19,6 +21,8 @@ const char* dtype_name(DType dtype) {
     case DType::kFloat32: return "float32";
     case DType::kFloat16: return "float16";
     case DType::kBFloat16: return "bfloat16";
+    case DType::kInt32: return "int32";
+    case DType::kInt64: return "int64";
   }
   return "unknown";
 }

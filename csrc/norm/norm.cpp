@@ -52,6 +52,7 @@ void check_split_modulation(const NormArgs& a, int64_t width) {
 
 void norm(const NormArgs& a, cudaStream_t stream) {
   FUSEBOX_CHECK(a.x.defined() && a.x.ndim >= 1, "x must be a tensor of at least 1 dimension");
+  detail::check_floating(a.x, "x");
   check_unit_last_stride(a.x, "x");
   const int64_t width = a.x.shape[a.x.ndim - 1];
   FUSEBOX_CHECK(width < (int64_t(1) << 31), "x's last dimension must be < 2^31; got ", width);

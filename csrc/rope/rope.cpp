@@ -25,6 +25,7 @@ void check_qk(const TensorView& t, const char* name, const TensorView& q) {
 
 void rope(const RopeArgs& a, cudaStream_t stream) {
   FUSEBOX_CHECK(a.q.defined(), "q is required");
+  detail::check_floating(a.q, "q");
   check_qk(a.q, "q", a.q);
   RopeShape sh;
   sh.B = a.q.shape[0];

@@ -207,3 +207,47 @@ TEST_F(CudaVsCpu, ActivationFamily) {
                         std::string(fusebox::dtype_name(dt)) + " n " + std::to_string(n));
       }
 }
+
+TEST_F(CudaVsCpu, MoeFamily) {
+  for (DType dt : kDtypes)
+    for (int64_t width : {1, 7, 768, 2056, 7168})
+      for (int64_t top_k : {1, 6, 8, 11}) {
+        const int64_t tokens = 13, num_rows = tokens * top_k;
+        // rows strided past their width (vectors narrower where the stride allows less)
+        HostTensor rows(dt, {num_rows, width}, {width + 8, 1}), index(DType::kInt64, {tokens, top_k}),
+            weights(DType::kFloat32, {tokens, top_k}), out(dt, {tokens, width});
+        rows.fill_random(rng);
+        std::uniform_int_distribution<int64_t> pick(0, num_rows - 1);
+        for (int64_t i = 0; i < tokens * top_k; ++i) {
+          index.set(i, float(pick(rng)));
+          weights.set(i, 0.1f + 0.01f * float(i % 37));
+        }
+        compare_devices({&rows, &index, &weights}, {&out},
+                        [&](const std::vector<TensorView>& in, const std::vector<TensorView>& o) {
+                          fusebox::moe_combine(in[0], in[1], in[2], o[0]);
+                        },
+                        std::string(fusebox::dtype_name(dt)) + " width " + std::to_string(width) + " top_k " +
+                            std::to_string(top_k));
+      }
+}
+
+// CUDA cannot raise on an index outside the rows without a host sync: that token's row turns
+// NaN, the others are written as usual, and nothing outside the rows is read.
+TEST_F(CudaVsCpu, MoeCombineIndexOutsideRowsIsNaN) {
+  HostTensor rows(DType::kBFloat16, {4, 64}), index(DType::kInt32, {2, 2}), weights(DType::kFloat32, {2, 2}),
+      out(DType::kBFloat16, {2, 64});
+  rows.fill_random(rng);
+  weights.fill(0.5f);
+  index.set(0, 1);
+  index.set(1, 2);
+  index.set(2, 3);
+  index.set(3, -5);
+  DeviceMirror drows(rows), dindex(index), dweights(weights), dout(out);
+  fusebox::moe_combine(drows.view, dindex.view, dweights.view, dout.view);
+  ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+  dout.copy_back();
+  for (int64_t d = 0; d < 64; ++d) {
+    EXPECT_NEAR(out.at(d), 0.5 * rows.at(64 + d) + 0.5 * rows.at(128 + d), 1e-2 * (1 + std::abs(out.at(d))));
+    EXPECT_TRUE(std::isnan(out.at(64 + d))) << d;
+  }
+}

@@ -203,3 +203,11 @@ def gated_act_packed(x, name, gate_first=True):
 def bias_act(x, bias, name):
     x = f64(x)
     return act(x if bias is None else x + f64(bias), name)
+
+
+# --------------------------------------------------------------------------- mixture of experts
+
+
+def moe_combine(rows, index, weights):
+    """out[n] = sum_k weights[n, k] * rows[index[n, k]]."""
+    return (f64(rows)[index.long()] * f64(weights).unsqueeze(-1)).sum(1)

@@ -9,7 +9,7 @@ import fusebox  # noqa: F401  (loads the library, registers the fake implementat
 from helpers import BF16, F32, make_input, modulation, qk_pair, rope_tables, small, weight
 
 OPS = ["rms_norm", "layer_norm", "fused_add_rms_norm", "rms_norm_add", "fused_norm",
-       "gated_residual", "rotary", "gated_act", "gated_act_packed", "act"]
+       "gated_residual", "rotary", "gated_act", "gated_act_packed", "act", "moe_combine"]
 
 
 def op_cases(name, gen, device, layout):
@@ -68,6 +68,12 @@ def op_cases(name, gen, device, layout):
                 ("second", (x_((2, 5, 2 * 7)), "gelu_tanh", False))]
     if name == "act":
         return [("bias", (x_(shape), b, "gelu_tanh")), ("nobias", (x_(shape), None, "silu"))]
+    if name == "moe_combine":
+        rows = x_((12, d))
+        index = torch.randperm(12, generator=gen).view(4, 3).to(device)
+        weights = small(gen, (4, 3), F32, device)
+        return [("i64", (rows, index, weights)),
+                ("i32_transposed", (rows, index.int().t().contiguous().t(), weights.to(BF16)))]
     raise KeyError(name)
 
 

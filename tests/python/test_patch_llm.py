@@ -1274,7 +1274,8 @@ MOE_LAYERS = {"qwen3_moe": 1, "qwen2_moe": 2, "mixtral": 2, "glm4_moe": 1, "deep
 @pytest.mark.parametrize("family", list(MOE_LAYERS))
 def test_grouped_experts_fused_eager_original_compiled(family, device, monkeypatch):
     """transformers' grouped experts (its default experts implementation) run their gate as one
-    gated_activation_packed a MoE layer and match the original in fp32; compiled, and with the
+    gated_activation_packed and their combine as one moe_combine a MoE layer and match the
+    original in fp32; compiled, and with the
     experts split over ranks or another experts implementation, the original runs."""
     model = build(family, device=device)
     ids = token_ids(device=device)
@@ -1285,12 +1286,13 @@ def test_grouped_experts_fused_eager_original_compiled(family, device, monkeypat
     with FuseboxOps() as ops:
         out = logits(model, ids)
     assert ops.calls.get("gated_act_packed", 0) == MOE_LAYERS[family], ops.calls
+    assert ops.calls.get("moe_combine", 0) == MOE_LAYERS[family], ops.calls
     assert rel_err(out, ref) < 1e-5
     torch._dynamo.reset()
     backend = GraphOps()
     with torch.no_grad():
         compiled = torch.compile(model, fullgraph=True, backend=backend)(ids).logits
-    assert "gated_act_packed" not in backend.ops, backend.ops
+    assert not {"gated_act_packed", "moe_combine"} & backend.ops, backend.ops
     assert rel_err(compiled, ref) < 1e-5
     from fusebox.patch import llm as patch_llm
     for setting in ("ranks", "implementation"):
@@ -1301,7 +1303,7 @@ def test_grouped_experts_fused_eager_original_compiled(family, device, monkeypat
                 m.setattr(model.config, "_experts_implementation_internal", "batched_mm")
             with FuseboxOps() as ops:
                 out = logits(model, ids)
-        assert ops.calls.get("gated_act_packed", 0) == 0, (setting, ops.calls)
+        assert not {"gated_act_packed", "moe_combine"} & set(ops.calls), (setting, ops.calls)
         assert rel_err(out, ref) < 1e-5, setting
 
 

@@ -83,3 +83,10 @@ def _gated_act_packed(x, act, gate_first):
 @register_fake("fusebox::act")
 def _act(x, bias, act):
     return _like(x)
+
+
+@register_fake("fusebox::moe_combine")
+def _moe_combine(rows, index, weights):
+    torch._check(rows.dim() == 2, lambda: "fusebox: rows must be a 2-D tensor [rows, hidden]")
+    torch._check(index.dim() == 2, lambda: "fusebox: index must be a 2-D tensor [tokens, top_k]")
+    return rows.new_empty((index.shape[0], rows.shape[1]))

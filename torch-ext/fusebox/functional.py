@@ -374,6 +374,21 @@ def geglu(gate: Tensor, up: Optional[Tensor] = None, approximate: str = "tanh") 
     return ops.gated_act(gate, up, act)
 
 
+# --------------------------------------------------------------------------- mixture of experts
+
+
+def moe_combine(rows: Tensor, index: Tensor, weights: Tensor) -> Tensor:
+    """The combine step of a mixture-of-experts layer: ``out[n] = sum_k weights[n, k] *
+    rows[index[n, k]]``, the values of ``(rows[index] * weights[..., None].float()).sum(1)``
+    in ``rows``' dtype, without the gathered, weighted fp32 rows in memory.
+
+    ``rows`` ``[M, H]`` holds the experts' output rows (any row stride), ``index`` ``[N, K]``
+    (int32 or int64) names each token's K rows, ``weights`` ``[N, K]`` (fp32 or ``rows``'
+    dtype) their routing weights. An index outside ``[0, M)`` raises on the CPU and turns that
+    token's row to NaN on CUDA (checking it there would wait for the GPU)."""
+    return ops.moe_combine(rows, index, weights)
+
+
 # --------------------------------------------------------------------------- seed-compatible names
 
 

@@ -122,4 +122,16 @@ void gated_activation(const TensorView& gate, const TensorView& up, const Tensor
 void activation(const TensorView& x, const TensorView& bias, const TensorView& out, Activation act,
                 cudaStream_t stream = nullptr);
 
+// The combine step of a mixture-of-experts layer: each token's K expert outputs, weighted and
+// summed.
+//   out[n, :] = sum over k of weights[n, k] * rows[index[n, k], :]
+//   rows: [M, H] (the experts' output rows, any row stride); index: [N, K], int32 or int64;
+//   weights: [N, K], fp32 or rows' dtype (any strides); out: [N, H] in rows' dtype.
+// Each product is rounded to fp32 and added in k order, the sum rounded once to out's dtype:
+// the values of `(rows[index] * weights[..., None].float()).sum(1)` with nothing materialized.
+// An index outside [0, M): the CPU reference raises; a CUDA launch cannot without a host sync,
+// so it writes NaN over that token's row and reads nothing out of bounds.
+void moe_combine(const TensorView& rows, const TensorView& index, const TensorView& weights,
+                 const TensorView& out, cudaStream_t stream = nullptr);
+
 }  // namespace fusebox

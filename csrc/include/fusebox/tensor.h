@@ -7,7 +7,8 @@
 
 namespace fusebox {
 
-enum class DType : int8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2 };
+// The floating-point types are what the ops compute on; the integer types only index (moe_combine).
+enum class DType : int8_t { kFloat32 = 0, kFloat16 = 1, kBFloat16 = 2, kInt32 = 3, kInt64 = 4 };
 enum class Device : int8_t { kCPU = 0, kCUDA = 1 };
 
 size_t dtype_size(DType dtype);

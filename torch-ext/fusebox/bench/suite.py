@@ -361,6 +361,45 @@ def _glu_bytes(p, dt):
     return 3 * _numel(p["shape"]) * _esize(dt)
 
 
+# =========================================================================== mixture of experts
+
+# (tokens, top_k, hidden): DeepSeek-V2-Lite (6 of 64 experts), OLMoE / Qwen3-30B-A3B (8 of 64 /
+# 128), Mixtral 8x7B (2 of 8), DeepSeek-V3 (8 of 256, 7168 wide)
+MOE_COMBINE = (("deepseek-v2-lite", 6, 2048), ("olmoe", 8, 2048), ("mixtral", 2, 4096),
+               ("deepseek-v3", 8, 7168))
+MOE_TOKENS = (1, 16, 2048, 8192)
+
+
+def _moe_shapes():
+    return [("llm", f"{name} {n}x{k}x{h}", dict(tokens=n, top_k=k, hidden=h),
+             (name, n) in (("deepseek-v2-lite", 2048), ("olmoe", 16)))
+            for name, k, h in MOE_COMBINE for n in MOE_TOKENS]
+
+
+def _moe_build(p, dt, dev, r):
+    n, k = p["tokens"], p["top_k"]
+    index = torch.randperm(n * k, generator=r.gen, device=dev)
+    weights = torch.rand((n, k), generator=r.gen, device=dev) + 0.1
+    weights = weights / weights.sum(-1, keepdim=True)
+    sorted_weights = torch.empty(n * k, device=dev)
+    sorted_weights[index] = weights.view(-1)   # the weights in the rows' (expert-sorted) order
+    return {"rows": r((n * k, p["hidden"]), dt), "index": index.view(n, k), "weights": weights,
+            "sorted_weights": sorted_weights}
+
+
+def _moe_bytes(p, dt):
+    n, k, h = p["tokens"], p["top_k"], p["hidden"]
+    return (n * k + n) * h * _esize(dt) + n * k * (8 + 4)
+
+
+def _moe_eager(t, p):
+    """transformers' grouped experts: the sorted rows weighted in fp32, put back in token order,
+    each token's rows summed, the sum cast to the model's dtype."""
+    n, k, h = p["tokens"], p["top_k"], p["hidden"]
+    weighted = t["rows"] * t["sorted_weights"].unsqueeze(-1)
+    return weighted[t["index"].view(-1)].view(n, k, h).sum(dim=1).to(t["rows"].dtype)
+
+
 # =========================================================================== rotary
 
 
@@ -682,6 +721,14 @@ _OPS = [
         eager=lambda t, p: B.geglu_tanh_eager(t["gate"], t["up"]),
         eager_doc="F.gelu(gate, approximate='tanh') * up",
         liger=lambda lk, t, p: lk.liger_geglu(t["gate"], t["up"]), liger_doc="liger_geglu",
+    ),
+    OpSpec(
+        name="moe_combine", title="MoE combine: each token's top-k expert rows, weighted, summed",
+        shapes=_moe_shapes, build=_moe_build, nbytes=_moe_bytes, reads=("rows", "index", "weights"),
+        fusebox=lambda fb, t, p: fb.moe_combine(t["rows"], t["index"], t["weights"]),
+        eager=_moe_eager,
+        eager_doc="transformers grouped experts: rows * fp32 weights, put in token order, "
+                  ".sum(1).to(dtype)",
     ),
     OpSpec(
         name="rope", title="rotary, half-split (rotate_half), q and k, GQA",

@@ -54,8 +54,9 @@ What is replaced, module by module (every other module keeps its forward):
   layer's mixer add with its norm) and Llama 4 (its complex rotary as interleaved ``rope``);
 - the experts of transformers' grouped experts implementation (its default; concatenated
   gate/up weights, no biases, the default gate): the gate -> ``gated_activation_packed`` over
-  the (token, expert) rows, without the masks that only expert parallelism needs, in eager
-  calls; compiled or over several ranks, the original;
+  the (token, expert) rows, without the masks that only expert parallelism needs, and the
+  weighted sum of each token's rows -> ``moe_combine``, in eager calls; compiled or over
+  several ranks, the original;
 - multi-head latent attention (DeepSeek-V2 and V3, MiniCPM3, and the classes that read as
   DeepSeek-V3's: Kimi K2 loads as it, GLM-4.7-Flash, Youtu): the rotary of q's last
   ``qk_rope_head_dim`` channels and of the shared key channels -> one ``rope``, V3's
@@ -627,11 +628,12 @@ def _grouped_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     the same grouped GEMMs and sums: no sentinel masks (every index names one of this module's
     experts without expert parallelism: the masks only copy), the gate as one
     ``gated_activation_packed`` (act(gate) * up rounded once, where the original rounds both),
-    and the rows put back in token order before the routing weights, so the weighted fp32 rows
-    are formed once and summed (the same products and sums as the original's)."""
+    and the combine (each token's rows weighted in fp32 and summed, as the original forms and
+    sums them) as one ``moe_combine`` pass that writes the token's row once, where the original
+    writes the weighted fp32 rows, permutes and sums them."""
     from transformers.integrations.moe import _grouped_linear
 
-    num_tokens, hidden_dim = hidden_states.shape
+    num_tokens = hidden_states.shape[0]
     num_top_k = top_k_index.shape[-1]
     expert_ids, perm = torch.sort(top_k_index.reshape(-1))
     # histc counts floats on these devices, ints on the others (as the original)
@@ -643,11 +645,13 @@ def _grouped_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
                               is_transposed=self.is_transposed)
     out = _grouped_linear(F.gated_activation_packed(gate_up, kind, gate_first=True),
                           self.down_proj, offsets, is_transposed=self.is_transposed)
+    # each (token, k) pair's row among the sorted ones: the combine reads them in token order
     inv_perm = torch.empty_like(perm)
     inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
-    weighted = (out[inv_perm].view(num_tokens, num_top_k, hidden_dim)
-                * top_k_weights.reshape(num_tokens, num_top_k, 1))
-    return weighted.sum(dim=1).to(hidden_states.dtype)
+    weights = top_k_weights.reshape(num_tokens, num_top_k)
+    if weights.dtype not in (torch.float32, out.dtype):
+        weights = weights.float()
+    return F.moe_combine(out, inv_perm.view(num_tokens, num_top_k), weights).to(hidden_states.dtype)
 
 
 # --------------------------------------------------------------------------- attention

@@ -1,0 +1,25 @@
+// Internal interface between the mixture-of-experts entry points and their backends.
+#pragma once
+
+#include "common/layout.h"
+#include "fusebox/ops.h"
+
+namespace fusebox {
+
+// out[n] = sum_k weights[n, k] * rows[index[n, k]]; validated views, strides in elements.
+struct CombinePlan {
+  const TensorView* rows;
+  const TensorView* index;
+  const TensorView* weights;
+  const TensorView* out;
+  int64_t tokens, top_k, num_rows, width;
+};
+
+namespace cuda {
+void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream);
+}
+namespace cpu {
+void moe_combine_cpu(const CombinePlan& plan);
+}
+
+}  // namespace fusebox

@@ -1,0 +1,147 @@
+"""Mixture-of-experts family: moe_combine (each token's expert rows, weighted and summed)."""
+
+import pytest
+import torch
+
+import fusebox
+import reference as ref
+from helpers import BF16, DTYPE_CASES, F16, F32, HAS_CUDA, assert_close, call, randn, requires_cuda
+
+
+def routing(gen, tokens, top_k, num_rows, index_dtype, weight_dtype, device, layout="contiguous"):
+    """A permutation's index (every row used once where num_rows == tokens * top_k, as a MoE
+    layer's sorted rows are) and softmax-like weights; "transposed" gives both strides
+    (top_k, 1) -> (1, tokens)."""
+    perm = torch.randperm(tokens * top_k, generator=gen) % max(num_rows, 1)
+    w = torch.rand((tokens, top_k), generator=gen) + 0.1
+    w = w / w.sum(-1, keepdim=True)
+    index, weights = perm.view(tokens, top_k), w
+    if layout == "transposed":
+        index, weights = index.t().contiguous().t(), weights.t().contiguous().t()
+    return index.to(device=device, dtype=index_dtype), weights.to(device=device, dtype=weight_dtype)
+
+
+def expert_rows(gen, num_rows, width, dtype, device, layout="contiguous"):
+    """The experts' output rows; "row_slice" takes them from wider rows (unaligned start)."""
+    if layout == "row_slice":
+        return randn(gen, (num_rows, width + 9), dtype, device)[:, 3:3 + width]
+    return randn(gen, (num_rows, width), dtype, device)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
+@pytest.mark.parametrize("top_k", [1, 2, 6, 8, 9, 13])
+@pytest.mark.parametrize("width", [1, 7, 769, 2048, 5125])
+def test_moe_combine(device, gen, dtypes, index_dtype, top_k, width):
+    dtype, wdtype = dtypes
+    tokens = 17
+    rows = expert_rows(gen, tokens * top_k, width, dtype, device)
+    index, weights = routing(gen, tokens, top_k, tokens * top_k, index_dtype, wdtype, device)
+    out = call(fusebox.moe_combine, rows, index, weights)
+    assert_close(out, ref.moe_combine(rows, index, weights), dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("layout", ["row_slice", "transposed"])
+def test_moe_combine_strided(device, gen, dtype, layout):
+    """Rows read through a row stride and an unaligned start; index and weights transposed
+    (column-major); rows named twice and rows never named."""
+    tokens, top_k, num_rows, width = 33, 6, 101, 1040
+    rows = expert_rows(gen, num_rows, width, dtype, device, "row_slice" if layout == "row_slice" else "contiguous")
+    index, weights = routing(gen, tokens, top_k, num_rows, torch.int64, F32, device, layout)
+    out = call(fusebox.moe_combine, rows, index, weights)
+    assert_close(out, ref.moe_combine(rows, index, weights), dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16])
+def test_moe_combine_matches_the_unfused_form(device, gen, dtype):
+    """The values of the grouped experts' combine (fp32 products summed in k order, rounded
+    once): equal to the unfused torch form up to the order of its fp32 sum."""
+    tokens, top_k, width = 64, 6, 2048
+    rows = expert_rows(gen, tokens * top_k, width, dtype, device)
+    index, weights = routing(gen, tokens, top_k, tokens * top_k, torch.int64, F32, device)
+    unfused = (rows[index] * weights.unsqueeze(-1)).sum(1).to(dtype)
+    out = call(fusebox.moe_combine, rows, index, weights)
+    ulp = {F32: 1e-6, BF16: 1e-2, F16: 1e-3}[dtype]
+    assert torch.allclose(out.float(), unfused.float(), rtol=ulp, atol=ulp), (out - unfused).abs().max()
+    # at most a last-place difference in a few elements (the sum's order)
+    assert (out != unfused).float().mean().item() < 0.05
+
+
+def test_moe_combine_empty(device):
+    rows = torch.randn(4, 16, device=device, dtype=BF16)
+    for tokens, top_k in ((0, 2), (3, 0)):
+        index = torch.zeros((tokens, top_k), dtype=torch.int64, device=device)
+        out = call(fusebox.moe_combine, rows, index, torch.ones((tokens, top_k), device=device))
+        assert out.shape == (tokens, 16) and out.dtype == BF16
+        if tokens:  # no rows: the sum of nothing
+            assert (out == 0).all()
+
+
+def test_moe_combine_index_out_of_range_cpu(gen):
+    rows = randn(gen, (6, 32), BF16)
+    weights = torch.full((2, 3), 0.3)
+    for bad in (6, -1):
+        index = torch.tensor([[0, 1, 2], [3, bad, 5]])
+        with pytest.raises(ValueError, match=r"index\[1, 1\] = -?\d+ is outside rows' 6 rows"):
+            fusebox.moe_combine(rows, index, weights)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_moe_combine_index_out_of_range_cuda_is_nan(gen):
+    """CUDA cannot raise without a host sync: the token's row turns NaN, the others are exact,
+    and nothing is read out of bounds (the GPU suite also runs under compute-sanitizer)."""
+    rows = randn(gen, (6, 40), BF16, "cuda")
+    weights = torch.full((3, 3), 0.3, device="cuda")
+    index = torch.tensor([[0, 1, 2], [3, 1 << 40, 5], [4, -7, 0]], device="cuda")
+    out = call(fusebox.moe_combine, rows, index, weights)
+    assert torch.isnan(out[1:].float()).all()
+    good = index[:1]
+    assert_close(out[:1], ref.moe_combine(rows, good, weights[:1]), BF16)
+
+
+@pytest.mark.parametrize("case", ["rows_1d", "index_float", "index_3d", "weights_shape", "weights_f16",
+                                  "rows_int", "rows_column_major", "devices"])
+def test_moe_combine_errors(case):
+    rows = torch.randn(8, 16, dtype=BF16)
+    index = torch.zeros((4, 2), dtype=torch.int64)
+    weights = torch.ones((4, 2))
+    expect = {"rows_1d": (ValueError, "rows must be a 2-D tensor"),
+              "index_float": (TypeError, "index must be int32 or int64"),
+              "index_3d": (ValueError, "index must be a 2-D tensor"),
+              "weights_shape": (ValueError, "weights must have the shape of index"),
+              "weights_f16": (ValueError, "weights must be bfloat16 or float32"),
+              "rows_int": (TypeError, "rows must be float32, float16 or bfloat16"),
+              "rows_column_major": (ValueError, "rows must have a contiguous last dimension"),
+              "devices": (ValueError, "all tensors of one call must be on the same device")}[case]
+    if case == "rows_1d":
+        rows = rows[0]
+    elif case == "index_float":
+        index = index.float()
+    elif case == "index_3d":
+        index = index[None]
+    elif case == "weights_shape":
+        weights = weights[:, :1]
+    elif case == "weights_f16":
+        weights = weights.half()
+    elif case == "rows_int":
+        rows = rows.int()
+    elif case == "rows_column_major":
+        rows = rows.t().contiguous().t()
+    elif case == "devices":
+        if not HAS_CUDA:
+            pytest.skip("needs a CUDA device")
+        index = index.cuda()
+    with pytest.raises(expect[0], match=expect[1]):
+        fusebox.moe_combine(rows, index, weights)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda])])
+def test_moe_combine_compiles_without_graph_breaks(device, gen):
+    rows = randn(gen, (24, 64), BF16, device)
+    index, weights = routing(gen, 8, 3, 24, torch.int64, F32, device)
+    torch._dynamo.reset()
+    compiled = torch.compile(fusebox.moe_combine, fullgraph=True, dynamic=True)
+    out = compiled(rows, index, weights)
+    assert_close(out, ref.moe_combine(rows, index, weights), BF16)
