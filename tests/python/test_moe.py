@@ -56,7 +56,9 @@ def test_moe_combine_strided(device, gen, dtype, layout):
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])
 def test_moe_combine_matches_the_unfused_form(device, gen, dtype):
     """The values of the grouped experts' combine (fp32 products summed in k order, rounded
-    once): equal to the unfused torch form up to the order of its fp32 sum."""
+    once): the unfused torch form's up to the order of its fp32 sum, which on CUDA differs (an
+    fp32 output then differs in the last place in about half its elements; a 16-bit one rarely
+    after its rounding)."""
     tokens, top_k, width = 64, 6, 2048
     rows = expert_rows(gen, tokens * top_k, width, dtype, device)
     index, weights = routing(gen, tokens, top_k, tokens * top_k, torch.int64, F32, device)
@@ -64,8 +66,8 @@ def test_moe_combine_matches_the_unfused_form(device, gen, dtype):
     out = call(fusebox.moe_combine, rows, index, weights)
     ulp = {F32: 1e-6, BF16: 1e-2, F16: 1e-3}[dtype]
     assert torch.allclose(out.float(), unfused.float(), rtol=ulp, atol=ulp), (out - unfused).abs().max()
-    # at most a last-place difference in a few elements (the sum's order)
-    assert (out != unfused).float().mean().item() < 0.05
+    if dtype != F32:
+        assert (out != unfused).float().mean().item() < 0.05
 
 
 def test_moe_combine_empty(device):
