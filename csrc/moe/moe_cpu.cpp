@@ -16,7 +16,8 @@ void moe_combine_cpu(const CombinePlan& p) {
         FUSEBOX_CHECK(r >= 0 && r < p.num_rows, "index[", n, ", ", k, "] = ", r, " is outside rows' ",
                       p.num_rows, " rows");
         const float w = load(weights.data, weights.dtype, n * weights.strides[0] + k * weights.strides[1]);
-        const float product = w * load(rows.data, rows.dtype, r * rows.strides[0] + d);
+        float product = w * load(rows.data, rows.dtype, r * rows.strides[0] + d);
+        if (weights.dtype != DType::kFloat32) product = round_to(rows.dtype, product);
         acc += product;
       }
       store(out.data, out.dtype, n * out.strides[0] + d, acc);

@@ -68,8 +68,11 @@ __global__ void __launch_bounds__(kBlockThreads) moe_combine_kernel(const Combin
           float x[VEC];
           unpack(v[j][it], x);
 #pragma unroll
-          for (int i = 0; i < VEC; ++i)  // no fma: the product is rounded before the add, as unfused
-            acc[it][i] = __fadd_rn(acc[it][i], __fmul_rn(w[j], x[i]));
+          for (int i = 0; i < VEC; ++i) {  // no fma: the product is rounded before the add, as unfused
+            float product = __fmul_rn(w[j], x[i]);
+            if (!p.weights.is_f32) product = round_to<T>(product);  // a 16-bit product tensor
+            acc[it][i] = __fadd_rn(acc[it][i], product);
+          }
         }
       }
     }

@@ -53,15 +53,17 @@ def test_moe_combine_strided(device, gen, dtype, layout):
     assert_close(out, ref.moe_combine(rows, index, weights), dtype)
 
 
+@pytest.mark.parametrize("weights_16bit", [False, True], ids=["f32w", "16bitw"])
 @pytest.mark.parametrize("dtype", [F32, BF16, F16])
-def test_moe_combine_matches_the_unfused_form(device, gen, dtype):
-    """The values of the grouped experts' combine (fp32 products summed in k order, rounded
-    once): the unfused torch form's up to the order of its fp32 sum, which on CUDA differs (an
+def test_moe_combine_matches_the_unfused_form(device, gen, dtype, weights_16bit):
+    """The values of the grouped experts' combine (products in their dtype, summed in fp32 in k
+    order, rounded once): the unfused torch form's up to the order of its fp32 sum, which on CUDA differs (an
     fp32 output then differs in the last place in about half its elements; a 16-bit one rarely
     after its rounding)."""
     tokens, top_k, width = 64, 6, 2048
     rows = expert_rows(gen, tokens * top_k, width, dtype, device)
-    index, weights = routing(gen, tokens, top_k, tokens * top_k, torch.int64, F32, device)
+    wdtype = dtype if weights_16bit else F32  # 16-bit weights: the unfused products are 16-bit
+    index, weights = routing(gen, tokens, top_k, tokens * top_k, torch.int64, wdtype, device)
     unfused = (rows[index] * weights.unsqueeze(-1)).sum(1).to(dtype)
     out = call(fusebox.moe_combine, rows, index, weights)
     ulp = {F32: 1e-6, BF16: 1e-2, F16: 1e-3}[dtype]

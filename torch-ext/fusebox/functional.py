@@ -379,8 +379,9 @@ def geglu(gate: Tensor, up: Optional[Tensor] = None, approximate: str = "tanh") 
 
 def moe_combine(rows: Tensor, index: Tensor, weights: Tensor) -> Tensor:
     """The combine step of a mixture-of-experts layer: ``out[n] = sum_k weights[n, k] *
-    rows[index[n, k]]``, the values of ``(rows[index] * weights[..., None].float()).sum(1)``
-    in ``rows``' dtype, without the gathered, weighted fp32 rows in memory.
+    rows[index[n, k]]``, the values of ``(rows[index] * weights[..., None]).sum(1)`` in
+    ``rows``' dtype (each product rounded to its dtype, fp32 or ``rows``', the sum accumulated in
+    fp32), without the gathered, weighted rows in memory.
 
     ``rows`` ``[M, H]`` holds the experts' output rows (any row stride), ``index`` ``[N, K]``
     (int32 or int64) names each token's K rows, ``weights`` ``[N, K]`` (fp32 or ``rows``'

@@ -127,8 +127,10 @@ void activation(const TensorView& x, const TensorView& bias, const TensorView& o
 //   out[n, :] = sum over k of weights[n, k] * rows[index[n, k], :]
 //   rows: [M, H] (the experts' output rows, any row stride); index: [N, K], int32 or int64;
 //   weights: [N, K], fp32 or rows' dtype (any strides); out: [N, H] in rows' dtype.
-// Each product is rounded to fp32 and added in k order, the sum rounded once to out's dtype:
-// the values of `(rows[index] * weights[..., None].float()).sum(1)` with nothing materialized.
+// Each product is rounded to the product's dtype (fp32 for fp32 weights, else rows' dtype) and
+// added in fp32 in k order, the sum rounded once to out's dtype: the values of
+// `(rows[index] * weights[..., None]).sum(1)` (whose 16-bit sums accumulate in fp32), with
+// nothing materialized.
 // An index outside [0, M): the CPU reference raises; a CUDA launch cannot without a host sync,
 // so it writes NaN over that token's row and reads nothing out of bounds.
 void moe_combine(const TensorView& rows, const TensorView& index, const TensorView& weights,

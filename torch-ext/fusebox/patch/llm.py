@@ -628,9 +628,9 @@ def _grouped_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tenso
     the same grouped GEMMs and sums: no sentinel masks (every index names one of this module's
     experts without expert parallelism: the masks only copy), the gate as one
     ``gated_activation_packed`` (act(gate) * up rounded once, where the original rounds both),
-    and the combine (each token's rows weighted in fp32 and summed, as the original forms and
-    sums them) as one ``moe_combine`` pass that writes the token's row once, where the original
-    writes the weighted fp32 rows, permutes and sums them."""
+    and the combine (each token's rows weighted and summed, the products and sums the
+    original forms) as one ``moe_combine`` pass that writes the token's row once, where the
+    original writes the weighted rows, permutes and sums them."""
     from transformers.integrations.moe import _grouped_linear
 
     num_tokens = hidden_states.shape[0]
