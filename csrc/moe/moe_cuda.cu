@@ -6,7 +6,7 @@
 //
 // Every row load waits on its index load, so a thread's bytes in flight come in bursts of one
 // index latency plus one row latency: with one vector a thread and K = 2 the kernel ran at 58-66%
-// of copy bandwidth (H200, Mixtral's 2x4096 rows), with K = 8 at 74-92%. ITEMS vectors a thread
+// of copy bandwidth (H200, Mixtral's 2x4096 rows), with K = 8 at 74-94%. ITEMS vectors a thread
 // move ITEMS times the bytes a burst.
 #include "common/cuda_common.cuh"
 #include "moe/moe_impl.h"
