@@ -398,6 +398,20 @@ Tensor moe_combine(const Tensor& rows, const Tensor& index, const Tensor& weight
   return out;
 }
 
+std::tuple<Tensor, Tensor, Tensor> moe_sort(const Tensor& index, int64_t num_experts) {
+  TORCH_CHECK_VALUE(index.dim() == 2, "fusebox: index must be a 2-D tensor [tokens, top_k]; got shape ",
+                    index.sizes());
+  TORCH_CHECK_VALUE(num_experts >= 1, "fusebox: num_experts must be at least 1; got ", num_experts);
+  const auto opts = index.options().dtype(at::kInt);
+  Tensor row_token = at::empty({index.numel()}, opts), offsets = at::empty({num_experts}, opts),
+         pair_row = at::empty(index.sizes(), opts);
+  const TensorView i = index_view(index, "index"), rt = view_as(row_token, "row_token", fusebox::DType::kInt32),
+                   of = view_as(offsets, "offsets", fusebox::DType::kInt32),
+                   pr = view_as(pair_row, "pair_row", fusebox::DType::kInt32);
+  run(index, [&](cudaStream_t s) { fusebox::moe_sort(i, num_experts, rt, of, pr, s); });
+  return {row_token, offsets, pair_row};
+}
+
 }  // namespace
 
 TORCH_LIBRARY(fusebox, m) {
@@ -417,6 +431,7 @@ TORCH_LIBRARY(fusebox, m) {
   m.def("gated_act_packed(Tensor x, str act, bool gate_first) -> Tensor", tags);
   m.def("act(Tensor x, Tensor? bias, str act) -> Tensor", tags);
   m.def("moe_combine(Tensor rows, Tensor index, Tensor weights) -> Tensor", tags);
+  m.def("moe_sort(Tensor index, int num_experts) -> (Tensor, Tensor, Tensor)", tags);
 }
 
 #define FUSEBOX_IMPL_ALL(m)                              \
@@ -430,7 +445,8 @@ TORCH_LIBRARY(fusebox, m) {
   m.impl("gated_act", &gated_act);                       \
   m.impl("gated_act_packed", &gated_act_packed);         \
   m.impl("act", &act);                                   \
-  m.impl("moe_combine", &moe_combine)
+  m.impl("moe_combine", &moe_combine);                   \
+  m.impl("moe_sort", &moe_sort)
 
 TORCH_LIBRARY_IMPL(fusebox, CPU, m) { FUSEBOX_IMPL_ALL(m); }
 TORCH_LIBRARY_IMPL(fusebox, CUDA, m) { FUSEBOX_IMPL_ALL(m); }

@@ -2,6 +2,16 @@
 #include "moe/moe_impl.h"
 
 namespace fusebox {
+namespace {
+
+void check_index(const TensorView& index, const char* name) {
+  FUSEBOX_CHECK(index.defined() && index.ndim == 2, name, " must be a 2-D tensor [tokens, top_k]; got shape ",
+                index.shape_str());
+  FUSEBOX_CHECK(index.dtype == DType::kInt32 || index.dtype == DType::kInt64, name,
+                " must be int32 or int64; got ", dtype_name(index.dtype));
+}
+
+}  // namespace
 
 void moe_combine(const TensorView& rows, const TensorView& index, const TensorView& weights,
                  const TensorView& out, cudaStream_t stream) {
@@ -9,10 +19,7 @@ void moe_combine(const TensorView& rows, const TensorView& index, const TensorVi
                 rows.shape_str());
   detail::check_floating(rows, "rows");
   detail::check_unit_last_stride(rows, "rows");
-  FUSEBOX_CHECK(index.defined() && index.ndim == 2, "index must be a 2-D tensor [tokens, top_k]; got shape ",
-                index.shape_str());
-  FUSEBOX_CHECK(index.dtype == DType::kInt32 || index.dtype == DType::kInt64,
-                "index must be int32 or int64; got ", dtype_name(index.dtype));
+  check_index(index, "index");
   FUSEBOX_CHECK(weights.defined(), "weights is required");
   detail::check_same_shape(weights, "weights", index, "index");
   detail::check_param_dtype(weights, "weights", rows.dtype);
@@ -37,6 +44,32 @@ void moe_combine(const TensorView& rows, const TensorView& index, const TensorVi
   strides[1].s[2] = out.strides[0];
   const int vec = detail::pick_vector_width(rows.dtype, width, operands, 2, strides);
   cuda::moe_combine_cuda(p, vec, stream);
+}
+
+void moe_sort(const TensorView& index, int64_t num_experts, const TensorView& row_token,
+              const TensorView& offsets, const TensorView& pair_row, cudaStream_t stream) {
+  check_index(index, "index");
+  FUSEBOX_CHECK(num_experts >= 1, "num_experts must be at least 1; got ", num_experts);
+  const int64_t tokens = index.shape[0], top_k = index.shape[1], pairs = tokens * top_k;
+  FUSEBOX_CHECK(pairs < (int64_t(1) << 30), "index must have fewer than 2^30 elements; got ", index.shape_str());
+  FUSEBOX_CHECK(row_token.defined() && row_token.ndim == 1 && row_token.shape[0] == pairs,
+                "row_token must be a 1-D tensor of index's ", pairs, " elements; got shape ", row_token.shape_str());
+  FUSEBOX_CHECK(offsets.defined() && offsets.ndim == 1 && offsets.shape[0] == num_experts,
+                "offsets must be a 1-D tensor of num_experts (", num_experts, ") elements; got shape ",
+                offsets.shape_str());
+  FUSEBOX_CHECK(pair_row.defined(), "pair_row is required");
+  detail::check_same_shape(pair_row, "pair_row", index, "index");
+  detail::check_dtype_is(row_token, "row_token", DType::kInt32, "the index type moe_sort writes");
+  detail::check_dtype_is(offsets, "offsets", DType::kInt32, "the index type moe_sort writes");
+  detail::check_dtype_is(pair_row, "pair_row", DType::kInt32, "the index type moe_sort writes");
+  detail::check_same_device(
+      {{&index, "index"}, {&row_token, "row_token"}, {&offsets, "offsets"}, {&pair_row, "pair_row"}});
+  const SortPlan p{&index, &row_token, &offsets, &pair_row, tokens, top_k, num_experts};
+  if (index.device == Device::kCPU) {
+    cpu::moe_sort_cpu(p);
+    return;
+  }
+  cuda::moe_sort_cuda(p, stream);
 }
 
 }  // namespace fusebox

@@ -1,4 +1,6 @@
 // CPU reference of the mixture-of-experts family.
+#include <vector>
+
 #include "common/cpu_common.h"
 #include "moe/moe_impl.h"
 
@@ -23,6 +25,35 @@ void moe_combine_cpu(const CombinePlan& p) {
       store(out.data, out.dtype, n * out.strides[0] + d, acc);
     }
   }
+}
+
+void moe_sort_cpu(const SortPlan& p) {
+  const TensorView &index = *p.index, &row_token = *p.row_token, &offsets = *p.offsets, &pair_row = *p.pair_row;
+  auto expert_of = [&](int64_t n, int64_t k) {
+    const int64_t at = n * index.strides[0] + k * index.strides[1];
+    const int64_t e = index.dtype == DType::kInt64 ? static_cast<const int64_t*>(index.data)[at]
+                                                   : static_cast<const int32_t*>(index.data)[at];
+    FUSEBOX_CHECK(e >= 0 && e < p.num_experts, "index[", n, ", ", k, "] = ", e, " is outside the ",
+                  p.num_experts, " experts");
+    return e;
+  };
+  // a counting sort: each expert's first row, then its pairs in pair order
+  std::vector<int64_t> next_row(p.num_experts + 1, 0);
+  for (int64_t n = 0; n < p.tokens; ++n)
+    for (int64_t k = 0; k < p.top_k; ++k) ++next_row[expert_of(n, k) + 1];
+  auto* offs = static_cast<int32_t*>(offsets.data);
+  for (int64_t e = 0; e < p.num_experts; ++e) {
+    next_row[e + 1] += next_row[e];
+    offs[e * offsets.strides[0]] = int32_t(next_row[e + 1]);
+  }
+  auto* tokens_of = static_cast<int32_t*>(row_token.data);
+  auto* rows_of = static_cast<int32_t*>(pair_row.data);
+  for (int64_t n = 0; n < p.tokens; ++n)
+    for (int64_t k = 0; k < p.top_k; ++k) {
+      const int64_t row = next_row[expert_of(n, k)]++;
+      tokens_of[row * row_token.strides[0]] = int32_t(n);
+      rows_of[n * pair_row.strides[0] + k * pair_row.strides[1]] = int32_t(row);
+    }
 }
 
 }  // namespace fusebox::cpu

@@ -15,11 +15,22 @@ struct CombinePlan {
   int64_t tokens, top_k, num_rows, width;
 };
 
+// The (token, k) pairs of index sorted by expert (see moe_sort); validated views.
+struct SortPlan {
+  const TensorView* index;
+  const TensorView* row_token;
+  const TensorView* offsets;
+  const TensorView* pair_row;
+  int64_t tokens, top_k, num_experts;
+};
+
 namespace cuda {
 void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream);
+void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream);
 }
 namespace cpu {
 void moe_combine_cpu(const CombinePlan& plan);
+void moe_sort_cpu(const SortPlan& plan);
 }
 
 }  // namespace fusebox

@@ -231,6 +231,41 @@ TEST_F(CudaVsCpu, MoeFamily) {
       }
 }
 
+// The sort's outputs are integers: equal to the CPU's element for element. Sizes from one pair to
+// several rounds of every warp, experts from one to enough that fewer warps fit the counts,
+// index int32 and int64, row-major and column-major, outputs poisoned (-1 in every element).
+TEST_F(CudaVsCpu, MoeSortMatchesCpu) {
+  for (int64_t num_experts : {1, 8, 64, 257, 3001})
+    for (int64_t tokens : {1, 333, 4099})
+      for (int64_t top_k : {1, 6, 8})
+        for (DType idx : {DType::kInt32, DType::kInt64}) {
+          const bool column_major = top_k == 6;
+          HostTensor index(idx, {tokens, top_k}, column_major ? std::vector<int64_t>{1, tokens} : std::vector<int64_t>{});
+          // mostly a few hot experts (many lanes of a warp on one), the rest spread
+          std::uniform_int_distribution<int64_t> any(0, num_experts - 1), hot(0, std::min<int64_t>(num_experts, 3) - 1);
+          std::bernoulli_distribution is_hot(0.5);
+          for (int64_t i = 0; i < tokens * top_k; ++i) index.set(i, float(is_hot(rng) ? hot(rng) : any(rng)));
+          HostTensor row_token(DType::kInt32, {tokens * top_k}), offsets(DType::kInt32, {num_experts}),
+              pair_row(DType::kInt32, {tokens, top_k});
+          fusebox::moe_sort(index.view, num_experts, row_token.view, offsets.view, pair_row.view);
+          HostTensor got_row_token = row_token, got_offsets = offsets, got_pair_row = pair_row;
+          for (HostTensor* t : {&got_row_token, &got_offsets, &got_pair_row}) t->view.data = t->storage.data();
+          DeviceMirror dindex(index), drow_token(got_row_token), doffsets(got_offsets), dpair_row(got_pair_row);
+          for (DeviceMirror* d : {&drow_token, &doffsets, &dpair_row})
+            ASSERT_EQ(cudaMemset(d->ptr, 0xff, d->host->storage.size()), cudaSuccess);
+          fusebox::moe_sort(dindex.view, num_experts, drow_token.view, doffsets.view, dpair_row.view);
+          const std::string what = std::string(fusebox::dtype_name(idx)) + " experts " + std::to_string(num_experts) +
+                                   " tokens " + std::to_string(tokens) + " top_k " + std::to_string(top_k);
+          ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
+          for (DeviceMirror* d : {&drow_token, &doffsets, &dpair_row}) d->copy_back();
+          int64_t differ = 0;
+          for (int64_t i = 0; i < tokens * top_k; ++i)
+            differ += (got_row_token.at(i) != row_token.at(i)) + (got_pair_row.at(i) != pair_row.at(i));
+          for (int64_t e = 0; e < num_experts; ++e) differ += got_offsets.at(e) != offsets.at(e);
+          EXPECT_EQ(differ, 0) << what;
+        }
+}
+
 // CUDA cannot raise on an index outside the rows without a host sync: that token's row turns
 // NaN, the others are written as usual, and nothing outside the rows is read.
 TEST_F(CudaVsCpu, MoeCombineIndexOutsideRowsIsNaN) {

@@ -1,4 +1,4 @@
-// CPU reference of the mixture-of-experts family.
+// CPU reference of the mixture-of-experts family: the combine and the dispatch sort.
 #include <random>
 
 #include "test_util.h"
@@ -69,4 +69,49 @@ TEST(MoeCpu, CombineValidatesArguments) {
                {"rows must be float32, float16 or bfloat16", "int32"});
   expect_error([&] { fusebox::rms_norm(irows.view, TensorView{}, irows.view, 1e-6f); },
                {"x must be float32, float16 or bfloat16"});
+}
+
+TEST(MoeCpu, SortIsTheStableSortByExpert) {
+  // 4 tokens, top-2, 3 experts; index column-major: pair (n, k) at n + 4 * k
+  const int64_t expert[4][2] = {{2, 0}, {0, 2}, {1, 0}, {2, 1}};
+  for (DType idx : {DType::kInt32, DType::kInt64}) {
+    HostTensor index(idx, {4, 2}, {1, 4}), row_token(DType::kInt32, {8}), offsets(DType::kInt32, {3}),
+        pair_row(DType::kInt32, {4, 2}, {1, 5});  // pair_row strided past its shape
+    for (int64_t n = 0; n < 4; ++n)
+      for (int64_t k = 0; k < 2; ++k) index.set(n + 4 * k, float(expert[n][k]));
+    row_token.fill(-9);
+    pair_row.fill(-9);
+    fusebox::moe_sort(index.view, 3, row_token.view, offsets.view, pair_row.view);
+    // pairs in order 0..7 have experts 2 0 0 2 1 0 2 1: expert 0 takes pairs 1 2 5, expert 1
+    // pairs 4 7, expert 2 pairs 0 3 6
+    const int want_row_token[8] = {0, 1, 2, 2, 3, 0, 1, 3};
+    const int want_offsets[3] = {3, 5, 8};
+    const int want_pair_row[4][2] = {{5, 0}, {1, 6}, {3, 2}, {7, 4}};
+    for (int64_t r = 0; r < 8; ++r) EXPECT_EQ(row_token.at(r), want_row_token[r]) << r;
+    for (int64_t e = 0; e < 3; ++e) EXPECT_EQ(offsets.at(e), want_offsets[e]) << e;
+    for (int64_t n = 0; n < 4; ++n)
+      for (int64_t k = 0; k < 2; ++k) EXPECT_EQ(pair_row.at(n + 5 * k), want_pair_row[n][k]) << n << ", " << k;
+  }
+}
+
+TEST(MoeCpu, SortValidatesArguments) {
+  HostTensor index(DType::kInt64, {3, 2}), row_token(DType::kInt32, {6}), offsets(DType::kInt32, {4}),
+      pair_row(DType::kInt32, {3, 2});
+  HostTensor findex(DType::kFloat32, {3, 2}), short_rows(DType::kInt32, {5}), long_rows(DType::kInt64, {6}),
+      wrong_offsets(DType::kInt32, {3}), wrong_pairs(DType::kInt32, {2, 3});
+  expect_error([&] { fusebox::moe_sort(findex.view, 4, row_token.view, offsets.view, pair_row.view); },
+               {"index must be int32 or int64", "float32"});
+  expect_error([&] { fusebox::moe_sort(index.view, 0, row_token.view, offsets.view, pair_row.view); },
+               {"num_experts must be at least 1; got 0"});
+  expect_error([&] { fusebox::moe_sort(index.view, 4, short_rows.view, offsets.view, pair_row.view); },
+               {"row_token must be a 1-D tensor of index's 6 elements", "[5]"});
+  expect_error([&] { fusebox::moe_sort(index.view, 4, long_rows.view, offsets.view, pair_row.view); },
+               {"row_token must be int32", "int64"});
+  expect_error([&] { fusebox::moe_sort(index.view, 4, row_token.view, wrong_offsets.view, pair_row.view); },
+               {"offsets must be a 1-D tensor of num_experts (4) elements", "[3]"});
+  expect_error([&] { fusebox::moe_sort(index.view, 4, row_token.view, offsets.view, wrong_pairs.view); },
+               {"pair_row must have the shape of index [3, 2]"});
+  index.set(3, 4);  // index[1, 1] = 4 of 4 experts
+  expect_error([&] { fusebox::moe_sort(index.view, 4, row_token.view, offsets.view, pair_row.view); },
+               {"index[1, 1] = 4 is outside the 4 experts"});
 }

@@ -211,3 +211,14 @@ def bias_act(x, bias, name):
 def moe_combine(rows, index, weights):
     """out[n] = sum_k weights[n, k] * rows[index[n, k]]."""
     return (f64(rows)[index.long()] * f64(weights).unsqueeze(-1)).sum(1)
+
+
+def moe_sort(index, num_experts):
+    """(row_token, offsets, pair_row) of the pairs sorted by expert as transformers' grouped
+    experts sort them (a stable sort of the flattened index), int64 on the CPU."""
+    flat = index.cpu().long().reshape(-1)
+    perm = torch.sort(flat, stable=True)[1]
+    pair_row = torch.empty_like(perm)
+    pair_row[perm] = torch.arange(perm.numel())
+    offsets = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0)
+    return perm // max(index.shape[1], 1), offsets, pair_row.view(index.shape)

@@ -1,4 +1,5 @@
-"""Mixture-of-experts family: moe_combine (each token's expert rows, weighted and summed)."""
+"""Mixture-of-experts family: moe_sort (the (token, k) pairs sorted by expert) and moe_combine
+(each token's expert rows, weighted and summed)."""
 
 import pytest
 import torch
@@ -149,3 +150,134 @@ def test_moe_combine_compiles_without_graph_breaks(device, gen):
     compiled = torch.compile(fusebox.moe_combine, fullgraph=True, dynamic=True)
     out = compiled(rows, index, weights)
     assert_close(out, ref.moe_combine(rows, index, weights), BF16)
+
+
+# --------------------------------------------------------------------------- moe_sort
+
+
+def expert_index(gen, tokens, top_k, num_experts, skew="uniform"):
+    """Each token's top_k experts, distinct per token where there are enough experts (as a
+    router's top-k), drawn uniformly or "skewed": most pairs on the first few experts (many
+    lanes of a warp on one expert), the rest spread."""
+    if skew == "skewed":
+        hot = torch.randint(0, min(3, num_experts), (tokens, top_k), generator=gen)
+        cold = torch.randint(0, num_experts, (tokens, top_k), generator=gen)
+        return torch.where(torch.rand((tokens, top_k), generator=gen) < 0.8, hot, cold)
+    if top_k <= num_experts:
+        return torch.rand((tokens, num_experts), generator=gen).argsort(-1)[:, :top_k]
+    return torch.randint(0, num_experts, (tokens, top_k), generator=gen)
+
+
+def check_sort(got, index, num_experts):
+    """Each output equal to the stable sort's, element for element, int32, on index's device."""
+    want = ref.moe_sort(index, num_experts)
+    for name, g, w in zip(("row_token", "offsets", "pair_row"), got, want):
+        assert g.dtype == torch.int32 and g.device == index.device, (name, g.dtype, g.device)
+        assert g.shape == w.shape, (name, g.shape, w.shape)
+        bad = (g.cpu().long() != w).nonzero()
+        assert not bad.numel(), f"{name}: {bad.shape[0]} of {g.numel()} differ, first at {bad[0].tolist()}"
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
+@pytest.mark.parametrize("top_k", [1, 2, 6, 8])
+@pytest.mark.parametrize("tokens", [1, 5, 300, 2048, 8193])
+@pytest.mark.parametrize("num_experts", [1, 8, 64, 257, 3001])
+def test_moe_sort(device, gen, index_dtype, top_k, tokens, num_experts):
+    """Against the stable sort, from one pair to 65544 (several rounds of every warp) and from
+    one expert to 3001 (fewer warps, whose counts then fill the shared memory)."""
+    index = expert_index(gen, tokens, top_k, num_experts).to(device=device, dtype=index_dtype)
+    check_sort(call(fusebox.moe_sort, index, num_experts), index, num_experts)
+
+
+@pytest.mark.parametrize("skew", ["skewed", "uniform"])
+@pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
+def test_moe_sort_layouts(device, gen, layout, skew):
+    """Index read through strides (column-major; every other column of a wider one) and routings
+    where most lanes of a warp name one expert."""
+    tokens, top_k, num_experts = 1500, 6, 64
+    full = expert_index(gen, tokens, 2 * top_k, num_experts, skew)
+    index = {"contiguous": full[:, :top_k].contiguous(), "transposed": full[:, :top_k].t().contiguous().t(),
+             "sliced": full[:, ::2]}[layout].to(device)
+    check_sort(call(fusebox.moe_sort, index, num_experts), index, num_experts)
+
+
+def test_moe_sort_empty(device):
+    for tokens, top_k in ((0, 2), (3, 0)):
+        index = torch.zeros((tokens, top_k), dtype=torch.int64, device=device)
+        row_token, offsets, pair_row = call(fusebox.moe_sort, index, 5)
+        assert row_token.shape == (0,) and pair_row.shape == (tokens, top_k)
+        assert offsets.tolist() == [0] * 5
+
+
+def test_moe_sort_then_combine_is_the_grouped_experts_combine(device, gen):
+    """The sort's outputs used as the grouped experts use them: rows gathered by row_token, each
+    expert's between its offsets, combined by pair_row, equal the combine of the unfused sort."""
+    tokens, top_k, num_experts, width = 200, 6, 16, 96
+    index = expert_index(gen, tokens, top_k, num_experts).to(device)
+    x = randn(gen, (tokens, width), F32, device)
+    experts = randn(gen, (num_experts, width), F32, device)
+    weights = routing(gen, tokens, top_k, 1, torch.int64, F32, device)[1]
+    row_token, offsets, pair_row = fusebox.moe_sort(index, num_experts)
+    starts = [0] + offsets.tolist()[:-1]
+    rows = x[row_token.long()]
+    for e in range(num_experts):  # "expert e" scales its rows by its own vector
+        rows[starts[e]:offsets[e]] *= experts[e]
+    out = fusebox.moe_combine(rows, pair_row, weights)
+    want = ((x.unsqueeze(1) * experts[index]) * weights.unsqueeze(-1)).sum(1)
+    assert_close(out, want.double(), F32)
+
+
+def test_moe_sort_index_out_of_range_cpu():
+    for bad in (4, -1):
+        index = torch.tensor([[0, 1], [2, bad]])
+        with pytest.raises(ValueError, match=r"index\[1, 1\] = -?\d+ is outside the 4 experts"):
+            fusebox.moe_sort(index, 4)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_moe_sort_index_out_of_range_cuda(gen):
+    """CUDA cannot raise without a host sync: a pair outside the experts goes after every
+    expert's rows, outside all offsets, with pair_row -1, on which moe_combine writes NaN over
+    its token's row; the other pairs sort as without it."""
+    index = torch.tensor([[0, 3, 1], [2, 1 << 40, 1], [3, -7, 0], [1, 2, 3]], device="cuda")
+    row_token, offsets, pair_row = call(fusebox.moe_sort, index, 4)
+    valid = ((index >= 0) & (index < 4)).cpu()
+    # the stable sort with the bad pairs in a fifth expert, whose end offsets leave out
+    want_row_token, want_offsets, want_pair_row = ref.moe_sort(index.cpu().where(valid, 4), 5)
+    assert row_token.tolist() == want_row_token.tolist()
+    assert offsets.tolist() == want_offsets[:4].tolist() == [2, 5, 7, 10]
+    assert pair_row.tolist() == want_pair_row.where(valid, -1).tolist()
+    rows = randn(gen, (12, 40), BF16, "cuda")
+    out = fusebox.moe_combine(rows, pair_row, torch.full((4, 3), 0.3, device="cuda"))
+    assert torch.isnan(out[1:3].float()).all() and not torch.isnan(out[[0, 3]].float()).any()
+
+
+@pytest.mark.parametrize("case", ["index_1d", "index_float", "no_experts", "too_many_experts"])
+def test_moe_sort_errors(case):
+    index = torch.zeros((4, 2), dtype=torch.int64)
+    num_experts = 8
+    expect = {"index_1d": (ValueError, "index must be a 2-D tensor"),
+              "index_float": (TypeError, "index must be int32 or int64"),
+              "no_experts": (ValueError, "num_experts must be at least 1"),
+              "too_many_experts": (ValueError, "num_experts must be at most 12031")}[case]
+    if case == "index_1d":
+        index = index[0]
+    elif case == "index_float":
+        index = index.float()
+    elif case == "no_experts":
+        num_experts = 0
+    elif case == "too_many_experts":
+        if not HAS_CUDA:
+            pytest.skip("the limit is the CUDA kernel's shared memory")
+        index, num_experts = index.cuda(), 12032
+    with pytest.raises(expect[0], match=expect[1]):
+        fusebox.moe_sort(index, num_experts)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda])])
+def test_moe_sort_compiles_without_graph_breaks(device, gen):
+    index = expert_index(gen, 9, 3, 8).to(device)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda i: fusebox.moe_sort(i, 8), fullgraph=True, dynamic=True)
+    check_sort(compiled(index), index, 8)

@@ -90,3 +90,12 @@ def _moe_combine(rows, index, weights):
     torch._check(rows.dim() == 2, lambda: "fusebox: rows must be a 2-D tensor [rows, hidden]")
     torch._check(index.dim() == 2, lambda: "fusebox: index must be a 2-D tensor [tokens, top_k]")
     return rows.new_empty((index.shape[0], rows.shape[1]))
+
+
+@register_fake("fusebox::moe_sort")
+def _moe_sort(index, num_experts):
+    torch._check(index.dim() == 2, lambda: "fusebox: index must be a 2-D tensor [tokens, top_k]")
+    torch._check(num_experts >= 1, lambda: "fusebox: num_experts must be at least 1")
+    return (index.new_empty((index.numel(),), dtype=torch.int32),
+            index.new_empty((num_experts,), dtype=torch.int32),
+            index.new_empty(index.shape, dtype=torch.int32))

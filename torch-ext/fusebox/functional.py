@@ -390,6 +390,24 @@ def moe_combine(rows: Tensor, index: Tensor, weights: Tensor) -> Tensor:
     return ops.moe_combine(rows, index, weights)
 
 
+def moe_sort(index: Tensor, num_experts: int) -> Tuple[Tensor, Tensor, Tensor]:
+    """The dispatch step of a mixture-of-experts layer in one launch: the ``(token, k)`` pairs of
+    ``index`` ``[N, K]`` (each pair's expert, int32 or int64) sorted by expert, stably, for grouped
+    GEMMs over each expert's rows. Returns int32 ``(row_token, offsets, pair_row)``:
+
+    - ``row_token`` ``[N * K]``: the token each sorted row reads (``x[row_token]`` are the rows);
+    - ``offsets`` ``[num_experts]``: where each expert's rows end (``torch._grouped_mm``'s
+      ``offs``, the cumulative count of each expert's pairs);
+    - ``pair_row`` ``[N, K]``: each pair's sorted row, the ``index`` :func:`moe_combine` takes.
+
+    The same as ``perm = torch.sort(index.flatten(), stable=True)[1]``: ``row_token = perm //
+    K``, ``offsets = cumsum(bincount(index))`` and ``pair_row`` the inverse of ``perm``. An expert
+    outside ``[0, num_experts)`` raises on the CPU; on CUDA (checking would wait for the GPU) its
+    pair goes after every expert's rows and its ``pair_row`` is -1, so :func:`moe_combine` writes
+    NaN over that token's row."""
+    return ops.moe_sort(index, num_experts)
+
+
 # --------------------------------------------------------------------------- seed-compatible names
 
 

@@ -136,4 +136,19 @@ void activation(const TensorView& x, const TensorView& bias, const TensorView& o
 void moe_combine(const TensorView& rows, const TensorView& index, const TensorView& weights,
                  const TensorView& out, cudaStream_t stream = nullptr);
 
+// The dispatch step of a mixture-of-experts layer: its (token, k) pairs sorted by expert, as
+// grouped GEMMs over each expert's rows read them, in one launch. Sorted row r holds one pair;
+// expert e's pairs take rows [offsets[e - 1], offsets[e]) in pair order (n * K + k), as a stable
+// sort of the flattened index puts them.
+//   index: [N, K], int32 or int64, the expert of each pair (any strides); num_experts: E >= 1.
+//   row_token: [N * K] int32, the token each sorted row reads (pair / K).
+//   offsets: [E] int32, the rows of experts 0..e (inclusive cumulative counts).
+//   pair_row: [N, K] int32, the sorted row of each pair (the inverse permutation; moe_combine's
+//   index). Outputs take any strides.
+// An expert outside [0, E): the CPU reference raises; a CUDA launch cannot without a host sync,
+// so it sorts the pair after every expert's rows (outside all offsets) and sets its pair_row to
+// -1, on which moe_combine writes NaN over that token's row.
+void moe_sort(const TensorView& index, int64_t num_experts, const TensorView& row_token,
+              const TensorView& offsets, const TensorView& pair_row, cudaStream_t stream = nullptr);
+
 }  // namespace fusebox
