@@ -46,6 +46,8 @@ def rows_of(rec: dict) -> int:
     p = rec.get("params", {})
     if "shape" in p:
         return int(math.prod(p["shape"][:-1]))
+    if "tokens" in p:   # the MoE ops: one row a token
+        return int(p["tokens"])
     return int(p.get("B", 1)) * int(p.get("S", 1))
 
 
