@@ -400,6 +400,42 @@ def _moe_eager(t, p):
     return weighted[t["index"].view(-1)].view(n, k, h).sum(dim=1).to(t["rows"].dtype)
 
 
+# (top_k, experts) of the routers whose (token, k) pairs moe_sort orders: the same models
+MOE_SORT = (("deepseek-v2-lite", 6, 64), ("olmoe", 8, 64), ("mixtral", 2, 8), ("deepseek-v3", 8, 256))
+
+
+def _moe_sort_shapes():
+    return [("llm", f"{name} {n}x{k} of {e}", dict(tokens=n, top_k=k, experts=e),
+             (name, n) in (("deepseek-v2-lite", 2048), ("olmoe", 16)))
+            for name, k, e in MOE_SORT for n in MOE_TOKENS]
+
+
+def _moe_sort_build(p, dt, dev, r):
+    """Each token's top-k of distinct experts, as a router picks them (int64, as topk gives)."""
+    scores = torch.rand((p["tokens"], p["experts"]), generator=r.gen, device=dev)
+    return {"index": scores.argsort(-1)[:, :p["top_k"]].contiguous()}
+
+
+def _moe_sort_bytes(p, dt):
+    """The int64 index read; row_token, offsets and pair_row written (int32, as moe_sort writes
+    them; the unfused form writes two of them as int64)."""
+    pairs = p["tokens"] * p["top_k"]
+    return pairs * 8 + (2 * pairs + p["experts"]) * 4
+
+
+def _moe_sort_eager(t, p):
+    """transformers' grouped experts: the pairs sorted by expert, the rows' tokens, the experts'
+    offsets from a histogram, the inverse permutation by index_put."""
+    k, e = p["top_k"], p["experts"]
+    expert_ids = t["index"].reshape(-1)
+    _, perm = torch.sort(expert_ids, stable=True)   # stable: outputs compare element for element
+    counts_of = expert_ids.float() if expert_ids.device.type == "cpu" else expert_ids.int()
+    offsets = torch.cumsum(torch.histc(counts_of, bins=e, min=0, max=e - 1), dim=0, dtype=torch.int32)
+    inv_perm = torch.empty_like(perm)
+    inv_perm[perm] = torch.arange(perm.size(0), device=perm.device)
+    return perm // k, offsets, inv_perm.view(t["index"].shape)
+
+
 # =========================================================================== rotary
 
 
@@ -729,6 +765,15 @@ _OPS = [
         eager=_moe_eager,
         eager_doc="transformers grouped experts: rows * fp32 weights, put in token order, "
                   ".sum(1).to(dtype)",
+    ),
+    OpSpec(
+        name="moe_sort", title="MoE dispatch: the (token, k) pairs sorted by expert, tokens, "
+                               "offsets, inverse permutation",
+        shapes=_moe_sort_shapes, build=_moe_sort_build, nbytes=_moe_sort_bytes, reads=("index",),
+        fusebox=lambda fb, t, p: fb.moe_sort(t["index"], p["experts"]),
+        eager=_moe_sort_eager,
+        eager_doc="transformers grouped experts: torch.sort, histc + cumsum, perm // K, "
+                  "inverse permutation by index_put",
     ),
     OpSpec(
         name="rope", title="rotary, half-split (rotate_half), q and k, GQA",
