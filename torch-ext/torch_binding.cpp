@@ -398,6 +398,18 @@ Tensor moe_combine(const Tensor& rows, const Tensor& index, const Tensor& weight
   return out;
 }
 
+std::tuple<Tensor, Tensor> moe_topk_softmax(const Tensor& logits, int64_t top_k, bool renormalize, double scale,
+                                            std::optional<at::ScalarType> out_dtype) {
+  TORCH_CHECK_VALUE(logits.dim() == 2, "fusebox: logits must be a 2-D tensor [tokens, experts]; got shape ",
+                    logits.sizes());
+  TORCH_CHECK_VALUE(top_k >= 0, "fusebox: top_k must be non-negative; got ", top_k);
+  Tensor weights = at::empty({logits.size(0), top_k}, logits.options().dtype(out_dtype.value_or(at::kFloat)));
+  Tensor index = at::empty({logits.size(0), top_k}, logits.options().dtype(at::kLong));
+  const TensorView l = view(logits, "logits"), w = view(weights, "weights"), i = index_view(index, "index");
+  run(logits, [&](cudaStream_t s) { fusebox::moe_topk_softmax(l, renormalize, float(scale), w, i, s); });
+  return {weights, index};
+}
+
 std::tuple<Tensor, Tensor, Tensor> moe_sort(const Tensor& index, int64_t num_experts) {
   TORCH_CHECK_VALUE(index.dim() == 2, "fusebox: index must be a 2-D tensor [tokens, top_k]; got shape ",
                     index.sizes());
@@ -432,6 +444,8 @@ TORCH_LIBRARY(fusebox, m) {
   m.def("act(Tensor x, Tensor? bias, str act) -> Tensor", tags);
   m.def("moe_combine(Tensor rows, Tensor index, Tensor weights) -> Tensor", tags);
   m.def("moe_sort(Tensor index, int num_experts) -> (Tensor, Tensor, Tensor)", tags);
+  m.def("moe_topk_softmax(Tensor logits, int top_k, bool renormalize, float scale, ScalarType? out_dtype) "
+        "-> (Tensor, Tensor)", tags);
 }
 
 #define FUSEBOX_IMPL_ALL(m)                              \
@@ -446,7 +460,8 @@ TORCH_LIBRARY(fusebox, m) {
   m.impl("gated_act_packed", &gated_act_packed);         \
   m.impl("act", &act);                                   \
   m.impl("moe_combine", &moe_combine);                   \
-  m.impl("moe_sort", &moe_sort)
+  m.impl("moe_sort", &moe_sort);                         \
+  m.impl("moe_topk_softmax", &moe_topk_softmax)
 
 TORCH_LIBRARY_IMPL(fusebox, CPU, m) { FUSEBOX_IMPL_ALL(m); }
 TORCH_LIBRARY_IMPL(fusebox, CUDA, m) { FUSEBOX_IMPL_ALL(m); }

@@ -46,6 +46,33 @@ void moe_combine(const TensorView& rows, const TensorView& index, const TensorVi
   cuda::moe_combine_cuda(p, vec, stream);
 }
 
+void moe_topk_softmax(const TensorView& logits, bool renormalize, float scale, const TensorView& weights,
+                      const TensorView& index, cudaStream_t stream) {
+  FUSEBOX_CHECK(logits.defined() && logits.ndim == 2, "logits must be a 2-D tensor [tokens, experts]; got shape ",
+                logits.shape_str());
+  detail::check_floating(logits, "logits");
+  detail::check_unit_last_stride(logits, "logits");
+  check_index(index, "index");
+  FUSEBOX_CHECK(index.shape[0] == logits.shape[0], "index must have logits' ", logits.shape[0],
+                " rows; got shape ", index.shape_str());
+  FUSEBOX_CHECK(weights.defined(), "weights is required");
+  detail::check_same_shape(weights, "weights", index, "index");
+  detail::check_param_dtype(weights, "weights", logits.dtype);
+  detail::check_same_device({{&logits, "logits"}, {&weights, "weights"}, {&index, "index"}});
+  const int64_t num_experts = logits.shape[1], top_k = index.shape[1];
+  FUSEBOX_CHECK(num_experts <= 1024, "logits may have at most 1024 experts (a warp holds a token's); got ",
+                num_experts);
+  FUSEBOX_CHECK(top_k <= num_experts && top_k <= 32, "top_k (index's columns) must be at most the ",
+                num_experts, " experts and at most 32; got ", top_k);
+  const TopkPlan p{&logits, &weights, &index, logits.shape[0], num_experts, top_k, renormalize, scale};
+  if (p.tokens == 0 || top_k == 0) return;
+  if (logits.device == Device::kCPU) {
+    cpu::moe_topk_softmax_cpu(p);
+    return;
+  }
+  cuda::moe_topk_softmax_cuda(p, stream);
+}
+
 void moe_sort(const TensorView& index, int64_t num_experts, const TensorView& row_token,
               const TensorView& offsets, const TensorView& pair_row, cudaStream_t stream) {
   check_index(index, "index");

@@ -1,4 +1,6 @@
 // CPU reference of the mixture-of-experts family.
+#include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "common/cpu_common.h"
@@ -23,6 +25,48 @@ void moe_combine_cpu(const CombinePlan& p) {
         acc += product;
       }
       store(out.data, out.dtype, n * out.strides[0] + d, acc);
+    }
+  }
+}
+
+namespace {
+
+// The order top-k selects in: by probability, NaN above all (as torch.topk ranks it).
+float topk_key(float prob) { return std::isnan(prob) ? 2.f : prob; }
+
+}  // namespace
+
+void moe_topk_softmax_cpu(const TopkPlan& p) {
+  const TensorView &logits = *p.logits, &weights = *p.weights, &index = *p.index;
+  std::vector<float> prob(size_t(p.num_experts));
+  std::vector<bool> taken(size_t(p.num_experts));
+  for (int64_t n = 0; n < p.tokens; ++n) {
+    float max = -INFINITY, sum = 0.f;
+    for (int64_t e = 0; e < p.num_experts; ++e) {
+      prob[e] = load(logits.data, logits.dtype, n * logits.strides[0] + e);
+      max = std::max(max, prob[e]);
+    }
+    for (int64_t e = 0; e < p.num_experts; ++e) sum += prob[e] = std::exp(prob[e] - max);
+    for (int64_t e = 0; e < p.num_experts; ++e) prob[e] /= sum;
+    std::fill(taken.begin(), taken.end(), false);
+    std::vector<std::pair<float, int64_t>> top;  // descending; of equal ones the lower expert first
+    float top_sum = 0.f;
+    for (int64_t k = 0; k < p.top_k; ++k) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < p.num_experts; ++e)
+        if (!taken[e] && (best < 0 || topk_key(prob[e]) > topk_key(prob[best]))) best = e;
+      taken[best] = true;
+      top.emplace_back(prob[best], best);
+      top_sum += prob[best];
+    }
+    for (int64_t k = 0; k < p.top_k; ++k) {
+      const float w = (p.renormalize ? top[k].first / top_sum : top[k].first) * p.scale;
+      store(weights.data, weights.dtype, n * weights.strides[0] + k * weights.strides[1], w);
+      const int64_t at = n * index.strides[0] + k * index.strides[1];
+      if (index.dtype == DType::kInt64)
+        static_cast<int64_t*>(index.data)[at] = top[k].second;
+      else
+        static_cast<int32_t*>(index.data)[at] = int32_t(top[k].second);
     }
   }
 }

@@ -15,6 +15,16 @@ struct CombinePlan {
   int64_t tokens, top_k, num_rows, width;
 };
 
+// The top-k softmax of a router's logits (see moe_topk_softmax); validated views.
+struct TopkPlan {
+  const TensorView* logits;
+  const TensorView* weights;
+  const TensorView* index;
+  int64_t tokens, num_experts, top_k;
+  bool renormalize;
+  float scale;
+};
+
 // The (token, k) pairs of index sorted by expert (see moe_sort); validated views.
 struct SortPlan {
   const TensorView* index;
@@ -27,10 +37,12 @@ struct SortPlan {
 namespace cuda {
 void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream);
 void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream);
+void moe_topk_softmax_cuda(const TopkPlan& plan, cudaStream_t stream);
 }
 namespace cpu {
 void moe_combine_cpu(const CombinePlan& plan);
 void moe_sort_cpu(const SortPlan& plan);
+void moe_topk_softmax_cpu(const TopkPlan& plan);
 }
 
 }  // namespace fusebox

@@ -10,7 +10,11 @@ namespace {
 
 const DType kDtypes[] = {DType::kFloat32, DType::kFloat16, DType::kBFloat16};
 
-double tol(DType d) { return d == DType::kFloat32 ? 2e-6 : 1e-2; }
+// Integer outputs (indices) must match exactly.
+double tol(DType d) {
+  if (d == DType::kInt32 || d == DType::kInt64) return 1e-12;
+  return d == DType::kFloat32 ? 2e-6 : 1e-2;
+}
 
 // Runs `call` on CPU views and on device mirrors of the same tensors, then compares `outputs`.
 void compare_devices(std::vector<HostTensor*> inputs, std::vector<HostTensor*> outputs,
@@ -228,6 +232,26 @@ TEST_F(CudaVsCpu, MoeFamily) {
                         },
                         std::string(fusebox::dtype_name(dt)) + " width " + std::to_string(width) + " top_k " +
                             std::to_string(top_k));
+      }
+}
+
+// The router's top-k against the CPU's: the same experts (random fp32-rounded logits have no
+// near-equal probabilities at these sizes) and weights within the fp32 sums' order.
+TEST_F(CudaVsCpu, MoeTopkSoftmaxMatchesCpu) {
+  for (DType dt : kDtypes)
+    for (int64_t num_experts : {1, 8, 60, 64, 257, 1024})
+      for (int64_t top_k : {1, 6, 8, 32}) {
+        if (top_k > num_experts) continue;
+        const int64_t tokens = 37;
+        HostTensor logits(dt, {tokens, num_experts}, {num_experts + 3, 1}), weights(DType::kFloat32, {tokens, top_k}),
+            index(DType::kInt64, {tokens, top_k});
+        logits.fill_random(rng, 0.f, 3.f);
+        compare_devices({&logits}, {&weights, &index},
+                        [&](const std::vector<TensorView>& in, const std::vector<TensorView>& o) {
+                          fusebox::moe_topk_softmax(in[0], top_k % 2 == 0, 1.5f, o[0], o[1]);
+                        },
+                        std::string(fusebox::dtype_name(dt)) + " experts " + std::to_string(num_experts) +
+                            " top_k " + std::to_string(top_k));
       }
 }
 

@@ -1,4 +1,6 @@
-// CPU reference of the mixture-of-experts family: the combine and the dispatch sort.
+// CPU reference of the mixture-of-experts family: the router's top-k, the dispatch sort and the
+// combine.
+#include <cmath>
 #include <random>
 
 #include "test_util.h"
@@ -114,4 +116,44 @@ TEST(MoeCpu, SortValidatesArguments) {
   index.set(3, 4);  // index[1, 1] = 4 of 4 experts
   expect_error([&] { fusebox::moe_sort(index.view, 4, row_token.view, offsets.view, pair_row.view); },
                {"index[1, 1] = 4 is outside the 4 experts"});
+}
+
+TEST(MoeCpu, TopkSoftmaxMatchesFormula) {
+  // 3 tokens of 5 experts; token 2 has two equal logits (experts 1 and 4): the lower comes first
+  const float logit[3][5] = {{0.5f, -1.f, 2.f, 0.25f, 1.f}, {-3.f, 4.f, 0.f, 1.5f, -0.5f}, {0.f, 1.f, -2.f, 0.5f, 1.f}};
+  for (bool renormalize : {false, true}) {
+    HostTensor logits(DType::kFloat32, {3, 5}, {8, 1}), weights(DType::kFloat32, {3, 3}),
+        index(DType::kInt64, {3, 3}, {1, 3});  // index column-major
+    for (int64_t n = 0; n < 3; ++n)
+      for (int64_t e = 0; e < 5; ++e) logits.set(n * 8 + e, logit[n][e]);
+    fusebox::moe_topk_softmax(logits.view, renormalize, 2.f, weights.view, index.view);
+    const int64_t want_index[3][3] = {{2, 4, 0}, {1, 3, 2}, {1, 4, 3}};
+    for (int64_t n = 0; n < 3; ++n) {
+      double sum = 0, top_sum = 0;
+      for (int64_t e = 0; e < 5; ++e) sum += std::exp(double(logit[n][e]));
+      for (int64_t k = 0; k < 3; ++k) top_sum += std::exp(double(logit[n][want_index[n][k]])) / sum;
+      for (int64_t k = 0; k < 3; ++k) {
+        EXPECT_EQ(index.at(n + 3 * k), want_index[n][k]) << n << ", " << k;
+        const double p = std::exp(double(logit[n][want_index[n][k]])) / sum;
+        EXPECT_NEAR(weights.at(n * 3 + k), 2 * (renormalize ? p / top_sum : p), 1e-6) << n << ", " << k;
+      }
+    }
+  }
+}
+
+TEST(MoeCpu, TopkSoftmaxValidatesArguments) {
+  HostTensor logits(DType::kBFloat16, {4, 16}), weights(DType::kFloat32, {4, 2}), index(DType::kInt64, {4, 2});
+  HostTensor wide(DType::kFloat32, {2, 1025}), wide_w(DType::kFloat32, {2, 2}), wide_i(DType::kInt64, {2, 2}),
+      k17_w(DType::kFloat32, {4, 17}), k17_i(DType::kInt64, {4, 17}), f16_w(DType::kFloat16, {4, 2}),
+      rows_i(DType::kInt64, {3, 2}), float_i(DType::kFloat32, {4, 2});
+  expect_error([&] { fusebox::moe_topk_softmax(wide.view, false, 1.f, wide_w.view, wide_i.view); },
+               {"at most 1024 experts", "1025"});
+  expect_error([&] { fusebox::moe_topk_softmax(logits.view, false, 1.f, k17_w.view, k17_i.view); },
+               {"must be at most the 16 experts", "got 17"});
+  expect_error([&] { fusebox::moe_topk_softmax(logits.view, false, 1.f, f16_w.view, index.view); },
+               {"weights must be bfloat16 or float32"});
+  expect_error([&] { fusebox::moe_topk_softmax(logits.view, false, 1.f, weights.view, rows_i.view); },
+               {"index must have logits' 4 rows"});
+  expect_error([&] { fusebox::moe_topk_softmax(logits.view, false, 1.f, weights.view, float_i.view); },
+               {"index must be int32 or int64"});
 }

@@ -222,3 +222,14 @@ def moe_sort(index, num_experts):
     pair_row[perm] = torch.arange(perm.numel())
     offsets = torch.cumsum(torch.bincount(flat, minlength=num_experts), 0)
     return perm // max(index.shape[1], 1), offsets, pair_row.view(index.shape)
+
+
+def moe_topk_softmax(logits, top_k, renormalize=False, scale=1.0):
+    """(weights, probabilities) in float64: each token's softmax, its top_k probabilities in
+    descending order, divided by their sum where renormalize, times scale; and the whole softmax
+    (to check which experts were chosen)."""
+    probs = torch.softmax(f64(logits), dim=-1)
+    top = torch.topk(probs, top_k, dim=-1).values
+    if renormalize:
+        top = top / top.sum(-1, keepdim=True)
+    return top * scale, probs

@@ -1,5 +1,5 @@
-"""Mixture-of-experts family: moe_sort (the (token, k) pairs sorted by expert) and moe_combine
-(each token's expert rows, weighted and summed)."""
+"""Mixture-of-experts family: moe_topk_softmax (the router's top-k), moe_sort (the (token, k)
+pairs sorted by expert) and moe_combine (each token's expert rows, weighted and summed)."""
 
 import pytest
 import torch
@@ -281,3 +281,117 @@ def test_moe_sort_compiles_without_graph_breaks(device, gen):
     torch._dynamo.reset()
     compiled = torch.compile(lambda i: fusebox.moe_sort(i, 8), fullgraph=True, dynamic=True)
     check_sort(compiled(index), index, 8)
+
+
+# --------------------------------------------------------------------------- moe_topk_softmax
+
+
+def check_topk(weights, index, logits, top_k, renormalize=False, scale=1.0, out_dtype=F32):
+    """weights against the float64 reference; the chosen experts' float64 probabilities, in the
+    order chosen, equal to the reference's top_k (experts of probabilities equal in fp32 may come
+    in either order), each expert once a token."""
+    want, probs = ref.moe_topk_softmax(logits, top_k, renormalize, scale)
+    assert weights.dtype == out_dtype and index.dtype == torch.int64
+    assert weights.device == logits.device and index.device == logits.device
+    assert index.shape == weights.shape == (logits.shape[0], top_k)
+    got = index.cpu()
+    assert ((got >= 0) & (got < logits.shape[1])).all()
+    assert (got.sort(-1).values.diff(dim=-1) != 0).all(), "an expert chosen twice"
+    chosen = probs.gather(-1, got)
+    assert torch.allclose(chosen, probs.topk(top_k, dim=-1).values, rtol=1e-6, atol=1e-9), \
+        (chosen - probs.topk(top_k, dim=-1).values).abs().max()
+    assert_close(weights, want, out_dtype)
+
+
+@pytest.mark.parametrize("dtype", [F32, F16, BF16])
+@pytest.mark.parametrize("num_experts,top_k", [(1, 1), (8, 2), (60, 4), (64, 6), (64, 8), (128, 8),
+                                               (257, 9), (384, 8), (1024, 32)])
+@pytest.mark.parametrize("tokens", [1, 37, 1000])
+def test_moe_topk_softmax(device, gen, dtype, num_experts, top_k, tokens):
+    logits = randn(gen, (tokens, num_experts), dtype, device, scale=2.0)
+    weights, index = call(fusebox.moe_topk_softmax, logits, top_k)
+    check_topk(weights, index, logits, top_k)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("renormalize", [False, True], ids=["raw", "renorm"])
+@pytest.mark.parametrize("scale", [1.0, 2.5])
+@pytest.mark.parametrize("out", ["f32", "logits_dtype"])
+def test_moe_topk_softmax_options(device, gen, dtype, renormalize, scale, out):
+    """The routers' forms: Mixtral (renormalized, fp32), Qwen / OLMoE (optionally renormalized,
+    cast to the logits' dtype), DeepSeek-V2 (times the routing scale, fp32); logits read through
+    a row stride."""
+    out_dtype = F32 if out == "f32" else dtype
+    logits = randn(gen, (301, 80), dtype, device, scale=3.0)[:, 5:69]
+    weights, index = call(fusebox.moe_topk_softmax, logits, 6, renormalize, scale, out_dtype)
+    check_topk(weights, index, logits, 6, renormalize, scale, out_dtype)
+
+
+def test_moe_topk_softmax_matches_the_routers(device, gen):
+    """Against the routers' own code: indices equal (no near-equal probabilities in fp32 logits
+    of this spread) and weights within a few fp32 ulps."""
+    logits = randn(gen, (513, 64), F32, device, scale=4.0)
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    top, top_index = torch.topk(probs, 8, dim=-1)
+    top = top / top.sum(dim=-1, keepdim=True)
+    weights, index = call(fusebox.moe_topk_softmax, logits, 8, True)
+    assert torch.equal(index, top_index)
+    assert torch.allclose(weights, top, rtol=1e-6, atol=0), (weights - top).abs().max()
+
+
+def test_moe_topk_softmax_equal_logits_take_the_lower_expert_first(device):
+    """bf16 logits repeat often; of equal probabilities the lower expert comes first, across
+    lanes (experts 3, 35, 67 of one lane group and others) and within one."""
+    logits = torch.full((2, 100), -4.0, dtype=BF16)
+    logits[0, [67, 3, 35, 99]] = 1.5
+    logits[1, [96, 64, 2]] = 0.75
+    logits[1, 40] = 2.0
+    weights, index = call(fusebox.moe_topk_softmax, logits.to(device), 5)
+    assert index[0].tolist() == [3, 35, 67, 99, 0]
+    assert index[1].tolist() == [40, 2, 64, 96, 0]
+    assert weights[0, 0] == weights[0, 3] and weights[1, 1] == weights[1, 3]
+
+
+def test_moe_topk_softmax_empty(device):
+    for tokens, top_k in ((0, 2), (3, 0)):
+        weights, index = call(fusebox.moe_topk_softmax, torch.randn(tokens, 8, device=device), top_k)
+        assert weights.shape == index.shape == (tokens, top_k)
+
+
+@pytest.mark.parametrize("case", ["logits_1d", "logits_int", "too_many_experts", "k_over_experts",
+                                  "k_over_32", "out_f16", "column_major"])
+def test_moe_topk_softmax_errors(case):
+    logits, top_k, out_dtype = torch.randn(4, 16, dtype=BF16), 2, None
+    expect = {"logits_1d": (ValueError, "logits must be a 2-D tensor"),
+              "logits_int": (TypeError, "logits must be float32, float16 or bfloat16"),
+              "too_many_experts": (ValueError, "at most 1024 experts"),
+              "k_over_experts": (ValueError, r"top_k \(index's columns\) must be at most the 16 experts"),
+              "k_over_32": (ValueError, "and at most 32; got 33"),
+              "out_f16": (ValueError, "weights must be bfloat16 or float32"),
+              "column_major": (ValueError, "logits must have a contiguous last dimension")}[case]
+    if case == "logits_1d":
+        logits = logits[0]
+    elif case == "logits_int":
+        logits = logits.int()
+    elif case == "too_many_experts":
+        logits = torch.randn(2, 1025)
+    elif case == "k_over_experts":
+        top_k = 17
+    elif case == "k_over_32":
+        logits, top_k = torch.randn(2, 64), 33
+    elif case == "out_f16":
+        out_dtype = F16
+    elif case == "column_major":
+        logits = logits.t().contiguous().t()
+    with pytest.raises(expect[0], match=expect[1]):
+        fusebox.moe_topk_softmax(logits, top_k, out_dtype=out_dtype)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda])])
+def test_moe_topk_softmax_compiles_without_graph_breaks(device, gen):
+    logits = randn(gen, (9, 64), BF16, device)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: fusebox.moe_topk_softmax(x, 6, True, 1.0, x.dtype), fullgraph=True,
+                             dynamic=True)
+    weights, index = compiled(logits)
+    check_topk(weights, index, logits, 6, True, 1.0, BF16)

@@ -390,6 +390,21 @@ def moe_combine(rows: Tensor, index: Tensor, weights: Tensor) -> Tensor:
     return ops.moe_combine(rows, index, weights)
 
 
+def moe_topk_softmax(logits: Tensor, top_k: int, renormalize: bool = False, scale: float = 1.0,
+                     out_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
+    """The router of a mixture-of-experts layer after its logits, in one launch: each token's
+    softmax over its experts in fp32, its ``top_k`` largest probabilities in descending order (of
+    equal ones the lower expert first), divided by their sum where ``renormalize``, times
+    ``scale``. Returns ``(weights, index)``, ``[N, top_k]``: weights in ``out_dtype`` (fp32 by
+    default, or ``logits``' dtype), index int64.
+
+    The values of ``w, i = torch.topk(torch.softmax(logits, -1, dtype=torch.float32), top_k)``,
+    ``w /= w.sum(-1, keepdim=True)`` where ``renormalize``, ``(w * scale).to(out_dtype)``, up to the
+    order of the fp32 sums and the order of equal probabilities. ``logits`` ``[N, E]``: E <= 1024,
+    ``top_k`` <= min(E, 32)."""
+    return ops.moe_topk_softmax(logits, top_k, renormalize, scale, out_dtype)
+
+
 def moe_sort(index: Tensor, num_experts: int) -> Tuple[Tensor, Tensor, Tensor]:
     """The dispatch step of a mixture-of-experts layer in one launch: the ``(token, k)`` pairs of
     ``index`` ``[N, K]`` (each pair's expert, int32 or int64) sorted by expert, stably, for grouped

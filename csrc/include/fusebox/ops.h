@@ -136,6 +136,17 @@ void activation(const TensorView& x, const TensorView& bias, const TensorView& o
 void moe_combine(const TensorView& rows, const TensorView& index, const TensorView& weights,
                  const TensorView& out, cudaStream_t stream = nullptr);
 
+// The router of a mixture-of-experts layer after its logits: each token's softmax over its E
+// experts (in fp32), its K largest probabilities in descending order (of equal ones the lower
+// expert first), divided by their sum where `renormalize`, times `scale`.
+//   logits: [N, E] fp32/fp16/bf16, unit last stride, E <= 1024;
+//   weights: [N, K] fp32 or logits' dtype (each weight rounded once); index: [N, K] int32 or
+//   int64, the experts; K <= min(E, 32). Outputs take any strides.
+// The values transformers' routers compute (softmax(logits, dtype=float32), topk, the optional
+// renormalization and routing scale), up to the order of the fp32 sums.
+void moe_topk_softmax(const TensorView& logits, bool renormalize, float scale, const TensorView& weights,
+                      const TensorView& index, cudaStream_t stream = nullptr);
+
 // The dispatch step of a mixture-of-experts layer: its (token, k) pairs sorted by expert, as
 // grouped GEMMs over each expert's rows read them, in one launch. Sorted row r holds one pair;
 // expert e's pairs take rows [offsets[e - 1], offsets[e]) in pair order (n * K + k), as a stable
