@@ -400,6 +400,58 @@ def _moe_eager(t, p):
     return weighted[t["index"].view(-1)].view(n, k, h).sum(dim=1).to(t["rows"].dtype)
 
 
+# The routers after their logits: (model, experts, top_k, renormalize, routing scale, fp32 logits,
+# weights in the logits' dtype). DeepSeek-V2-Lite's logits are fp32 (its router casts before the
+# GEMM); OLMoE's and Qwen3-MoE's weights are cast to the logits' dtype, Mixtral's stay fp32.
+MOE_ROUTERS = (("deepseek-v2-lite", 64, 6, False, 1.0, True, False),
+               ("olmoe", 64, 8, False, 1.0, False, True),
+               ("mixtral", 8, 2, True, 1.0, False, False),
+               ("qwen3-30b-a3b", 128, 8, True, 1.0, False, True))
+
+
+def _router_shapes():
+    return [("llm", f"{name} {n}x{e} top-{k}",
+             dict(tokens=n, experts=e, top_k=k, renormalize=renorm, scale=scale, fp32_logits=fp32,
+                  cast=cast), (name, n) in (("olmoe", 2048), ("deepseek-v2-lite", 16)))
+            for name, e, k, renorm, scale, fp32, cast in MOE_ROUTERS for n in MOE_TOKENS]
+
+
+def _router_build(p, dt, dev, r):
+    """Each token's logits a shuffle of distinct values 8 / E apart in (-4, 4), distinct in
+    16-bit dtypes too: no equal probabilities, whose order topk leaves open, so the experts
+    compare element for element."""
+    n, e = p["tokens"], p["experts"]
+    ranks = torch.rand((n, e), generator=r.gen, device=dev).argsort(-1)
+    logits = (ranks.float() - e / 2) * (8.0 / e)
+    return {"logits": logits.to(torch.float32 if p["fp32_logits"] else dt)}
+
+
+def _router_bytes(p, dt):
+    """Logits read; weights (fp32 or the logits' dtype) and int64 experts written."""
+    logits_size = 4 if p["fp32_logits"] else _esize(dt)
+    weights_size = logits_size if p["cast"] else 4
+    return p["tokens"] * (p["experts"] * logits_size + p["top_k"] * (weights_size + 8))
+
+
+def _router_eager(t, p):
+    """transformers' routers after the GEMM: softmax in fp32, topk, the optional
+    renormalization, routing scale and cast."""
+    logits = t["logits"]
+    probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
+    top, index = torch.topk(probs, p["top_k"], dim=-1)
+    if p["renormalize"]:
+        top /= top.sum(dim=-1, keepdim=True)
+    if p["scale"] != 1.0:
+        top = top * p["scale"]
+    return (top.to(logits.dtype) if p["cast"] else top), index
+
+
+def _router_fusebox(fb, t, p):
+    logits = t["logits"]
+    return fb.moe_topk_softmax(logits, p["top_k"], p["renormalize"], p["scale"],
+                               logits.dtype if p["cast"] else torch.float32)
+
+
 # (top_k, experts) of the routers whose (token, k) pairs moe_sort orders: the same models
 MOE_SORT = (("deepseek-v2-lite", 6, 64), ("olmoe", 8, 64), ("mixtral", 2, 8), ("deepseek-v3", 8, 256))
 
@@ -765,6 +817,13 @@ _OPS = [
         eager=_moe_eager,
         eager_doc="transformers grouped experts: rows * fp32 weights, put in token order, "
                   ".sum(1).to(dtype)",
+    ),
+    OpSpec(
+        name="moe_topk_softmax", title="MoE router: softmax, top-k, renormalization, scale, cast",
+        shapes=_router_shapes, build=_router_build, nbytes=_router_bytes, reads=("logits",),
+        fusebox=_router_fusebox, eager=_router_eager,
+        eager_doc="transformers routers after the GEMM: softmax(dtype=float), topk, /= sum "
+                  "(Mixtral, Qwen3-MoE), .to(logits dtype) (OLMoE, Qwen3-MoE)",
     ),
     OpSpec(
         name="moe_sort", title="MoE dispatch: the (token, k) pairs sorted by expert, tokens, "
