@@ -8,8 +8,8 @@
 // index latency plus one row latency: with one vector a thread and K = 2 the kernel ran at 58-66%
 // of copy bandwidth (H200, Mixtral's 2x4096 rows), with K = 8 at 74-94%. ITEMS vectors a thread
 // move ITEMS times the bytes a burst.
-#include "common/cuda_common.cuh"
 #include "moe/moe_impl.h"
+#include "moe/moe_operands.cuh"
 
 namespace fusebox::cuda {
 namespace {
@@ -19,13 +19,13 @@ constexpr int kMaxLoads = 16;  // row vectors a thread has in flight: K_CHUNK * 
 
 struct CombineKernelArgs {
   const void* rows;
-  const void* index;
+  IndexPtr index;
   ParamPtr weights;
   void* out;
-  int64_t rows_stride, out_stride, index_s0, index_s1, weights_s0, weights_s1;
+  int64_t rows_stride, out_stride;
+  Strides2D index_strides, weights_strides;
   int64_t tokens, num_rows;
   int top_k, vec_per_row, tokens_per_block;
-  bool index64;
 };
 
 template <typename T, int VEC, int ITEMS>
@@ -35,7 +35,6 @@ __global__ void __launch_bounds__(kBlockThreads) moe_combine_kernel(const Combin
   const int first = blockIdx.y * ITEMS * blockDim.x + threadIdx.x;  // vectors first + it * blockDim.x
   if (token >= p.tokens || first >= p.vec_per_row) return;
   const T* rows = static_cast<const T*>(p.rows) + first * VEC;
-  const int64_t index_row = token * p.index_s0, weights_row = token * p.weights_s0;
 
   pdl_wait();
   float acc[ITEMS][VEC] = {};
@@ -46,14 +45,12 @@ __global__ void __launch_bounds__(kBlockThreads) moe_combine_kernel(const Combin
 #pragma unroll
     for (int j = 0; j < K_CHUNK; ++j) {
       if (k0 + j < p.top_k) {
-        const int64_t at = index_row + (k0 + j) * p.index_s1;
-        int64_t r = p.index64 ? __ldg(static_cast<const long long*>(p.index) + at)
-                              : __ldg(static_cast<const int*>(p.index) + at);
+        int64_t r = p.index.load(p.index_strides.at(token, k0 + j));
         if (r < 0 || r >= p.num_rows) {  // never read out of bounds; the row becomes NaN
           out_of_range = true;
           r = 0;
         }
-        w[j] = load_param_scalar<T>(p.weights, weights_row + (k0 + j) * p.weights_s1);
+        w[j] = load_param_scalar<T>(p.weights, p.weights_strides.at(token, k0 + j));
 #pragma unroll
         for (int it = 0; it < ITEMS; ++it)
           if (first + it * int(blockDim.x) < p.vec_per_row)
@@ -103,20 +100,17 @@ int vectors_per_thread(int64_t top_k, int64_t vec_per_row) {
 void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
   CombineKernelArgs p{};
   p.rows = plan.rows->data;
-  p.index = plan.index->data;
+  p.index = index_ptr(*plan.index);
   p.weights = ParamPtr{plan.weights->data, plan.weights->dtype == DType::kFloat32};
   p.out = plan.out->data;
   p.rows_stride = plan.rows->strides[0];
   p.out_stride = plan.out->strides[0];
-  p.index_s0 = plan.index->strides[0];
-  p.index_s1 = plan.index->strides[1];
-  p.weights_s0 = plan.weights->strides[0];
-  p.weights_s1 = plan.weights->strides[1];
+  p.index_strides = strides_2d(*plan.index);
+  p.weights_strides = strides_2d(*plan.weights);
   p.tokens = plan.tokens;
   p.num_rows = plan.num_rows;
   FUSEBOX_CHECK(plan.top_k < (int64_t(1) << 31), "index's top_k must be < 2^31; got ", plan.top_k);
   p.top_k = int(plan.top_k);
-  p.index64 = plan.index->dtype == DType::kInt64;
   p.vec_per_row = int(plan.width / vec);
   const int items = vectors_per_thread(plan.top_k, p.vec_per_row);
   const ColumnSplit split = column_split(p.vec_per_row, items, false, kBlockThreads);

@@ -11,8 +11,8 @@
 // __match_any_sync) take consecutive rows by their lane order. Warp chunks and rounds follow pair
 // order, so the result is the stable sort's. One block sorts DeepSeek-V2-Lite's 2048 x 6 pairs in
 // 24 rounds a warp (12 a pass); the grouped GEMMs that follow take milliseconds.
-#include "common/cuda_common.cuh"
 #include "moe/moe_impl.h"
+#include "moe/moe_operands.cuh"
 
 namespace fusebox::cuda {
 namespace {
@@ -24,13 +24,13 @@ constexpr int kRounds = 8;  // rounds of 32 pairs a warp loads before it uses th
 constexpr int kCountsBytes = 47 * 1024;
 
 struct SortKernelArgs {
-  const void* index;
+  IndexPtr index;
   int* row_token;
   int* offsets;
   int* pair_row;
-  int64_t index_s0, index_s1, row_token_s, offsets_s, pair_row_s0, pair_row_s1;
+  Strides2D index_strides, pair_row_strides;
+  int64_t row_token_s, offsets_s;
   int pairs, top_k, num_experts, chunk;  // chunk: pairs of a warp, a multiple of 32
-  bool index64;
 };
 
 // The bucket of pair `pair`: its expert, or num_experts for an index outside the experts; -1 past
@@ -38,9 +38,7 @@ struct SortKernelArgs {
 __device__ __forceinline__ int bucket_of(const SortKernelArgs& p, int pair, int end) {
   if (pair >= end) return -1;
   const int token = pair / p.top_k, k = pair - token * p.top_k;
-  const int64_t at = token * p.index_s0 + k * p.index_s1;
-  const int64_t e = p.index64 ? __ldg(static_cast<const long long*>(p.index) + at)
-                              : __ldg(static_cast<const int*>(p.index) + at);
+  const int64_t e = p.index.load(p.index_strides.at(token, k));
   return e >= 0 && e < p.num_experts ? int(e) : p.num_experts;
 }
 
@@ -133,7 +131,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_sort_kernel(const SortKern
       if (bucket[r] >= 0) {
         const int pair = base + r * 32 + lane, token = pair / p.top_k, k = pair - token * p.top_k;
         p.row_token[row * p.row_token_s] = token;
-        p.pair_row[token * p.pair_row_s0 + k * p.pair_row_s1] = bucket[r] < p.num_experts ? row : -1;
+        p.pair_row[p.pair_row_strides.at(token, k)] = bucket[r] < p.num_experts ? row : -1;
       }
     }
   }
@@ -147,20 +145,17 @@ void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream) {
                 kCountsBytes, " bytes of shared memory); got ", plan.num_experts);
   const int64_t pairs = plan.tokens * plan.top_k;
   SortKernelArgs p{};
-  p.index = plan.index->data;
+  p.index = index_ptr(*plan.index);
   p.row_token = static_cast<int*>(plan.row_token->data);
   p.offsets = static_cast<int*>(plan.offsets->data);
   p.pair_row = static_cast<int*>(plan.pair_row->data);
-  p.index_s0 = plan.index->strides[0];
-  p.index_s1 = plan.index->strides[1];
+  p.index_strides = strides_2d(*plan.index);
+  p.pair_row_strides = strides_2d(*plan.pair_row);
   p.row_token_s = plan.row_token->strides[0];
   p.offsets_s = plan.offsets->strides[0];
-  p.pair_row_s0 = plan.pair_row->strides[0];
-  p.pair_row_s1 = plan.pair_row->strides[1];
   p.pairs = int(pairs);
   p.top_k = int(std::max<int64_t>(plan.top_k, 1));
   p.num_experts = int(plan.num_experts);
-  p.index64 = plan.index->dtype == DType::kInt64;
   // as many warps as the counts' memory holds, up to one per 32 pairs; at least one, which writes
   // the offsets (all zero) where there are no pairs
   const int warps = int(std::max<int64_t>(1, std::min<int64_t>({kMaxWarps, max_cells / buckets, (pairs + 31) / 32})));

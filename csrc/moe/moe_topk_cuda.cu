@@ -5,8 +5,8 @@
 // the K selections one warp arg-max, the winning lane striking its expert out.
 #include <climits>
 
-#include "common/cuda_common.cuh"
 #include "moe/moe_impl.h"
+#include "moe/moe_operands.cuh"
 
 namespace fusebox::cuda {
 namespace {
@@ -16,11 +16,12 @@ constexpr int kBlockThreads = 256;  // 8 tokens a block
 struct TopkKernelArgs {
   const void* logits;
   void* weights;  // fp32 or T
-  void* index;
-  int64_t logits_stride, weights_s0, weights_s1, index_s0, index_s1;
+  IndexPtr index;
+  int64_t logits_stride;
+  Strides2D weights_strides, index_strides;
   int64_t tokens;
   int num_experts, top_k;
-  bool renormalize, weights_f32, index64;
+  bool renormalize, weights_f32;
   float scale;
 };
 
@@ -96,16 +97,12 @@ __global__ void __launch_bounds__(kBlockThreads) moe_topk_softmax_kernel(const T
   }
   if (lane < p.top_k) {
     const float w = (p.renormalize ? mine / top_sum : mine) * p.scale;
-    const int64_t at = token * p.weights_s0 + lane * p.weights_s1;
+    const int64_t at = p.weights_strides.at(token, lane);
     if (p.weights_f32)
       static_cast<float*>(p.weights)[at] = w;
     else
       static_cast<T*>(p.weights)[at] = from_float<T>(w);
-    const int64_t i_at = token * p.index_s0 + lane * p.index_s1;
-    if (p.index64)
-      static_cast<long long*>(p.index)[i_at] = mine_expert;
-    else
-      static_cast<int*>(p.index)[i_at] = mine_expert;
+    p.index.store(p.index_strides.at(token, lane), mine_expert);
   }
 }
 
@@ -116,17 +113,14 @@ void moe_topk_softmax_cuda(const TopkPlan& plan, cudaStream_t stream) {
   p.logits = plan.logits->data;
   p.weights = plan.weights->data;
   p.weights_f32 = plan.weights->dtype == DType::kFloat32;
-  p.index = plan.index->data;
+  p.index = index_ptr(*plan.index);
   p.logits_stride = plan.logits->strides[0];
-  p.weights_s0 = plan.weights->strides[0];
-  p.weights_s1 = plan.weights->strides[1];
-  p.index_s0 = plan.index->strides[0];
-  p.index_s1 = plan.index->strides[1];
+  p.weights_strides = strides_2d(*plan.weights);
+  p.index_strides = strides_2d(*plan.index);
   p.tokens = plan.tokens;
   p.num_experts = int(plan.num_experts);
   p.top_k = int(plan.top_k);
   p.renormalize = plan.renormalize;
-  p.index64 = plan.index->dtype == DType::kInt64;
   p.scale = plan.scale;
   const int64_t blocks = (plan.tokens + kBlockThreads / 32 - 1) / (kBlockThreads / 32);
   FUSEBOX_CHECK(blocks < (int64_t(1) << 31), "too many tokens: ", plan.tokens);
