@@ -423,6 +423,9 @@ struct TuningKnobs {
                                       // kernel); 2: rows across heads take it at any size
   std::optional<int> add_flat;        // FUSEBOX_ADD_FLAT: the residual add alone as an elementwise pass of
                                       // 1 (default) or 2 vectors a thread; 0: the row kernel
+  std::optional<int> moe_items;       // FUSEBOX_MOE_ITEMS: the combine's vectors a thread (1, 2 or 4)
+  std::optional<int> moe_chunk;       // FUSEBOX_MOE_CHUNK: the combine's threads a column chunk (32, 64,
+                                      // 128 or 256), spreading a token's row over more blocks
 };
 const TuningKnobs& tuning_knobs();
 

@@ -35,7 +35,8 @@ const TuningKnobs& tuning_knobs() {
     return TuningKnobs{read("FUSEBOX_NORM_ITEMS"), read("FUSEBOX_NORM_ROW_ITERS"), read("FUSEBOX_NORM_STAGE"),
                        read("FUSEBOX_ROPE_ITEMS"), read("FUSEBOX_ROPE_EARLY"),
                        read("FUSEBOX_ACT_FLAT"), read("FUSEBOX_NORM_FLAT"), read("FUSEBOX_NORM_SHORT"),
-                       read("FUSEBOX_ROPE_SHORT"), read("FUSEBOX_ADD_FLAT")};
+                       read("FUSEBOX_ROPE_SHORT"), read("FUSEBOX_ADD_FLAT"), read("FUSEBOX_MOE_ITEMS"),
+                       read("FUSEBOX_MOE_CHUNK")};
   }();
   return knobs;
 }

@@ -112,8 +112,19 @@ void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
   FUSEBOX_CHECK(plan.top_k < (int64_t(1) << 31), "index's top_k must be < 2^31; got ", plan.top_k);
   p.top_k = int(plan.top_k);
   p.vec_per_row = int(plan.width / vec);
-  const int items = vectors_per_thread(plan.top_k, p.vec_per_row);
-  const ColumnSplit split = column_split(p.vec_per_row, items, false, kBlockThreads);
+  const auto& knobs = tuning_knobs();
+  const int knob_items = knobs.moe_items.value_or(0);
+  const int items = knob_items == 1 || knob_items == 2 || knob_items == 4
+                        ? knob_items
+                        : vectors_per_thread(plan.top_k, p.vec_per_row);
+  ColumnSplit split = column_split(p.vec_per_row, items, false, kBlockThreads);
+  const int knob_chunk = knobs.moe_chunk.value_or(0);
+  if (knob_chunk == 32 || knob_chunk == 64 || knob_chunk == 128 || knob_chunk == 256) {
+    // tuning: chunks of knob_chunk threads (a token's row over more, smaller blocks)
+    const int64_t need = (p.vec_per_row + items - 1) / items;
+    split.tpr = int(std::min<int64_t>(knob_chunk, next_pow2(need)));
+    split.chunks = (need + split.tpr - 1) / split.tpr;
+  }
   p.tokens_per_block = std::max(1, kBlockThreads / split.tpr);
   FUSEBOX_CHECK(split.chunks <= 65535, "rows' width ", plan.width, " is too wide for the combine kernel");
   const int64_t blocks = (p.tokens + p.tokens_per_block - 1) / p.tokens_per_block;

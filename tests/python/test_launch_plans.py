@@ -1,6 +1,7 @@
 """Launch plans and kernel variants the tuning variables can force (FUSEBOX_NORM_ITEMS,
 FUSEBOX_NORM_STAGE, FUSEBOX_ROPE_ITEMS, FUSEBOX_ACT_FLAT, FUSEBOX_NORM_FLAT, FUSEBOX_NORM_SHORT, FUSEBOX_ROPE_SHORT,
-FUSEBOX_ROPE_EARLY, FUSEBOX_ADD_FLAT, used by scripts/tune.py): each still computes the reference result on CUDA."""
+FUSEBOX_ROPE_EARLY, FUSEBOX_ADD_FLAT, FUSEBOX_MOE_ITEMS, FUSEBOX_MOE_CHUNK, used by scripts/tune.py): each
+still computes the reference result on CUDA."""
 
 import os
 import subprocess
@@ -143,6 +144,13 @@ for dtype in (BF16, F16, F32):
         assert_close(call(fusebox.gated_activation, packed[:, :width], packed[:, width:], "silu"),
                      ref.gated_act(packed[:, :width], packed[:, width:], "silu"), dtype,
                      name="gated strided")
+    # the MoE combine: 1-4 vectors a thread, row chunks of 32-256 threads, 1-8 of its rows a token
+    for tokens, top_k, width in ((1, 8, 2048), (16, 6, 2048), (33, 2, 4104), (5, 9, 1001)):
+        rows = randn(gen, (tokens * top_k, width), dtype, "cuda")
+        index = torch.randperm(tokens * top_k, generator=gen).view(tokens, top_k).cuda()
+        weights = torch.rand((tokens, top_k), generator=gen).cuda()
+        assert_close(call(fusebox.moe_combine, rows, index, weights), ref.moe_combine(rows, index, weights),
+                     dtype, name="moe_combine")
 print("ok")
 """
 
@@ -156,7 +164,9 @@ print("ok")
                                      "FUSEBOX_ROPE_ITEMS=2", "FUSEBOX_ROPE_ITEMS=4",
                                      "FUSEBOX_ACT_FLAT=0", "FUSEBOX_ACT_FLAT=1", "FUSEBOX_NORM_FLAT=0",
                                      "FUSEBOX_NORM_SHORT=0", "FUSEBOX_ROPE_SHORT=0", "FUSEBOX_ROPE_SHORT=2",
-                                     "FUSEBOX_ROPE_EARLY=0", "FUSEBOX_ADD_FLAT=0", "FUSEBOX_ADD_FLAT=2"])
+                                     "FUSEBOX_ROPE_EARLY=0", "FUSEBOX_ADD_FLAT=0", "FUSEBOX_ADD_FLAT=2",
+                                     "FUSEBOX_MOE_ITEMS=1", "FUSEBOX_MOE_ITEMS=4", "FUSEBOX_MOE_CHUNK=32",
+                                     "FUSEBOX_MOE_CHUNK=64"])
 def test_forced_launch_plans_cuda(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8
     applies to ops without a residual, NORM_ITEMS=3 to 16-bit rows with fp32 modulation; the
