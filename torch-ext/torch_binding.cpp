@@ -398,15 +398,27 @@ Tensor moe_combine(const Tensor& rows, const Tensor& index, const Tensor& weight
   return out;
 }
 
-std::tuple<Tensor, Tensor> moe_topk_softmax(const Tensor& logits, int64_t top_k, bool renormalize, double scale,
-                                            std::optional<at::ScalarType> out_dtype) {
+std::tuple<Tensor, Tensor> moe_topk(const Tensor& logits, int64_t top_k, c10::string_view score, const OptTensor& bias,
+                                    int64_t num_groups, int64_t topk_groups, bool renormalize, double scale,
+                                    std::optional<at::ScalarType> out_dtype) {
   TORCH_CHECK_VALUE(logits.dim() == 2, "fusebox: logits must be a 2-D tensor [tokens, experts]; got shape ",
                     logits.sizes());
   TORCH_CHECK_VALUE(top_k >= 0, "fusebox: top_k must be non-negative; got ", top_k);
+  TORCH_CHECK_VALUE(score == "softmax" || score == "sigmoid", "fusebox: score must be 'softmax' or 'sigmoid'; got '",
+                    std::string(score), "'");
   Tensor weights = at::empty({logits.size(0), top_k}, logits.options().dtype(out_dtype.value_or(at::kFloat)));
   Tensor index = at::empty({logits.size(0), top_k}, logits.options().dtype(at::kLong));
-  const TensorView l = view(logits, "logits"), w = view(weights, "weights"), i = index_view(index, "index");
-  run(logits, [&](cudaStream_t s) { fusebox::moe_topk_softmax(l, renormalize, float(scale), w, i, s); });
+  fusebox::RouterArgs a;
+  a.logits = view(logits, "logits");
+  a.bias = view(bias, "bias");
+  a.weights = view(weights, "weights");
+  a.index = index_view(index, "index");
+  a.score = score == "sigmoid" ? fusebox::RouterScore::kSigmoid : fusebox::RouterScore::kSoftmax;
+  a.num_groups = num_groups;
+  a.topk_groups = topk_groups;
+  a.renormalize = renormalize;
+  a.scale = float(scale);
+  run(logits, [&](cudaStream_t s) { fusebox::moe_topk(a, s); });
   return {weights, index};
 }
 
@@ -444,8 +456,8 @@ TORCH_LIBRARY(fusebox, m) {
   m.def("act(Tensor x, Tensor? bias, str act) -> Tensor", tags);
   m.def("moe_combine(Tensor rows, Tensor index, Tensor weights) -> Tensor", tags);
   m.def("moe_sort(Tensor index, int num_experts) -> (Tensor, Tensor, Tensor)", tags);
-  m.def("moe_topk_softmax(Tensor logits, int top_k, bool renormalize, float scale, ScalarType? out_dtype) "
-        "-> (Tensor, Tensor)", tags);
+  m.def("moe_topk(Tensor logits, int top_k, str score, Tensor? bias, int num_groups, int topk_groups, "
+        "bool renormalize, float scale, ScalarType? out_dtype) -> (Tensor, Tensor)", tags);
 }
 
 #define FUSEBOX_IMPL_ALL(m)                              \
@@ -461,7 +473,7 @@ TORCH_LIBRARY(fusebox, m) {
   m.impl("act", &act);                                   \
   m.impl("moe_combine", &moe_combine);                   \
   m.impl("moe_sort", &moe_sort);                         \
-  m.impl("moe_topk_softmax", &moe_topk_softmax)
+  m.impl("moe_topk", &moe_topk)
 
 TORCH_LIBRARY_IMPL(fusebox, CPU, m) { FUSEBOX_IMPL_ALL(m); }
 TORCH_LIBRARY_IMPL(fusebox, CUDA, m) { FUSEBOX_IMPL_ALL(m); }

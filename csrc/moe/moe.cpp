@@ -46,8 +46,8 @@ void moe_combine(const TensorView& rows, const TensorView& index, const TensorVi
   cuda::moe_combine_cuda(p, vec, stream);
 }
 
-void moe_topk_softmax(const TensorView& logits, bool renormalize, float scale, const TensorView& weights,
-                      const TensorView& index, cudaStream_t stream) {
+void moe_topk(const RouterArgs& a, cudaStream_t stream) {
+  const TensorView &logits = a.logits, &weights = a.weights, &index = a.index;
   FUSEBOX_CHECK(logits.defined() && logits.ndim == 2, "logits must be a 2-D tensor [tokens, experts]; got shape ",
                 logits.shape_str());
   detail::check_floating(logits, "logits");
@@ -58,19 +58,32 @@ void moe_topk_softmax(const TensorView& logits, bool renormalize, float scale, c
   FUSEBOX_CHECK(weights.defined(), "weights is required");
   detail::check_same_shape(weights, "weights", index, "index");
   detail::check_param_dtype(weights, "weights", logits.dtype);
-  detail::check_same_device({{&logits, "logits"}, {&weights, "weights"}, {&index, "index"}});
   const int64_t num_experts = logits.shape[1], top_k = index.shape[1];
   FUSEBOX_CHECK(num_experts <= 1024, "logits may have at most 1024 experts (a warp holds a token's); got ",
                 num_experts);
   FUSEBOX_CHECK(top_k <= num_experts && top_k <= 32, "top_k (index's columns) must be at most the ",
                 num_experts, " experts and at most 32; got ", top_k);
-  const TopkPlan p{&logits, &weights, &index, logits.shape[0], num_experts, top_k, renormalize, scale};
+  if (a.bias.defined()) {
+    FUSEBOX_CHECK(a.bias.ndim == 1 && a.bias.shape[0] == num_experts, "bias must be a 1-D tensor of the ",
+                  num_experts, " experts; got shape ", a.bias.shape_str());
+    detail::check_floating(a.bias, "bias");
+  }
+  FUSEBOX_CHECK(a.num_groups >= 1 && a.num_groups <= 32 && num_experts % a.num_groups == 0,
+                "num_groups must divide the ", num_experts, " experts and be 1-32; got ", a.num_groups);
+  const int64_t group_size = num_experts / a.num_groups;
+  FUSEBOX_CHECK(a.topk_groups >= 1 && a.topk_groups <= a.num_groups, "topk_groups must be 1-num_groups (",
+                a.num_groups, "); got ", a.topk_groups);
+  FUSEBOX_CHECK(a.num_groups == 1 || (group_size >= 2 && a.topk_groups * group_size >= top_k),
+                "the ", a.topk_groups, " chosen groups of ", group_size,
+                " experts must hold top_k and groups at least 2 experts; got top_k ", top_k);
+  detail::check_same_device({{&logits, "logits"}, {&a.bias, "bias"}, {&weights, "weights"}, {&index, "index"}});
+  const TopkPlan p{&a, logits.shape[0], num_experts, top_k, group_size};
   if (p.tokens == 0 || top_k == 0) return;
   if (logits.device == Device::kCPU) {
-    cpu::moe_topk_softmax_cpu(p);
+    cpu::moe_topk_cpu(p);
     return;
   }
-  cuda::moe_topk_softmax_cuda(p, stream);
+  cuda::moe_topk_cuda(p, stream);
 }
 
 void moe_sort(const TensorView& index, int64_t num_experts, const TensorView& row_token,

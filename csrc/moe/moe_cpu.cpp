@@ -1,6 +1,7 @@
 // CPU reference of the mixture-of-experts family.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <vector>
 
 #include "common/cpu_common.h"
@@ -31,42 +32,73 @@ void moe_combine_cpu(const CombinePlan& p) {
 
 namespace {
 
-// The order top-k selects in: by probability, NaN above all (as torch.topk ranks it).
-float topk_key(float prob) { return std::isnan(prob) ? 2.f : prob; }
+// The key the choice ranks experts by: NaN above all (as torch.topk ranks it).
+float choice_key(float choice) { return std::isnan(choice) ? INFINITY : choice; }
+
+// The index of the largest key not yet taken (of equal ones the lowest), or -1.
+int64_t arg_max(const std::vector<float>& key, const std::vector<bool>& taken) {
+  int64_t best = -1;
+  for (size_t e = 0; e < key.size(); ++e)
+    if (!taken[e] && key[e] > (best < 0 ? -INFINITY : key[best])) best = int64_t(e);
+  return best;
+}
 
 }  // namespace
 
-void moe_topk_softmax_cpu(const TopkPlan& p) {
-  const TensorView &logits = *p.logits, &weights = *p.weights, &index = *p.index;
-  std::vector<float> prob(size_t(p.num_experts));
-  std::vector<bool> taken(size_t(p.num_experts));
+void moe_topk_cpu(const TopkPlan& p) {
+  const RouterArgs& a = *p.args;
+  const TensorView &logits = a.logits, &weights = a.weights, &index = a.index;
+  const int64_t experts = p.num_experts;
+  std::vector<float> score(static_cast<size_t>(experts)), key(score.size()), group_key(static_cast<size_t>(a.num_groups));
+  std::vector<bool> taken(score.size()), group_taken(group_key.size());
   for (int64_t n = 0; n < p.tokens; ++n) {
-    float max = -INFINITY, sum = 0.f;
-    for (int64_t e = 0; e < p.num_experts; ++e) {
-      prob[e] = load(logits.data, logits.dtype, n * logits.strides[0] + e);
-      max = std::max(max, prob[e]);
+    for (int64_t e = 0; e < experts; ++e) score[e] = load(logits.data, logits.dtype, n * logits.strides[0] + e);
+    if (a.score == RouterScore::kSoftmax) {
+      float max = -INFINITY, sum = 0.f;
+      for (float x : score) max = std::max(max, x);
+      for (float& x : score) sum += x = std::exp(x - max);
+      for (float& x : score) x /= sum;
+    } else {
+      for (float& x : score) x = 1.f / (1.f + std::exp(-x));
     }
-    for (int64_t e = 0; e < p.num_experts; ++e) sum += prob[e] = std::exp(prob[e] - max);
-    for (int64_t e = 0; e < p.num_experts; ++e) prob[e] /= sum;
+    for (int64_t e = 0; e < experts; ++e)
+      key[e] = choice_key(a.bias.defined() ? score[e] + load(a.bias.data, a.bias.dtype, e * a.bias.strides[0])
+                                           : score[e]);
+    if (a.num_groups > 1) {  // a group ranks by its two largest choice scores, summed
+      for (int64_t g = 0; g < a.num_groups; ++g) {
+        const auto first = key.begin() + g * p.group_size;
+        std::vector<float> members(first, first + p.group_size);
+        std::partial_sort(members.begin(), members.begin() + 2, members.end(), std::greater<float>());
+        group_key[g] = members[0] + members[1];
+      }
+      std::fill(group_taken.begin(), group_taken.end(), false);
+      for (int64_t j = 0; j < a.topk_groups; ++j) {  // of equal keys the lowest group, -inf ones too
+        int64_t best = -1;
+        for (int64_t g = 0; g < a.num_groups; ++g)
+          if (!group_taken[g] && (best < 0 || group_key[g] > group_key[best])) best = g;
+        group_taken[best] = true;
+      }
+      for (int64_t e = 0; e < experts; ++e)
+        if (!group_taken[e / p.group_size]) key[e] = -INFINITY;  // outside the chosen groups
+    }
     std::fill(taken.begin(), taken.end(), false);
-    std::vector<std::pair<float, int64_t>> top;  // descending; of equal ones the lower expert first
+    std::vector<int64_t> top;
     float top_sum = 0.f;
     for (int64_t k = 0; k < p.top_k; ++k) {
-      int64_t best = -1;
-      for (int64_t e = 0; e < p.num_experts; ++e)
-        if (!taken[e] && (best < 0 || topk_key(prob[e]) > topk_key(prob[best]))) best = e;
+      const int64_t best = arg_max(key, taken);
+      FUSEBOX_CHECK(best >= 0, "token ", n, " has fewer than top_k (", p.top_k, ") experts to choose from");
       taken[best] = true;
-      top.emplace_back(prob[best], best);
-      top_sum += prob[best];
+      top.push_back(best);
+      top_sum += score[best];
     }
     for (int64_t k = 0; k < p.top_k; ++k) {
-      const float w = (p.renormalize ? top[k].first / top_sum : top[k].first) * p.scale;
+      const float w = (a.renormalize ? score[top[k]] / (top_sum + 1e-20f) : score[top[k]]) * a.scale;
       store(weights.data, weights.dtype, n * weights.strides[0] + k * weights.strides[1], w);
       const int64_t at = n * index.strides[0] + k * index.strides[1];
       if (index.dtype == DType::kInt64)
-        static_cast<int64_t*>(index.data)[at] = top[k].second;
+        static_cast<int64_t*>(index.data)[at] = top[k];
       else
-        static_cast<int32_t*>(index.data)[at] = int32_t(top[k].second);
+        static_cast<int32_t*>(index.data)[at] = int32_t(top[k]);
     }
   }
 }

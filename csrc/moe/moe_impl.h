@@ -15,14 +15,10 @@ struct CombinePlan {
   int64_t tokens, top_k, num_rows, width;
 };
 
-// The top-k softmax of a router's logits (see moe_topk_softmax); validated views.
+// A router's top-k (see moe_topk); validated views.
 struct TopkPlan {
-  const TensorView* logits;
-  const TensorView* weights;
-  const TensorView* index;
-  int64_t tokens, num_experts, top_k;
-  bool renormalize;
-  float scale;
+  const RouterArgs* args;
+  int64_t tokens, num_experts, top_k, group_size;
 };
 
 // The (token, k) pairs of index sorted by expert (see moe_sort); validated views.
@@ -37,12 +33,12 @@ struct SortPlan {
 namespace cuda {
 void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream);
 void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream);
-void moe_topk_softmax_cuda(const TopkPlan& plan, cudaStream_t stream);
+void moe_topk_cuda(const TopkPlan& plan, cudaStream_t stream);
 }
 namespace cpu {
 void moe_combine_cpu(const CombinePlan& plan);
 void moe_sort_cpu(const SortPlan& plan);
-void moe_topk_softmax_cpu(const TopkPlan& plan);
+void moe_topk_cpu(const TopkPlan& plan);
 }
 
 }  // namespace fusebox

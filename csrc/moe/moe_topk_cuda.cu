@@ -1,8 +1,9 @@
-// Mixture-of-experts router top-k: each token's softmax over its experts and its K largest
-// probabilities, in one launch where transformers' routers run softmax, topk and the
-// renormalization, scale and cast as 2-6 launches a layer. One warp a token: lane l holds experts
-// l, l + 32, ... (VPL of them) in registers; the softmax takes two warp reductions, and each of
-// the K selections one warp arg-max, the winning lane striking its expert out.
+// Mixture-of-experts router top-k: each token's scores (softmax or sigmoid), the optional
+// group-limited choice, its K experts and their weights in one launch, where transformers'
+// routers take 2-6 launches (softmax, topk, renormalization, scale, cast) or, with sigmoid scores
+// and groups (DeepSeek-V3), a dozen. One warp a token: lane l holds experts l, l + 32, ... (VPL
+// of them) in registers. The softmax takes two warp reductions; a group's rank one top-2 merge
+// per group; each of the K choices one warp arg-max, the winning lane striking its expert out.
 #include <climits>
 
 #include "moe/moe_impl.h"
@@ -15,88 +16,146 @@ constexpr int kBlockThreads = 256;  // 8 tokens a block
 
 struct TopkKernelArgs {
   const void* logits;
-  void* weights;  // fp32 or T
+  const void* bias;  // nullptr, or [E] of bias_dtype
+  void* weights;     // fp32 or T
   IndexPtr index;
-  int64_t logits_stride;
+  int64_t logits_stride, bias_stride;
   Strides2D weights_strides, index_strides;
   int64_t tokens;
-  int num_experts, top_k;
-  bool renormalize, weights_f32;
+  int num_experts, top_k, num_groups, topk_groups, group_size;
+  DType bias_dtype;
+  bool sigmoid, renormalize, weights_f32;
   float scale;
 };
 
-// The order the selection takes: by probability, NaN above all (as torch.topk ranks it); -1
-// marks an expert past the row or already taken.
-__device__ __forceinline__ float topk_key(float prob) { return isnan(prob) ? 2.f : prob; }
+__device__ __forceinline__ float load_bias(const TopkKernelArgs& p, int e) {
+  const int64_t at = e * p.bias_stride;
+  switch (p.bias_dtype) {
+    case DType::kFloat16: return to_float(static_cast<const __half*>(p.bias)[at]);
+    case DType::kBFloat16: return to_float(static_cast<const __nv_bfloat16*>(p.bias)[at]);
+    default: return static_cast<const float*>(p.bias)[at];
+  }
+}
+
+// The warp's largest (key, id), of equal keys the lowest id, on every lane (ids below INT_MAX).
+__device__ __forceinline__ void warp_arg_max(float& key, int& id) {
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) {
+    const float other_key = __shfl_xor_sync(0xffffffffu, key, off);
+    const int other = __shfl_xor_sync(0xffffffffu, id, off);
+    if (other_key > key || (other_key == key && other < id)) {
+      key = other_key;
+      id = other;
+    }
+  }
+}
 
 template <typename T, int VPL>
-__global__ void __launch_bounds__(kBlockThreads) moe_topk_softmax_kernel(const TopkKernelArgs p) {
+__global__ void __launch_bounds__(kBlockThreads) moe_topk_kernel(const TopkKernelArgs p) {
   const int lane = threadIdx.x & 31;
   const int64_t token = int64_t(blockIdx.x) * (kBlockThreads / 32) + (threadIdx.x >> 5);
   if (token >= p.tokens) return;  // the whole warp
   const T* row = static_cast<const T*>(p.logits) + token * p.logits_stride;
 
   pdl_wait();
-  float prob[VPL];
-  float max = -INFINITY;
+  float score[VPL];
 #pragma unroll
   for (int i = 0; i < VPL; ++i) {
     const int e = lane + 32 * i;
-    prob[i] = e < p.num_experts ? to_float(row[e]) : -INFINITY;
-    max = fmaxf(max, prob[i]);
+    score[i] = e < p.num_experts ? to_float(row[e]) : -INFINITY;
   }
   pdl_release();
+  if (p.sigmoid) {
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, off));
-  float sum = 0.f;
+    for (int i = 0; i < VPL; ++i) score[i] = 1.f / (1.f + expf(-score[i]));  // 0 past the row
+  } else {
+    float max = -INFINITY;
 #pragma unroll
-  for (int i = 0; i < VPL; ++i) {
-    prob[i] = lane + 32 * i < p.num_experts ? expf(prob[i] - max) : 0.f;
-    sum += prob[i];
+    for (int i = 0; i < VPL; ++i) max = fmaxf(max, score[i]);
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, off));
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) {
+      score[i] = lane + 32 * i < p.num_experts ? expf(score[i] - max) : 0.f;
+      sum += score[i];
+    }
+    sum = lane_group_sum(sum, 32);
+#pragma unroll
+    for (int i = 0; i < VPL; ++i) score[i] /= sum;
   }
-  sum = lane_group_sum(sum, 32);
+  // the choice's keys: score + bias, NaN above all (as torch.topk ranks it), -inf past the row
   float key[VPL];
 #pragma unroll
   for (int i = 0; i < VPL; ++i) {
-    prob[i] /= sum;
-    key[i] = lane + 32 * i < p.num_experts ? topk_key(prob[i]) : -1.f;
+    const int e = lane + 32 * i;
+    const float choice = p.bias != nullptr && e < p.num_experts ? score[i] + load_bias(p, e) : score[i];
+    key[i] = e < p.num_experts ? (isnan(choice) ? INFINITY : choice) : -INFINITY;
+  }
+
+  if (p.num_groups > 1) {
+    // group g's rank: its two largest keys, summed; lane g keeps it
+    float group_key = -INFINITY;
+    for (int g = 0; g < p.num_groups; ++g) {
+      float first = -INFINITY, second = -INFINITY;
+#pragma unroll
+      for (int i = 0; i < VPL; ++i)
+        if ((lane + 32 * i) / p.group_size == g && lane + 32 * i < p.num_experts) {
+          second = fmaxf(second, fminf(first, key[i]));
+          first = fmaxf(first, key[i]);
+        }
+#pragma unroll
+      for (int off = 16; off > 0; off >>= 1) {
+        const float other_first = __shfl_xor_sync(0xffffffffu, first, off);
+        const float other_second = __shfl_xor_sync(0xffffffffu, second, off);
+        second = fmaxf(fminf(first, other_first), fmaxf(second, other_second));
+        first = fmaxf(first, other_first);
+      }
+      if (lane == g) group_key = first + second;
+    }
+    unsigned chosen = 0;  // bit g: group g is chosen from
+    bool open = lane < p.num_groups;
+    for (int j = 0; j < p.topk_groups; ++j) {  // the open groups' arg-max (of equal keys the lowest)
+      float best_key = open ? group_key : -INFINITY;
+      int best = open ? lane : INT_MAX;
+      warp_arg_max(best_key, best);
+      chosen |= 1u << best;  // an open group is left: topk_groups <= num_groups
+      if (lane == best) open = false;
+    }
+#pragma unroll
+    for (int i = 0; i < VPL; ++i)
+      if (!((chosen >> ((lane + 32 * i) / p.group_size)) & 1u)) key[i] = -INFINITY;
   }
 
   // K rounds of a warp arg-max over (key descending, expert ascending); lane k keeps round k's
   float mine = 0.f, top_sum = 0.f;
   int mine_expert = 0;
   for (int k = 0; k < p.top_k; ++k) {
-    float best_key = -1.f, best_prob = 0.f;
+    float best_key = -INFINITY;
     int best = INT_MAX;
 #pragma unroll
     for (int i = 0; i < VPL; ++i)  // a lane's experts ascend with i: strictly greater keeps the lower
       if (key[i] > best_key) {
         best_key = key[i];
-        best_prob = prob[i];
         best = lane + 32 * i;
       }
-#pragma unroll
-    for (int off = 16; off > 0; off >>= 1) {
-      const float other_key = __shfl_xor_sync(0xffffffffu, best_key, off);
-      const float other_prob = __shfl_xor_sync(0xffffffffu, best_prob, off);
-      const int other = __shfl_xor_sync(0xffffffffu, best, off);
-      if (other_key > best_key || (other_key == best_key && other < best)) {
-        best_key = other_key;
-        best_prob = other_prob;
-        best = other;
-      }
-    }
+    warp_arg_max(best_key, best);
+    float best_score = __int_as_float(0x7fc00000);  // none left (only with an infinite bias): NaN, expert -1
 #pragma unroll
     for (int i = 0; i < VPL; ++i)
-      if (lane + 32 * i == best) key[i] = -1.f;
+      if (lane + 32 * i == best) {
+        key[i] = -INFINITY;
+        best_score = score[i];
+      }
+    best_score = __shfl_sync(0xffffffffu, best_score, best < INT_MAX ? best & 31 : lane);
     if (lane == k) {
-      mine = best_prob;
-      mine_expert = best;
+      mine = best_score;
+      mine_expert = best < INT_MAX ? best : -1;
     }
-    top_sum += best_prob;  // in k order, the same on every lane
+    top_sum += best_score;  // in k order, the same on every lane
   }
   if (lane < p.top_k) {
-    const float w = (p.renormalize ? mine / top_sum : mine) * p.scale;
+    const float w = (p.renormalize ? mine / (top_sum + 1e-20f) : mine) * p.scale;
     const int64_t at = p.weights_strides.at(token, lane);
     if (p.weights_f32)
       static_cast<float*>(p.weights)[at] = w;
@@ -108,33 +167,41 @@ __global__ void __launch_bounds__(kBlockThreads) moe_topk_softmax_kernel(const T
 
 }  // namespace
 
-void moe_topk_softmax_cuda(const TopkPlan& plan, cudaStream_t stream) {
+void moe_topk_cuda(const TopkPlan& plan, cudaStream_t stream) {
+  const RouterArgs& a = *plan.args;
   TopkKernelArgs p{};
-  p.logits = plan.logits->data;
-  p.weights = plan.weights->data;
-  p.weights_f32 = plan.weights->dtype == DType::kFloat32;
-  p.index = index_ptr(*plan.index);
-  p.logits_stride = plan.logits->strides[0];
-  p.weights_strides = strides_2d(*plan.weights);
-  p.index_strides = strides_2d(*plan.index);
+  p.logits = a.logits.data;
+  p.bias = a.bias.defined() ? a.bias.data : nullptr;
+  p.bias_stride = a.bias.defined() ? a.bias.strides[0] : 0;
+  p.bias_dtype = a.bias.dtype;
+  p.weights = a.weights.data;
+  p.weights_f32 = a.weights.dtype == DType::kFloat32;
+  p.index = index_ptr(a.index);
+  p.logits_stride = a.logits.strides[0];
+  p.weights_strides = strides_2d(a.weights);
+  p.index_strides = strides_2d(a.index);
   p.tokens = plan.tokens;
   p.num_experts = int(plan.num_experts);
   p.top_k = int(plan.top_k);
-  p.renormalize = plan.renormalize;
-  p.scale = plan.scale;
+  p.num_groups = int(a.num_groups);
+  p.topk_groups = int(a.topk_groups);
+  p.group_size = int(plan.group_size);
+  p.sigmoid = a.score == RouterScore::kSigmoid;
+  p.renormalize = a.renormalize;
+  p.scale = a.scale;
   const int64_t blocks = (plan.tokens + kBlockThreads / 32 - 1) / (kBlockThreads / 32);
   FUSEBOX_CHECK(blocks < (int64_t(1) << 31), "too many tokens: ", plan.tokens);
   const int vpl = next_pow2((plan.num_experts + 31) / 32);  // 1..32 (at most 1024 experts)
-  dispatch_dtype(plan.logits->dtype, [&](auto t) {
+  dispatch_dtype(a.logits.dtype, [&](auto t) {
     using T = decltype(t);
     const dim3 grid(static_cast<unsigned>(blocks)), block(kBlockThreads);
     switch (vpl) {
-      case 1: launch(moe_topk_softmax_kernel<T, 1>, grid, block, 0, stream, p); break;
-      case 2: launch(moe_topk_softmax_kernel<T, 2>, grid, block, 0, stream, p); break;
-      case 4: launch(moe_topk_softmax_kernel<T, 4>, grid, block, 0, stream, p); break;
-      case 8: launch(moe_topk_softmax_kernel<T, 8>, grid, block, 0, stream, p); break;
-      case 16: launch(moe_topk_softmax_kernel<T, 16>, grid, block, 0, stream, p); break;
-      default: launch(moe_topk_softmax_kernel<T, 32>, grid, block, 0, stream, p); break;
+      case 1: launch(moe_topk_kernel<T, 1>, grid, block, 0, stream, p); break;
+      case 2: launch(moe_topk_kernel<T, 2>, grid, block, 0, stream, p); break;
+      case 4: launch(moe_topk_kernel<T, 4>, grid, block, 0, stream, p); break;
+      case 8: launch(moe_topk_kernel<T, 8>, grid, block, 0, stream, p); break;
+      case 16: launch(moe_topk_kernel<T, 16>, grid, block, 0, stream, p); break;
+      default: launch(moe_topk_kernel<T, 32>, grid, block, 0, stream, p); break;
     }
   });
 }

@@ -235,24 +235,44 @@ TEST_F(CudaVsCpu, MoeFamily) {
       }
 }
 
-// The router's top-k against the CPU's: the same experts (random fp32-rounded logits have no
-// near-equal probabilities at these sizes) and weights within the fp32 sums' order.
-TEST_F(CudaVsCpu, MoeTopkSoftmaxMatchesCpu) {
+// The router's top-k against the CPU's: the same experts (random logits have no near-equal
+// scores at these sizes) and weights within the fp32 sums' order. Softmax and sigmoid scores, a
+// bias of each dtype, group-limited choices (DeepSeek-V3's 8 groups of 32, top-4 groups).
+TEST_F(CudaVsCpu, MoeTopkMatchesCpu) {
+  struct Case {
+    int64_t experts, top_k, groups, topk_groups;
+    fusebox::RouterScore score;
+  };
+  const Case cases[] = {{1, 1, 1, 1, fusebox::RouterScore::kSoftmax},   {8, 2, 1, 1, fusebox::RouterScore::kSoftmax},
+                        {60, 6, 1, 1, fusebox::RouterScore::kSoftmax},  {257, 8, 1, 1, fusebox::RouterScore::kSoftmax},
+                        {1024, 32, 1, 1, fusebox::RouterScore::kSoftmax}, {64, 6, 1, 1, fusebox::RouterScore::kSigmoid},
+                        {256, 8, 8, 4, fusebox::RouterScore::kSigmoid}, {160, 6, 8, 3, fusebox::RouterScore::kSigmoid},
+                        {128, 8, 4, 1, fusebox::RouterScore::kSoftmax}};
   for (DType dt : kDtypes)
-    for (int64_t num_experts : {1, 8, 60, 64, 257, 1024})
-      for (int64_t top_k : {1, 6, 8, 32}) {
-        if (top_k > num_experts) continue;
-        const int64_t tokens = 37;
-        HostTensor logits(dt, {tokens, num_experts}, {num_experts + 3, 1}), weights(DType::kFloat32, {tokens, top_k}),
-            index(DType::kInt64, {tokens, top_k});
-        logits.fill_random(rng, 0.f, 3.f);
-        compare_devices({&logits}, {&weights, &index},
-                        [&](const std::vector<TensorView>& in, const std::vector<TensorView>& o) {
-                          fusebox::moe_topk_softmax(in[0], top_k % 2 == 0, 1.5f, o[0], o[1]);
-                        },
-                        std::string(fusebox::dtype_name(dt)) + " experts " + std::to_string(num_experts) +
-                            " top_k " + std::to_string(top_k));
-      }
+    for (const Case& c : cases) {
+      const int64_t tokens = 37;
+      HostTensor logits(dt, {tokens, c.experts}, {c.experts + 3, 1}), weights(DType::kFloat32, {tokens, c.top_k}),
+          index(DType::kInt64, {tokens, c.top_k}), bias(dt, {c.experts});
+      logits.fill_random(rng, 0.f, 3.f);
+      bias.fill_random(rng, 0.f, 0.1f);
+      const bool with_bias = c.score == fusebox::RouterScore::kSigmoid;
+      compare_devices({&logits, &bias}, {&weights, &index},
+                      [&](const std::vector<TensorView>& in, const std::vector<TensorView>& o) {
+                        fusebox::RouterArgs a;
+                        a.logits = in[0];
+                        if (with_bias) a.bias = in[1];
+                        a.weights = o[0];
+                        a.index = o[1];
+                        a.score = c.score;
+                        a.num_groups = c.groups;
+                        a.topk_groups = c.topk_groups;
+                        a.renormalize = c.top_k % 2 == 0;
+                        a.scale = 1.5f;
+                        fusebox::moe_topk(a);
+                      },
+                      std::string(fusebox::dtype_name(dt)) + " experts " + std::to_string(c.experts) + " top_k " +
+                          std::to_string(c.top_k) + " groups " + std::to_string(c.groups));
+    }
 }
 
 // The sort's outputs are integers: equal to the CPU's element for element. Sizes from one pair to

@@ -118,6 +118,18 @@ TEST(MoeCpu, SortValidatesArguments) {
                {"index[1, 1] = 4 is outside the 4 experts"});
 }
 
+namespace {
+
+fusebox::RouterArgs router(const HostTensor& logits, const HostTensor& weights, const HostTensor& index) {
+  fusebox::RouterArgs a;
+  a.logits = logits.view;
+  a.weights = weights.view;
+  a.index = index.view;
+  return a;
+}
+
+}  // namespace
+
 TEST(MoeCpu, TopkSoftmaxMatchesFormula) {
   // 3 tokens of 5 experts; token 2 has two equal logits (experts 1 and 4): the lower comes first
   const float logit[3][5] = {{0.5f, -1.f, 2.f, 0.25f, 1.f}, {-3.f, 4.f, 0.f, 1.5f, -0.5f}, {0.f, 1.f, -2.f, 0.5f, 1.f}};
@@ -126,7 +138,10 @@ TEST(MoeCpu, TopkSoftmaxMatchesFormula) {
         index(DType::kInt64, {3, 3}, {1, 3});  // index column-major
     for (int64_t n = 0; n < 3; ++n)
       for (int64_t e = 0; e < 5; ++e) logits.set(n * 8 + e, logit[n][e]);
-    fusebox::moe_topk_softmax(logits.view, renormalize, 2.f, weights.view, index.view);
+    fusebox::RouterArgs a = router(logits, weights, index);
+    a.renormalize = renormalize;
+    a.scale = 2.f;
+    fusebox::moe_topk(a);
     const int64_t want_index[3][3] = {{2, 4, 0}, {1, 3, 2}, {1, 4, 3}};
     for (int64_t n = 0; n < 3; ++n) {
       double sum = 0, top_sum = 0;
@@ -141,19 +156,65 @@ TEST(MoeCpu, TopkSoftmaxMatchesFormula) {
   }
 }
 
-TEST(MoeCpu, TopkSoftmaxValidatesArguments) {
+// DeepSeek-V3's form: sigmoid scores, the choice by score + bias within the best groups (by the
+// sum of their two largest choice scores), the weights the scores without the bias.
+TEST(MoeCpu, TopkSigmoidGroupLimited) {
+  // 8 experts in 4 groups of 2; the bias lifts expert 1 (group 0) and lowers expert 6 (group 3)
+  const float logit[8] = {0.f, -1.f, 1.f, 0.5f, -2.f, -2.f, 3.f, 2.5f};
+  const float bias_of[8] = {0.f, 0.9f, 0.f, 0.f, 0.f, 0.f, -0.9f, 0.f};
+  HostTensor logits(DType::kFloat32, {1, 8}), bias(DType::kFloat32, {8}), weights(DType::kFloat32, {1, 3}),
+      index(DType::kInt32, {1, 3});
+  double sig[8], choice[8];
+  for (int e = 0; e < 8; ++e) {
+    logits.set(e, logit[e]);
+    bias.set(e, bias_of[e]);
+    sig[e] = 1 / (1 + std::exp(-double(logit[e])));
+    choice[e] = sig[e] + bias_of[e];
+  }
+  // groups by choice: g0 0.5 + 1.169, g1 0.731 + 0.622, g2 0.119 + 0.119, g3 0.053 + 0.924: g0 and
+  // g1 are chosen from; expert 6 has the highest score, but its bias and group leave it out
+  ASSERT_GT(choice[0] + choice[1], choice[2] + choice[3]);
+  ASSERT_GT(choice[2] + choice[3], choice[6] + choice[7]);
+  fusebox::RouterArgs a = router(logits, weights, index);
+  a.bias = bias.view;
+  a.score = fusebox::RouterScore::kSigmoid;
+  a.num_groups = 4;
+  a.topk_groups = 2;
+  a.renormalize = true;
+  a.scale = 2.5f;
+  fusebox::moe_topk(a);
+  const int want[3] = {1, 2, 3};  // choices 1.169, 0.731, 0.622 (expert 0's 0.5 is fourth)
+  double top_sum = 0;
+  for (int k = 0; k < 3; ++k) top_sum += sig[want[k]];
+  for (int k = 0; k < 3; ++k) {
+    EXPECT_EQ(index.at(k), want[k]) << k;
+    EXPECT_NEAR(weights.at(k), 2.5 * sig[want[k]] / top_sum, 1e-6) << k;
+  }
+}
+
+TEST(MoeCpu, TopkValidatesArguments) {
   HostTensor logits(DType::kBFloat16, {4, 16}), weights(DType::kFloat32, {4, 2}), index(DType::kInt64, {4, 2});
   HostTensor wide(DType::kFloat32, {2, 1025}), wide_w(DType::kFloat32, {2, 2}), wide_i(DType::kInt64, {2, 2}),
       k17_w(DType::kFloat32, {4, 17}), k17_i(DType::kInt64, {4, 17}), f16_w(DType::kFloat16, {4, 2}),
-      rows_i(DType::kInt64, {3, 2}), float_i(DType::kFloat32, {4, 2});
-  expect_error([&] { fusebox::moe_topk_softmax(wide.view, false, 1.f, wide_w.view, wide_i.view); },
-               {"at most 1024 experts", "1025"});
-  expect_error([&] { fusebox::moe_topk_softmax(logits.view, false, 1.f, k17_w.view, k17_i.view); },
-               {"must be at most the 16 experts", "got 17"});
-  expect_error([&] { fusebox::moe_topk_softmax(logits.view, false, 1.f, f16_w.view, index.view); },
-               {"weights must be bfloat16 or float32"});
-  expect_error([&] { fusebox::moe_topk_softmax(logits.view, false, 1.f, weights.view, rows_i.view); },
-               {"index must have logits' 4 rows"});
-  expect_error([&] { fusebox::moe_topk_softmax(logits.view, false, 1.f, weights.view, float_i.view); },
-               {"index must be int32 or int64"});
+      rows_i(DType::kInt64, {3, 2}), float_i(DType::kFloat32, {4, 2}), bias15(DType::kFloat32, {15});
+  auto expect = [&](const HostTensor& l, const HostTensor& w, const HostTensor& i, auto&& tweak,
+                    std::vector<std::string> needles) {
+    fusebox::RouterArgs a = router(l, w, i);
+    tweak(a);
+    expect_error([&] { fusebox::moe_topk(a); }, needles);
+  };
+  auto none = [](fusebox::RouterArgs&) {};
+  expect(wide, wide_w, wide_i, none, {"at most 1024 experts", "1025"});
+  expect(logits, k17_w, k17_i, none, {"must be at most the 16 experts", "got 17"});
+  expect(logits, f16_w, index, none, {"weights must be bfloat16 or float32"});
+  expect(logits, weights, rows_i, none, {"index must have logits' 4 rows"});
+  expect(logits, weights, float_i, none, {"index must be int32 or int64"});
+  expect(logits, weights, index, [&](fusebox::RouterArgs& a) { a.bias = bias15.view; },
+         {"bias must be a 1-D tensor of the 16 experts", "[15]"});
+  expect(logits, weights, index, [](fusebox::RouterArgs& a) { a.num_groups = 3; },
+         {"num_groups must divide the 16 experts", "got 3"});
+  expect(logits, weights, index, [](fusebox::RouterArgs& a) { a.num_groups = 4, a.topk_groups = 5; },
+         {"topk_groups must be 1-num_groups (4); got 5"});
+  expect(logits, weights, index, [](fusebox::RouterArgs& a) { a.num_groups = 16; },
+         {"groups at least 2 experts"});
 }

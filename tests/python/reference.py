@@ -224,12 +224,23 @@ def moe_sort(index, num_experts):
     return perm // max(index.shape[1], 1), offsets, pair_row.view(index.shape)
 
 
-def moe_topk_softmax(logits, top_k, renormalize=False, scale=1.0):
-    """(weights, probabilities) in float64: each token's softmax, its top_k probabilities in
-    descending order, divided by their sum where renormalize, times scale; and the whole softmax
-    (to check which experts were chosen)."""
-    probs = torch.softmax(f64(logits), dim=-1)
-    top = torch.topk(probs, top_k, dim=-1).values
+def moe_topk(logits, top_k, score="softmax", bias=None, num_groups=1, topk_groups=1,
+             renormalize=False, scale=1.0):
+    """(weights, scores, choice) in float64: each token's scores (softmax or sigmoid), the
+    choice scores (+ bias, -inf outside the topk_groups groups whose two largest choice scores
+    sum highest), the top_k scores by choice in descending order of choice, divided by their sum
+    where renormalize, times scale; with the whole scores and choice (to check which experts were
+    chosen)."""
+    x = f64(logits)
+    scores = torch.softmax(x, dim=-1) if score == "softmax" else torch.sigmoid(x)
+    choice = scores + (f64(bias) if bias is not None else 0)
+    if num_groups > 1:
+        grouped = choice.view(x.shape[0], num_groups, -1)
+        group_rank = grouped.topk(2, dim=-1).values.sum(-1)
+        keep = torch.zeros_like(group_rank, dtype=torch.bool)
+        keep.scatter_(1, group_rank.topk(topk_groups, dim=-1).indices, True)
+        choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(x)
+    top = scores.gather(-1, choice.topk(top_k, dim=-1).indices)
     if renormalize:
-        top = top / top.sum(-1, keepdim=True)
-    return top * scale, probs
+        top = top / (top.sum(-1, keepdim=True) + 1e-20)
+    return top * scale, scores, choice

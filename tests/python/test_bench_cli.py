@@ -365,7 +365,7 @@ def test_decode_cases_are_those_of_1_to_16_rows():
     cases = suite.select(suite.OP_NAMES, suite.GROUPS, ["bf16"])
     decode = {c.key for c in cases if report.is_decode({"group": c.group, "params": c.params})}
     assert "rms_norm|1x2048|bf16" in decode and "rms_norm|2048x4096|bf16" not in decode
-    moe = [c for c in cases if c.op in ("moe_combine", "moe_sort", "moe_topk_softmax")]
+    moe = [c for c in cases if c.op in ("moe_combine", "moe_sort", "moe_topk")]
     assert moe and all((c.key in decode) == (c.params["tokens"] <= 16) for c in moe)
 
 

@@ -283,23 +283,28 @@ def test_moe_sort_compiles_without_graph_breaks(device, gen):
     check_sort(compiled(index), index, 8)
 
 
-# --------------------------------------------------------------------------- moe_topk_softmax
+# --------------------------------------------------------------------------- moe_topk
 
 
-def check_topk(weights, index, logits, top_k, renormalize=False, scale=1.0, out_dtype=F32):
-    """weights against the float64 reference; the chosen experts' float64 probabilities, in the
-    order chosen, equal to the reference's top_k (experts of probabilities equal in fp32 may come
-    in either order), each expert once a token."""
-    want, probs = ref.moe_topk_softmax(logits, top_k, renormalize, scale)
+def check_topk(weights, index, logits, top_k, out_dtype=F32, **options):
+    """weights against the float64 reference; the chosen experts' float64 choice scores, in the
+    order chosen, equal to the reference's top_k (experts of choice scores equal in fp32 may come
+    in either order), each expert once a token, none outside the chosen groups."""
+    want, scores, choice = ref.moe_topk(logits, top_k, **options)
     assert weights.dtype == out_dtype and index.dtype == torch.int64
     assert weights.device == logits.device and index.device == logits.device
     assert index.shape == weights.shape == (logits.shape[0], top_k)
     got = index.cpu()
     assert ((got >= 0) & (got < logits.shape[1])).all()
     assert (got.sort(-1).values.diff(dim=-1) != 0).all(), "an expert chosen twice"
-    chosen = probs.gather(-1, got)
-    assert torch.allclose(chosen, probs.topk(top_k, dim=-1).values, rtol=1e-6, atol=1e-9), \
-        (chosen - probs.topk(top_k, dim=-1).values).abs().max()
+    chosen, best = choice.gather(-1, got), choice.topk(top_k, dim=-1).values
+    assert torch.isfinite(chosen).all(), "an expert outside the chosen groups"
+    assert torch.allclose(chosen, best, rtol=1e-6, atol=1e-9), (chosen - best).abs().max()
+    # the weights of the experts chosen (which a near-tie may swap with the reference's)
+    got_weights = scores.gather(-1, got)
+    if options.get("renormalize"):
+        got_weights = got_weights / (got_weights.sum(-1, keepdim=True) + 1e-20)
+    assert_close(weights, got_weights * options.get("scale", 1.0), out_dtype)
     assert_close(weights, want, out_dtype)
 
 
@@ -307,68 +312,95 @@ def check_topk(weights, index, logits, top_k, renormalize=False, scale=1.0, out_
 @pytest.mark.parametrize("num_experts,top_k", [(1, 1), (8, 2), (60, 4), (64, 6), (64, 8), (128, 8),
                                                (257, 9), (384, 8), (1024, 32)])
 @pytest.mark.parametrize("tokens", [1, 37, 1000])
-def test_moe_topk_softmax(device, gen, dtype, num_experts, top_k, tokens):
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+def test_moe_topk(device, gen, dtype, num_experts, top_k, tokens, score):
     logits = randn(gen, (tokens, num_experts), dtype, device, scale=2.0)
-    weights, index = call(fusebox.moe_topk_softmax, logits, top_k)
-    check_topk(weights, index, logits, top_k)
+    weights, index = call(fusebox.moe_topk, logits, top_k, score)
+    check_topk(weights, index, logits, top_k, score=score)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("renormalize", [False, True], ids=["raw", "renorm"])
 @pytest.mark.parametrize("scale", [1.0, 2.5])
 @pytest.mark.parametrize("out", ["f32", "logits_dtype"])
-def test_moe_topk_softmax_options(device, gen, dtype, renormalize, scale, out):
-    """The routers' forms: Mixtral (renormalized, fp32), Qwen / OLMoE (optionally renormalized,
-    cast to the logits' dtype), DeepSeek-V2 (times the routing scale, fp32); logits read through
-    a row stride."""
+def test_moe_topk_options(device, gen, dtype, renormalize, scale, out):
+    """The softmax routers' forms: Mixtral (renormalized, fp32), Qwen / OLMoE (optionally
+    renormalized, cast to the logits' dtype), DeepSeek-V2 (times the routing scale, fp32); logits
+    read through a row stride."""
     out_dtype = F32 if out == "f32" else dtype
     logits = randn(gen, (301, 80), dtype, device, scale=3.0)[:, 5:69]
-    weights, index = call(fusebox.moe_topk_softmax, logits, 6, renormalize, scale, out_dtype)
-    check_topk(weights, index, logits, 6, renormalize, scale, out_dtype)
+    weights, index = call(fusebox.moe_topk, logits, 6, renormalize=renormalize, scale=scale,
+                          out_dtype=out_dtype)
+    check_topk(weights, index, logits, 6, out_dtype, renormalize=renormalize, scale=scale)
 
 
-def test_moe_topk_softmax_matches_the_routers(device, gen):
-    """Against the routers' own code: indices equal (no near-equal probabilities in fp32 logits
-    of this spread) and weights within a few fp32 ulps."""
+@pytest.mark.parametrize("bias_dtype", [F32, BF16])
+@pytest.mark.parametrize("experts,top_k,groups,topk_groups", [(256, 8, 8, 4), (64, 6, 1, 1), (160, 6, 8, 3),
+                                                              (128, 8, 4, 1), (72, 4, 6, 6)])
+def test_moe_topk_sigmoid_with_bias_and_groups(device, gen, bias_dtype, experts, top_k, groups, topk_groups):
+    """DeepSeek-V3's form (Kimi K2's and GLM-4.5's with one group): sigmoid scores, the choice
+    by score + bias within the groups whose two largest choice scores sum highest, the weights
+    the scores without the bias, renormalized, times the routing scale; fp32 logits."""
+    logits = randn(gen, (500, experts), F32, device, scale=2.0)
+    bias = randn(gen, (experts,), bias_dtype, device, scale=0.3)
+    options = dict(score="sigmoid", bias=bias, num_groups=groups, topk_groups=topk_groups,
+                   renormalize=True, scale=2.5)
+    weights, index = call(fusebox.moe_topk, logits, top_k, **options)
+    check_topk(weights, index, logits, top_k, **options)
+
+
+def test_moe_topk_matches_the_routers(device, gen):
+    """Against the routers' own code: indices equal (no near-equal scores in fp32 logits of this
+    spread) and weights within a few fp32 ulps."""
     logits = randn(gen, (513, 64), F32, device, scale=4.0)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     top, top_index = torch.topk(probs, 8, dim=-1)
     top = top / top.sum(dim=-1, keepdim=True)
-    weights, index = call(fusebox.moe_topk_softmax, logits, 8, True)
+    weights, index = call(fusebox.moe_topk, logits, 8, renormalize=True)
     assert torch.equal(index, top_index)
     assert torch.allclose(weights, top, rtol=1e-6, atol=0), (weights - top).abs().max()
 
 
-def test_moe_topk_softmax_equal_logits_take_the_lower_expert_first(device):
-    """bf16 logits repeat often; of equal probabilities the lower expert comes first, across
-    lanes (experts 3, 35, 67 of one lane group and others) and within one."""
+def test_moe_topk_equal_scores_take_the_lower_expert_first(device):
+    """bf16 logits repeat often; of equal scores the lower expert comes first, across lanes
+    (experts 3, 35, 67 of one lane group and others) and within one; of equally ranked groups the
+    lower group."""
     logits = torch.full((2, 100), -4.0, dtype=BF16)
     logits[0, [67, 3, 35, 99]] = 1.5
     logits[1, [96, 64, 2]] = 0.75
     logits[1, 40] = 2.0
-    weights, index = call(fusebox.moe_topk_softmax, logits.to(device), 5)
+    weights, index = call(fusebox.moe_topk, logits.to(device), 5)
     assert index[0].tolist() == [3, 35, 67, 99, 0]
     assert index[1].tolist() == [40, 2, 64, 96, 0]
     assert weights[0, 0] == weights[0, 3] and weights[1, 1] == weights[1, 3]
+    flat = torch.zeros((1, 64), device=device)   # 8 groups, all alike: groups 0 and 1 are chosen
+    _, index = call(fusebox.moe_topk, flat, 4, "sigmoid", num_groups=8, topk_groups=2)
+    assert index[0].tolist() == [0, 1, 2, 3]
 
 
-def test_moe_topk_softmax_empty(device):
+def test_moe_topk_empty(device):
     for tokens, top_k in ((0, 2), (3, 0)):
-        weights, index = call(fusebox.moe_topk_softmax, torch.randn(tokens, 8, device=device), top_k)
+        weights, index = call(fusebox.moe_topk, torch.randn(tokens, 8, device=device), top_k)
         assert weights.shape == index.shape == (tokens, top_k)
 
 
 @pytest.mark.parametrize("case", ["logits_1d", "logits_int", "too_many_experts", "k_over_experts",
-                                  "k_over_32", "out_f16", "column_major"])
-def test_moe_topk_softmax_errors(case):
-    logits, top_k, out_dtype = torch.randn(4, 16, dtype=BF16), 2, None
+                                  "k_over_32", "out_f16", "column_major", "score", "bias_shape",
+                                  "groups_divide", "topk_groups", "groups_too_small"])
+def test_moe_topk_errors(case):
+    logits, top_k, kwargs = torch.randn(4, 16, dtype=BF16), 2, {}
     expect = {"logits_1d": (ValueError, "logits must be a 2-D tensor"),
               "logits_int": (TypeError, "logits must be float32, float16 or bfloat16"),
               "too_many_experts": (ValueError, "at most 1024 experts"),
               "k_over_experts": (ValueError, r"top_k \(index's columns\) must be at most the 16 experts"),
               "k_over_32": (ValueError, "and at most 32; got 33"),
               "out_f16": (ValueError, "weights must be bfloat16 or float32"),
-              "column_major": (ValueError, "logits must have a contiguous last dimension")}[case]
+              "column_major": (ValueError, "logits must have a contiguous last dimension"),
+              "score": (ValueError, "score must be 'softmax' or 'sigmoid'; got 'tanh'"),
+              "bias_shape": (ValueError, "bias must be a 1-D tensor of the 16 experts"),
+              "groups_divide": (ValueError, "num_groups must divide the 16 experts"),
+              "topk_groups": (ValueError, r"topk_groups must be 1-num_groups \(4\); got 5"),
+              "groups_too_small": (ValueError, "2 chosen groups of 2 experts must hold top_k")}[case]
     if case == "logits_1d":
         logits = logits[0]
     elif case == "logits_int":
@@ -380,18 +412,32 @@ def test_moe_topk_softmax_errors(case):
     elif case == "k_over_32":
         logits, top_k = torch.randn(2, 64), 33
     elif case == "out_f16":
-        out_dtype = F16
+        kwargs = dict(out_dtype=F16)
     elif case == "column_major":
         logits = logits.t().contiguous().t()
+    elif case == "score":
+        kwargs = dict(score="tanh")
+    elif case == "bias_shape":
+        kwargs = dict(bias=torch.zeros(15))
+    elif case == "groups_divide":
+        kwargs = dict(num_groups=3)
+    elif case == "topk_groups":
+        kwargs = dict(num_groups=4, topk_groups=5)
+    elif case == "groups_too_small":
+        top_k, kwargs = 6, dict(num_groups=8, topk_groups=2)
     with pytest.raises(expect[0], match=expect[1]):
-        fusebox.moe_topk_softmax(logits, top_k, out_dtype=out_dtype)
+        fusebox.moe_topk(logits, top_k, **kwargs)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda])])
-def test_moe_topk_softmax_compiles_without_graph_breaks(device, gen):
+def test_moe_topk_compiles_without_graph_breaks(device, gen):
     logits = randn(gen, (9, 64), BF16, device)
+    bias = randn(gen, (64,), F32, device, scale=0.1)
     torch._dynamo.reset()
-    compiled = torch.compile(lambda x: fusebox.moe_topk_softmax(x, 6, True, 1.0, x.dtype), fullgraph=True,
-                             dynamic=True)
-    weights, index = compiled(logits)
-    check_topk(weights, index, logits, 6, True, 1.0, BF16)
+    compiled = torch.compile(lambda x, b: (fusebox.moe_topk(x, 6, renormalize=True, out_dtype=x.dtype),
+                                           fusebox.moe_topk(x.float(), 4, "sigmoid", b, 8, 2, True, 2.5)),
+                             fullgraph=True, dynamic=True)
+    (weights, index), (v3_weights, v3_index) = compiled(logits, bias)
+    check_topk(weights, index, logits, 6, BF16, renormalize=True)
+    check_topk(v3_weights, v3_index, logits.float(), 4, score="sigmoid", bias=bias, num_groups=8,
+               topk_groups=2, renormalize=True, scale=2.5)

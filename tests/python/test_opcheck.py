@@ -9,7 +9,7 @@ import fusebox  # noqa: F401  (loads the library, registers the fake implementat
 from helpers import BF16, F32, make_input, modulation, qk_pair, rope_tables, small, weight
 
 OPS = ["rms_norm", "layer_norm", "fused_add_rms_norm", "rms_norm_add", "fused_norm",
-       "gated_residual", "rotary", "gated_act", "gated_act_packed", "act", "moe_combine", "moe_sort", "moe_topk_softmax"]
+       "gated_residual", "rotary", "gated_act", "gated_act_packed", "act", "moe_combine", "moe_sort", "moe_topk"]
 
 
 def op_cases(name, gen, device, layout):
@@ -74,9 +74,11 @@ def op_cases(name, gen, device, layout):
         weights = small(gen, (4, 3), F32, device)
         return [("i64", (rows, index, weights)),
                 ("i32_transposed", (rows, index.int().t().contiguous().t(), weights.to(BF16)))]
-    if name == "moe_topk_softmax":
+    if name == "moe_topk":
         logits = x_((5, 64))
-        return [("bf16_out", (logits, 6, True, 1.0, BF16)), ("f32_scaled", (logits.float(), 2, False, 2.5, None))]
+        bias = small(gen, (64,), F32, device)
+        return [("softmax_bf16_out", (logits, 6, "softmax", None, 1, 1, True, 1.0, BF16)),
+                ("sigmoid_groups", (logits.float(), 4, "sigmoid", bias, 8, 2, True, 2.5, None))]
     if name == "moe_sort":
         index = torch.rand((5, 8), generator=gen).argsort(-1)[:, :3].to(device)
         return [("i64", (index, 8)), ("i32_transposed", (index.int().t().contiguous().t(), 8))]

@@ -101,8 +101,8 @@ def _moe_sort(index, num_experts):
             index.new_empty(index.shape, dtype=torch.int32))
 
 
-@register_fake("fusebox::moe_topk_softmax")
-def _moe_topk_softmax(logits, top_k, renormalize, scale, out_dtype):
+@register_fake("fusebox::moe_topk")
+def _moe_topk(logits, top_k, score, bias, num_groups, topk_groups, renormalize, scale, out_dtype):
     torch._check(logits.dim() == 2, lambda: "fusebox: logits must be a 2-D tensor [tokens, experts]")
     shape = (logits.shape[0], top_k)
     return (logits.new_empty(shape, dtype=out_dtype or torch.float32),

@@ -390,19 +390,27 @@ def moe_combine(rows: Tensor, index: Tensor, weights: Tensor) -> Tensor:
     return ops.moe_combine(rows, index, weights)
 
 
-def moe_topk_softmax(logits: Tensor, top_k: int, renormalize: bool = False, scale: float = 1.0,
-                     out_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
-    """The router of a mixture-of-experts layer after its logits, in one launch: each token's
-    softmax over its experts in fp32, its ``top_k`` largest probabilities in descending order (of
-    equal ones the lower expert first), divided by their sum where ``renormalize``, times
-    ``scale``. Returns ``(weights, index)``, ``[N, top_k]``: weights in ``out_dtype`` (fp32 by
-    default, or ``logits``' dtype), index int64.
+def moe_topk(logits: Tensor, top_k: int, score: str = "softmax", bias: Optional[Tensor] = None,
+             num_groups: int = 1, topk_groups: int = 1, renormalize: bool = False, scale: float = 1.0,
+             out_dtype: Optional[torch.dtype] = None) -> Tuple[Tensor, Tensor]:
+    """The router of a mixture-of-experts layer after its logits, in one launch. Returns
+    ``(weights, index)``, ``[N, top_k]``: weights in ``out_dtype`` (fp32 by default, or
+    ``logits``' dtype), index int64.
 
-    The values of ``w, i = torch.topk(torch.softmax(logits, -1, dtype=torch.float32), top_k)``,
-    ``w /= w.sum(-1, keepdim=True)`` where ``renormalize``, ``(w * scale).to(out_dtype)``, up to the
-    order of the fp32 sums and the order of equal probabilities. ``logits`` ``[N, E]``: E <= 1024,
-    ``top_k`` <= min(E, 32)."""
-    return ops.moe_topk_softmax(logits, top_k, renormalize, scale, out_dtype)
+    - ``score``: ``"softmax"`` over each token's experts (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2)
+      or each logit's ``"sigmoid"`` (DeepSeek-V3, Kimi K2, GLM-4.5), in fp32;
+    - the experts are chosen by ``score + bias`` (``bias`` ``[E]``, optional: DeepSeek-V3's
+      ``e_score_correction_bias``), ``top_k`` of them in descending order, of equal ones the lower
+      expert first; with ``num_groups`` > 1 only from the ``topk_groups`` groups of consecutive
+      experts whose two largest choice scores sum highest;
+    - the weights are the chosen scores (without the bias), divided by their sum + 1e-20 where
+      ``renormalize``, times ``scale``.
+
+    The values of transformers' routers up to the order of the fp32 sums and of equal scores
+    (``torch.topk`` leaves both open). ``logits`` ``[N, E]``: E <= 1024, ``top_k`` <= min(E, 32),
+    ``num_groups`` <= 32."""
+    return ops.moe_topk(logits, top_k, score, bias, num_groups, topk_groups, renormalize, scale,
+                        out_dtype)
 
 
 def moe_sort(index: Tensor, num_experts: int) -> Tuple[Tensor, Tensor, Tensor]:

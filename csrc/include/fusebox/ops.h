@@ -136,16 +136,30 @@ void activation(const TensorView& x, const TensorView& bias, const TensorView& o
 void moe_combine(const TensorView& rows, const TensorView& index, const TensorView& weights,
                  const TensorView& out, cudaStream_t stream = nullptr);
 
-// The router of a mixture-of-experts layer after its logits: each token's softmax over its E
-// experts (in fp32), its K largest probabilities in descending order (of equal ones the lower
-// expert first), divided by their sum where `renormalize`, times `scale`.
-//   logits: [N, E] fp32/fp16/bf16, unit last stride, E <= 1024;
-//   weights: [N, K] fp32 or logits' dtype (each weight rounded once); index: [N, K] int32 or
-//   int64, the experts; K <= min(E, 32). Outputs take any strides.
-// The values transformers' routers compute (softmax(logits, dtype=float32), topk, the optional
-// renormalization and routing scale), up to the order of the fp32 sums.
-void moe_topk_softmax(const TensorView& logits, bool renormalize, float scale, const TensorView& weights,
-                      const TensorView& index, cudaStream_t stream = nullptr);
+// The router of a mixture-of-experts layer after its logits, in one launch.
+enum class RouterScore : int8_t {
+  kSoftmax = 0,  // softmax over the token's experts (Mixtral, Qwen-MoE, OLMoE, DeepSeek-V2)
+  kSigmoid = 1,  // each logit's sigmoid (DeepSeek-V3, Kimi K2, GLM-4.5)
+};
+
+struct RouterArgs {
+  TensorView logits;   // [N, E] fp32/fp16/bf16, unit last stride, E <= 1024
+  TensorView bias;     // optional [E], any float dtype: added to the scores for the choice only
+  TensorView weights;  // out [N, K]: fp32 or logits' dtype (any strides)
+  TensorView index;    // out [N, K]: int32 or int64, the experts (any strides); K <= min(E, 32)
+  RouterScore score = RouterScore::kSoftmax;
+  // Group-limited choice: the E experts in num_groups consecutive groups; only the topk_groups
+  // groups whose two largest choice scores sum highest are chosen from (1, 1: no groups).
+  int64_t num_groups = 1, topk_groups = 1;
+  bool renormalize = false;  // the weights divided by (their sum + 1e-20)
+  float scale = 1.f;         // the weights times scale
+};
+
+// Each token's scores (fp32), its K experts of the largest choice scores (score + bias), in
+// descending order, of equal ones the lower expert first, and their weights: the scores (without
+// the bias), renormalized and scaled as asked. The values transformers' routers compute, up to
+// the order of the fp32 sums (the 1e-20 changes no fp32 sum of softmax scores).
+void moe_topk(const RouterArgs& args, cudaStream_t stream = nullptr);
 
 // The dispatch step of a mixture-of-experts layer: its (token, k) pairs sorted by expert, as
 // grouped GEMMs over each expert's rows read them, in one launch. Sorted row r holds one pair;

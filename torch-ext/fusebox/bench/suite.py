@@ -400,45 +400,72 @@ def _moe_eager(t, p):
     return weighted[t["index"].view(-1)].view(n, k, h).sum(dim=1).to(t["rows"].dtype)
 
 
-# The routers after their logits: (model, experts, top_k, renormalize, routing scale, fp32 logits,
-# weights in the logits' dtype). DeepSeek-V2-Lite's logits are fp32 (its router casts before the
-# GEMM); OLMoE's and Qwen3-MoE's weights are cast to the logits' dtype, Mixtral's stay fp32.
-MOE_ROUTERS = (("deepseek-v2-lite", 64, 6, False, 1.0, True, False),
-               ("olmoe", 64, 8, False, 1.0, False, True),
-               ("mixtral", 8, 2, True, 1.0, False, False),
-               ("qwen3-30b-a3b", 128, 8, True, 1.0, False, True))
+# The routers after their GEMM: (model, experts, top_k, form). DeepSeek-V2-Lite's and
+# DeepSeek-V3's logits are fp32 (their routers cast before the GEMM); OLMoE's and Qwen3-MoE's
+# weights are cast to the logits' dtype, Mixtral's and the DeepSeeks' stay fp32.
+_ROUTER_FORMS = {
+    "greedy": dict(score="softmax", renormalize=False, scale=1.0, fp32_logits=True, cast=False),
+    "olmoe": dict(score="softmax", renormalize=False, scale=1.0, fp32_logits=False, cast=True),
+    "mixtral": dict(score="softmax", renormalize=True, scale=1.0, fp32_logits=False, cast=False),
+    "qwen3": dict(score="softmax", renormalize=True, scale=1.0, fp32_logits=False, cast=True),
+    # sigmoid scores, the choice by score + bias within the 4 best of 8 groups, scale 2.5
+    "noaux_tc": dict(score="sigmoid", groups=(8, 4), renormalize=True, scale=2.5, fp32_logits=True,
+                     cast=False),
+}
+MOE_ROUTERS = (("deepseek-v2-lite", 64, 6, "greedy"), ("olmoe", 64, 8, "olmoe"),
+               ("mixtral", 8, 2, "mixtral"), ("qwen3-30b-a3b", 128, 8, "qwen3"),
+               ("deepseek-v3", 256, 8, "noaux_tc"))
 
 
 def _router_shapes():
-    return [("llm", f"{name} {n}x{e} top-{k}",
-             dict(tokens=n, experts=e, top_k=k, renormalize=renorm, scale=scale, fp32_logits=fp32,
-                  cast=cast), (name, n) in (("olmoe", 2048), ("deepseek-v2-lite", 16)))
-            for name, e, k, renorm, scale, fp32, cast in MOE_ROUTERS for n in MOE_TOKENS]
+    return [("llm", f"{name} {n}x{e} top-{k}", dict(tokens=n, experts=e, top_k=k, **_ROUTER_FORMS[form]),
+             (name, n) in (("olmoe", 2048), ("deepseek-v3", 16)))
+            for name, e, k, form in MOE_ROUTERS for n in MOE_TOKENS]
 
 
 def _router_build(p, dt, dev, r):
     """Each token's logits a shuffle of distinct values 8 / E apart in (-4, 4), distinct in
-    16-bit dtypes too: no equal probabilities, whose order topk leaves open, so the experts
-    compare element for element."""
+    16-bit dtypes too: no equal scores, whose order topk leaves open, so the experts compare
+    element for element. The choice bias (sigmoid routers) of distinct multiples of 1/1024."""
     n, e = p["tokens"], p["experts"]
     ranks = torch.rand((n, e), generator=r.gen, device=dev).argsort(-1)
     logits = (ranks.float() - e / 2) * (8.0 / e)
-    return {"logits": logits.to(torch.float32 if p["fp32_logits"] else dt)}
+    t = {"logits": logits.to(torch.float32 if p["fp32_logits"] else dt)}
+    if p["score"] == "sigmoid":
+        t["bias"] = (torch.randperm(e, generator=r.gen, device=dev).float() - e / 2) / 1024
+    return t
 
 
 def _router_bytes(p, dt):
-    """Logits read; weights (fp32 or the logits' dtype) and int64 experts written."""
+    """Logits (and bias) read; weights (fp32 or the logits' dtype) and int64 experts written."""
     logits_size = 4 if p["fp32_logits"] else _esize(dt)
     weights_size = logits_size if p["cast"] else 4
-    return p["tokens"] * (p["experts"] * logits_size + p["top_k"] * (weights_size + 8))
+    bias = 4 * p["experts"] if p["score"] == "sigmoid" else 0
+    return p["tokens"] * (p["experts"] * logits_size + p["top_k"] * (weights_size + 8)) + bias
 
 
 def _router_eager(t, p):
     """transformers' routers after the GEMM: softmax in fp32, topk, the optional
-    renormalization, routing scale and cast."""
-    logits = t["logits"]
+    renormalization, routing scale and cast; or DeepSeek-V3's sigmoid, bias and group-limited
+    choice."""
+    logits, k = t["logits"], p["top_k"]
+    if p["score"] == "sigmoid":
+        scores = logits.sigmoid()
+        choice = scores + t["bias"]
+        groups, topk_groups = p["groups"]
+        group_scores = choice.view(-1, groups, p["experts"] // groups).topk(2, dim=-1)[0].sum(dim=-1)
+        group_idx = torch.topk(group_scores, k=topk_groups, dim=-1, sorted=False)[1]
+        group_mask = torch.zeros_like(group_scores)
+        group_mask.scatter_(1, group_idx, 1)
+        score_mask = group_mask.unsqueeze(-1).expand(-1, groups, p["experts"] // groups).reshape(
+            -1, p["experts"])
+        choice = choice.masked_fill(~score_mask.bool(), float("-inf"))
+        index = torch.topk(choice, k=k, dim=-1, sorted=True)[1]   # sorted: compares in order
+        top = scores.gather(1, index)
+        top /= top.sum(dim=-1, keepdim=True) + 1e-20
+        return top * p["scale"], index
     probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
-    top, index = torch.topk(probs, p["top_k"], dim=-1)
+    top, index = torch.topk(probs, k, dim=-1)
     if p["renormalize"]:
         top /= top.sum(dim=-1, keepdim=True)
     if p["scale"] != 1.0:
@@ -448,8 +475,9 @@ def _router_eager(t, p):
 
 def _router_fusebox(fb, t, p):
     logits = t["logits"]
-    return fb.moe_topk_softmax(logits, p["top_k"], p["renormalize"], p["scale"],
-                               logits.dtype if p["cast"] else torch.float32)
+    groups, topk_groups = p.get("groups", (1, 1))
+    return fb.moe_topk(logits, p["top_k"], p["score"], t.get("bias"), groups, topk_groups,
+                       p["renormalize"], p["scale"], logits.dtype if p["cast"] else torch.float32)
 
 
 # (top_k, experts) of the routers whose (token, k) pairs moe_sort orders: the same models
@@ -819,11 +847,12 @@ _OPS = [
                   ".sum(1).to(dtype)",
     ),
     OpSpec(
-        name="moe_topk_softmax", title="MoE router: softmax, top-k, renormalization, scale, cast",
-        shapes=_router_shapes, build=_router_build, nbytes=_router_bytes, reads=("logits",),
+        name="moe_topk", title="MoE router: scores, top-k choice, renormalization, scale, cast",
+        shapes=_router_shapes, build=_router_build, nbytes=_router_bytes, reads=("logits", "bias"),
         fusebox=_router_fusebox, eager=_router_eager,
         eager_doc="transformers routers after the GEMM: softmax(dtype=float), topk, /= sum "
-                  "(Mixtral, Qwen3-MoE), .to(logits dtype) (OLMoE, Qwen3-MoE)",
+                  "(Mixtral, Qwen3-MoE), .to(logits dtype) (OLMoE, Qwen3-MoE); DeepSeek-V3: "
+                  "sigmoid + bias, group top-2 sums, group topk, mask, topk, gather, /= sum, * scale",
     ),
     OpSpec(
         name="moe_sort", title="MoE dispatch: the (token, k) pairs sorted by expert, tokens, "
