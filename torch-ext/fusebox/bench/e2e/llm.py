@@ -68,6 +68,9 @@ MODELS = {
                         "(kv rank 512, rotary on 64 of 192 q/k channels), 64 experts, 6 a token",
     "olmoe-1b-7b": "allenai/OLMoE-1B-7B-0924: 16 layers, 2048 wide, q/k norms across heads, "
                    "64 experts of 1024, 8 a token",
+    "moonlight-16b-a3b": "moonshotai/Moonlight-16B-A3B (DeepSeek-V3's architecture): 27 layers, "
+                         "2048 wide, latent attention, 64 experts of 1408, 6 a token by sigmoid "
+                         "scores with a bias",
     TINY: "2-layer Qwen3-style model, 128 wide (functional check; runs on CPU)",
 }
 
@@ -149,6 +152,16 @@ CONFIGS: Dict[str, dict] = {
                                           "original_max_position_embeddings": 4096},
         max_position_embeddings=163840, vocab_size=102400, tie_word_embeddings=False,
         bos_token_id=100000, eos_token_id=100001, initializer_range=0.02),
+    "moonlight-16b-a3b": dict(
+        model_type="deepseek_v3", hidden_size=2048, intermediate_size=11264, num_hidden_layers=27,
+        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64,
+        n_shared_experts=2, num_experts_per_tok=6, moe_intermediate_size=1408,
+        first_k_dense_replace=1, moe_layer_freq=1, n_group=1, topk_group=1, norm_topk_prob=True,
+        routed_scaling_factor=2.446, scoring_func="sigmoid", topk_method="noaux_tc",
+        hidden_act="silu", rms_norm_eps=1e-5, rope_theta=50000.0, max_position_embeddings=8192,
+        vocab_size=163840, tie_word_embeddings=False, bos_token_id=163584, eos_token_id=163586,
+        initializer_range=0.02),
     "olmoe-1b-7b": dict(
         model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
         num_attention_heads=16, num_key_value_heads=16, num_experts=64, num_experts_per_tok=8,
