@@ -158,7 +158,9 @@ struct RouterArgs {
 // Each token's scores (fp32), its K experts of the largest choice scores (score + bias), in
 // descending order, of equal ones the lower expert first, and their weights: the scores (without
 // the bias), renormalized and scaled as asked. The values transformers' routers compute, up to
-// the order of the fp32 sums (the 1e-20 changes no fp32 sum of softmax scores).
+// the order of the fp32 sums (the 1e-20 changes no fp32 sum of softmax scores). A token left
+// with fewer than K finite choice scores (an infinite bias): the CPU reference raises; CUDA writes
+// expert -1 with a NaN weight for each missing choice.
 void moe_topk(const RouterArgs& args, cudaStream_t stream = nullptr);
 
 // The dispatch step of a mixture-of-experts layer: its (token, k) pairs sorted by expert, as
