@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kBlockThreads) moe_topk_kernel(const TopkKerne
         best = lane + 32 * i;
       }
     warp_arg_max(best_key, best);
-    float best_score = __int_as_float(0x7fc00000);  // none left (only with an infinite bias): NaN, expert -1
+    float best_score = __int_as_float(0x7fc00000);  // none left (a bias of -inf): NaN, expert -1
 #pragma unroll
     for (int i = 0; i < VPL; ++i)
       if (lane + 32 * i == best) {

@@ -159,7 +159,7 @@ struct RouterArgs {
 // descending order, of equal ones the lower expert first, and their weights: the scores (without
 // the bias), renormalized and scaled as asked. The values transformers' routers compute, up to
 // the order of the fp32 sums (the 1e-20 changes no fp32 sum of softmax scores). A token left
-// with fewer than K finite choice scores (an infinite bias): the CPU reference raises; CUDA writes
+// with fewer than K choice scores above -inf (a bias of -inf): the CPU reference raises; CUDA writes
 // expert -1 with a NaN weight for each missing choice.
 void moe_topk(const RouterArgs& args, cudaStream_t stream = nullptr);
 
