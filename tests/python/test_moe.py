@@ -378,6 +378,27 @@ def test_moe_topk_equal_scores_take_the_lower_expert_first(device):
     assert index[0].tolist() == [0, 1, 2, 3]
 
 
+def test_moe_topk_too_few_choices():
+    """A bias of -inf leaves fewer than top_k experts to choose from: the CPU raises."""
+    bias = torch.full((8,), float("-inf"))
+    bias[:2] = 0.0
+    with pytest.raises(ValueError, match=r"token 0 has fewer than top_k \(3\) experts to choose from"):
+        fusebox.moe_topk(torch.randn(2, 8), 3, "sigmoid", bias)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_moe_topk_too_few_choices_cuda_marks_them():
+    """CUDA cannot raise without a host sync: each missing choice is expert -1 with a NaN weight;
+    the others are chosen as usual."""
+    bias = torch.full((8,), float("-inf"), device="cuda")
+    bias[[5, 2]] = 0.0
+    weights, index = call(fusebox.moe_topk, torch.randn(2, 8, device="cuda"), 3, "sigmoid", bias)
+    assert sorted(index[:, :2].flatten().tolist()) == [2, 2, 5, 5]
+    assert (index[:, 2] == -1).all() and torch.isnan(weights[:, 2]).all()
+    assert torch.isfinite(weights[:, :2]).all()
+
+
 def test_moe_topk_empty(device):
     for tokens, top_k in ((0, 2), (3, 0)):
         weights, index = call(fusebox.moe_topk, torch.randn(tokens, 8, device=device), top_k)
