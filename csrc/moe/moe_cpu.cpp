@@ -49,7 +49,8 @@ void moe_topk_cpu(const TopkPlan& p) {
   const RouterArgs& a = *p.args;
   const TensorView &logits = a.logits, &weights = a.weights, &index = a.index;
   const int64_t experts = p.num_experts;
-  std::vector<float> score(static_cast<size_t>(experts)), key(score.size()), group_key(static_cast<size_t>(a.num_groups));
+  std::vector<float> score(static_cast<size_t>(experts)), key(score.size());
+  std::vector<float> group_key(static_cast<size_t>(a.num_groups));
   std::vector<bool> taken(score.size()), group_taken(group_key.size());
   for (int64_t n = 0; n < p.tokens; ++n) {
     for (int64_t e = 0; e < experts; ++e) score[e] = load(logits.data, logits.dtype, n * logits.strides[0] + e);

@@ -284,7 +284,8 @@ TEST_F(CudaVsCpu, MoeSortMatchesCpu) {
       for (int64_t top_k : {1, 6, 8})
         for (DType idx : {DType::kInt32, DType::kInt64}) {
           const bool column_major = top_k == 6;
-          HostTensor index(idx, {tokens, top_k}, column_major ? std::vector<int64_t>{1, tokens} : std::vector<int64_t>{});
+          const std::vector<int64_t> strides = column_major ? std::vector<int64_t>{1, tokens} : std::vector<int64_t>{};
+          HostTensor index(idx, {tokens, top_k}, strides);
           // mostly a few hot experts (many lanes of a warp on one), the rest spread
           std::uniform_int_distribution<int64_t> any(0, num_experts - 1), hot(0, std::min<int64_t>(num_experts, 3) - 1);
           std::bernoulli_distribution is_hot(0.5);
