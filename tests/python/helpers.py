@@ -389,8 +389,8 @@ LLM_FAMILIES = {
 }
 
 
-# module kinds a family has no fused forward for: MoE blocks (their routing keeps its code; the
-# experts module has a fused forward of its own), GPT-OSS's experts (biases, interleaved gate/up,
+# module kinds a family has no fused forward for: MoE blocks (their router and experts modules
+# have fused forwards of their own), GPT-OSS's experts (biases, interleaved gate/up,
 # a clamped gate), Llama 4's attention on its NoPE layers (their temperature tuning keeps the
 # model's code)
 LLM_KINDS_LEFT = {"mixtral": ("MLP",), "gpt_oss": ("MLP", "Experts"), "llama4": ("Attention",)}

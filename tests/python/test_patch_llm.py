@@ -1268,14 +1268,16 @@ def test_compile_fullgraph_no_graph_break(family):
 
 
 MOE_LAYERS = {"qwen3_moe": 1, "qwen2_moe": 2, "mixtral": 2, "glm4_moe": 1, "deepseek_v2": 1}
+# the routers run as one moe_topk a MoE layer (GLM-4.5's: sigmoid scores, a bias, groups)
+ROUTED_LAYERS = MOE_LAYERS
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("family", list(MOE_LAYERS))
 def test_grouped_experts_fused_eager_original_compiled(family, device, monkeypatch):
-    """transformers' grouped experts (its default experts implementation) run their gate as one
-    gated_activation_packed and their combine as one moe_combine a MoE layer and match the
-    original in fp32; compiled, and with the
+    """transformers' grouped experts (its default experts implementation) sort their pairs as
+    one moe_sort, run their gate as one gated_activation_packed and their combine as one
+    moe_combine a MoE layer and match the original in fp32; compiled, and with the
     experts split over ranks or another experts implementation, the original runs."""
     model = build(family, device=device)
     ids = token_ids(device=device)
@@ -1287,12 +1289,14 @@ def test_grouped_experts_fused_eager_original_compiled(family, device, monkeypat
         out = logits(model, ids)
     assert ops.calls.get("gated_act_packed", 0) == MOE_LAYERS[family], ops.calls
     assert ops.calls.get("moe_combine", 0) == MOE_LAYERS[family], ops.calls
+    assert ops.calls.get("moe_sort", 0) == MOE_LAYERS[family], ops.calls
+    assert ops.calls.get("moe_topk", 0) == ROUTED_LAYERS[family], ops.calls
     assert rel_err(out, ref) < 1e-5
     torch._dynamo.reset()
     backend = GraphOps()
     with torch.no_grad():
         compiled = torch.compile(model, fullgraph=True, backend=backend)(ids).logits
-    assert not {"gated_act_packed", "moe_combine"} & backend.ops, backend.ops
+    assert not {"gated_act_packed", "moe_combine", "moe_sort"} & backend.ops, backend.ops
     assert rel_err(compiled, ref) < 1e-5
     from fusebox.patch import llm as patch_llm
     for setting in ("ranks", "implementation"):
@@ -1303,8 +1307,62 @@ def test_grouped_experts_fused_eager_original_compiled(family, device, monkeypat
                 m.setattr(model.config, "_experts_implementation_internal", "batched_mm")
             with FuseboxOps() as ops:
                 out = logits(model, ids)
-        assert not {"gated_act_packed", "moe_combine"} & set(ops.calls), (setting, ops.calls)
+        assert not {"gated_act_packed", "moe_combine", "moe_sort"} & set(ops.calls), \
+            (setting, ops.calls)
         assert rel_err(out, ref) < 1e-5, setting
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family,config", [
+    ("qwen3_moe", {}), ("qwen2_moe", {}), ("mixtral", {}), ("deepseek_v2", {}), ("glm4_moe", {}),
+    ("deepseek_v3", {"n_routed_experts": 8, "n_group": 4, "topk_group": 2})])
+def test_router_matches_the_original(family, config, device, dtype):
+    """A fused router returns the original's logits, the same experts and weights of the same
+    dtype within fp32 rounding (the unsorted top-k of DeepSeek's and GLM's compared by expert),
+    eager and compiled, in one moe_topk; DeepSeek-V3's with a bias and 2 of 4 groups."""
+    model = (tiny_latent_attention(family, device=device, **config) if family in LATENT_ATTENTION
+             else build(family, device=device)).to(dtype)
+    router = next(m for m in model.modules() if type(m).__name__.endswith("Router"))
+    assert getattr(router, "num_group", 1) == config.get("n_group", getattr(router, "num_group", 1))
+    gen = torch.Generator().manual_seed(3)
+    if hasattr(router, "e_score_correction_bias"):
+        router.e_score_correction_bias.copy_(0.1 * torch.randn(router.e_score_correction_bias.shape,
+                                                               generator=gen))
+    x = torch.randn(37, model.config.hidden_size, generator=gen).to(device, dtype)
+    with torch.no_grad():
+        want = router(x)
+    fusebox.patch(model)
+    with FuseboxOps() as ops, torch.no_grad():
+        got = router(x)
+    assert ops.calls.get("moe_topk") == 1, ops.calls
+    torch._dynamo.reset()
+    with torch.no_grad():
+        compiled = torch.compile(router, fullgraph=True)(x)
+    for out in (got, compiled):
+        assert torch.equal(out[0], want[0])
+        index, order = out[2].sort(-1)
+        want_index, want_order = want[2].sort(-1)
+        assert torch.equal(index, want_index)
+        weights, want_weights = out[1].gather(-1, order), want[1].gather(-1, want_order)
+        assert weights.dtype == want_weights.dtype
+        tol = 1e-6 if weights.dtype == torch.float32 else 1e-2
+        assert torch.allclose(weights.float(), want_weights.float(), rtol=tol, atol=0)
+
+
+def test_router_group_limited_keeps_its_code():
+    """DeepSeek-V2's group-limited top-k is not fused: the router keeps its code and says why."""
+    model = tiny_latent_attention("deepseek_v2", n_group=2, topk_group=1,
+                                  topk_method="group_limited_greedy")
+    ids = token_ids()
+    ref = logits(model, ids)
+    report = fusebox.patch(model)
+    assert any(e.kind == "DeepseekV2TopkRouter" and "greedy alone is fused" in e.what
+               for e in report.skipped), str(report)
+    with FuseboxOps() as ops:
+        out = logits(model, ids)
+    assert "moe_topk" not in ops.calls and ops.calls.get("moe_combine") == 1, ops.calls
+    assert rel_err(out, ref) < 1e-5
 
 
 @pytest.mark.parametrize("family", ["gemma3n_text"])

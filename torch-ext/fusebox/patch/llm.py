@@ -82,7 +82,7 @@ import inspect
 import math
 import sys
 from dataclasses import dataclass
-from typing import Callable, Dict, NamedTuple, Optional, Tuple
+from typing import Callable, Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
 
@@ -625,33 +625,140 @@ def _experts_forward(self, hidden_states, top_k_index, top_k_weights):
 def _grouped_experts(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                      top_k_weights: torch.Tensor, kind: str) -> torch.Tensor:
     """transformers' grouped experts forward with fewer passes over the (token, expert) rows,
-    the same grouped GEMMs and sums: no sentinel masks (every index names one of this module's
-    experts without expert parallelism: the masks only copy), the gate as one
+    the same grouped GEMMs and sums: the (token, expert) pairs sorted by expert in one
+    ``moe_sort``, no sentinel masks (every index names one of this module's experts without
+    expert parallelism: the masks only copy), the gate as one
     ``gated_activation_packed`` (act(gate) * up rounded once, where the original rounds both),
     and the combine (each token's rows weighted and summed, the products and sums the
     original forms) as one ``moe_combine`` pass that writes the token's row once, where the
     original writes the weighted rows, permutes and sums them."""
     from transformers.integrations.moe import _grouped_linear
 
-    num_tokens = hidden_states.shape[0]
-    num_top_k = top_k_index.shape[-1]
-    expert_ids, perm = torch.sort(top_k_index.reshape(-1))
-    # histc counts floats on these devices, ints on the others (as the original)
-    counts_of = (expert_ids.float() if hidden_states.device.type in ("cpu", "mps")
-                 else expert_ids.int())
-    offsets = torch.cumsum(torch.histc(counts_of, bins=self.num_experts, min=0,
-                                       max=self.num_experts - 1), dim=0, dtype=torch.int32)
-    gate_up = _grouped_linear(hidden_states[perm // num_top_k], self.gate_up_proj, offsets,
+    num_tokens, num_top_k = hidden_states.shape[0], top_k_index.shape[-1]
+    # one launch where the original sorts, counts, divides and inverts the permutation in eight
+    # or more; rows of one expert in the stable order (the GEMMs' rows do not depend on it)
+    row_token, offsets, pair_row = F.moe_sort(top_k_index.reshape(num_tokens, num_top_k),
+                                              self.num_experts)
+    gate_up = _grouped_linear(hidden_states.index_select(0, row_token), self.gate_up_proj, offsets,
                               is_transposed=self.is_transposed)
     out = _grouped_linear(F.gated_activation_packed(gate_up, kind, gate_first=True),
                           self.down_proj, offsets, is_transposed=self.is_transposed)
-    # each (token, k) pair's row among the sorted ones: the combine reads them in token order
-    inv_perm = torch.empty_like(perm)
-    inv_perm[perm] = torch.arange(perm.numel(), device=perm.device)
     weights = top_k_weights.reshape(num_tokens, num_top_k)
     if weights.dtype not in (torch.float32, out.dtype):
         weights = weights.float()
-    return F.moe_combine(out, inv_perm.view(num_tokens, num_top_k), weights).to(hidden_states.dtype)
+    return F.moe_combine(out, pair_row, weights).to(hidden_states.dtype)
+
+
+# transformers' top-k routers, recognized by their forward's whole text (whitespace and comments
+# removed): the logits stay a GEMM; the scores, the top-k choice, renormalization, routing scale
+# and cast after it run as one moe_topk.
+_ROUTER_HEAD = ("defforward(self,hidden_states):"
+                "hidden_states=hidden_states.reshape(-1,self.hidden_dim)"
+                "router_logits=F.linear(hidden_states,self.weight)")
+_ROUTER_TOPK = "router_top_value,router_indices=torch.topk(router_probs,self.top_k,dim=-1)"
+_ROUTER_RENORM = "router_top_value/=router_top_value.sum(dim=-1,keepdim=True)"
+_ROUTER_TAIL = "router_scores=router_top_valuereturnrouter_logits,router_scores,router_indices"
+_MIXTRAL_ROUTER = "".join((
+    _ROUTER_HEAD, "router_probs=torch.nn.functional.softmax(router_logits.float(),dim=-1)",
+    _ROUTER_TOPK, _ROUTER_RENORM, _ROUTER_TAIL))
+_QWEN_MOE_ROUTER = "".join((   # Qwen2/3-MoE's, OLMoE's
+    _ROUTER_HEAD, "router_probs=torch.nn.functional.softmax(router_logits,dtype=torch.float,dim=-1)",
+    _ROUTER_TOPK, "ifself.norm_topk_prob:", _ROUTER_RENORM,
+    "router_top_value=router_top_value.to(router_logits.dtype)", _ROUTER_TAIL))
+_FP32_ROUTER_HEAD = (
+    "defforward(self,hidden_states):hidden_states=hidden_states.view(-1,self.hidden_dim)"
+    "router_logits=F.linear(hidden_states.type(torch.float32),self.weight.type(torch.float32))")
+_GROUP_MASK = (
+    "group_mask=torch.zeros_like(group_scores)group_mask.scatter_(1,group_idx,1)"
+    "score_mask=(group_mask.unsqueeze(-1).expand(-1,self.num_group,self.num_experts//self.num_group)"
+    ".reshape(-1,self.num_experts))")
+_DEEPSEEK_V2_ROUTER = "".join((  # its greedy method alone is fused
+    _FP32_ROUTER_HEAD,
+    "scores=router_logits.softmax(dim=-1,dtype=torch.float32)",
+    'ifself.topk_method=="greedy":',
+    "topk_weights,topk_indices=torch.topk(scores,k=self.top_k,dim=-1,sorted=False)",
+    'elifself.topk_method=="group_limited_greedy":',
+    "group_scores=scores.view(-1,self.num_group,self.num_experts//self.num_group).max(dim=-1).values",
+    "group_idx=torch.topk(group_scores,k=self.topk_group,dim=-1,sorted=False)[1]", _GROUP_MASK,
+    "scores=scores.masked_fill(~score_mask.bool(),0.0)",
+    "topk_weights,topk_indices=torch.topk(scores,k=self.top_k,dim=-1,sorted=False)",
+    "topk_weights=topk_weights*self.routed_scaling_factor",
+    "returnrouter_logits,topk_weights,topk_indices"))
+_DEEPSEEK_V3_ROUTER = "".join((  # DeepSeek-V3's, GLM-4.5's: sigmoid scores, bias, groups
+    _FP32_ROUTER_HEAD,
+    "scores=router_logits.sigmoid()scores_for_choice=scores+self.e_score_correction_bias",
+    "group_scores=(scores_for_choice.view(-1,self.num_group,self.num_experts//self.num_group)"
+    ".topk(2,dim=-1)[0].sum(dim=-1))",
+    "group_idx=torch.topk(group_scores,k=self.topk_group,dim=-1,sorted=False)[1]", _GROUP_MASK,
+    'scores_for_choice=scores_for_choice.masked_fill(~score_mask.bool(),float("-inf"))',
+    "topk_indices=torch.topk(scores_for_choice,k=self.top_k,dim=-1,sorted=False)[1]",
+    "topk_weights=scores.gather(1,topk_indices)",
+    "ifself.norm_topk_prob:denominator=topk_weights.sum(dim=-1,keepdim=True)+1e-20"
+    "topk_weights/=denominator",
+    "topk_weights=topk_weights*self.routed_scaling_factor",
+    "returnrouter_logits,topk_weights,topk_indices"))
+
+
+class RouterForm(NamedTuple):
+    """What a router does after its logits."""
+    score: str                      # "softmax" or "sigmoid"
+    renormalize: Union[bool, str]   # always, never, or as this attribute says (norm_topk_prob)
+    scale: Optional[str]            # the attribute holding the routing scale
+    fp32_logits: bool               # the logits from fp32 casts of the input and weight
+    weights_in_logits_dtype: bool   # else fp32
+    grouped: bool = False           # the choice by score + e_score_correction_bias, in groups
+
+
+_ROUTERS: Dict[str, RouterForm] = {
+    _MIXTRAL_ROUTER: RouterForm("softmax", True, None, False, False),
+    _QWEN_MOE_ROUTER: RouterForm("softmax", "norm_topk_prob", None, False, True),
+    _DEEPSEEK_V2_ROUTER: RouterForm("softmax", False, "routed_scaling_factor", True, False),
+    _DEEPSEEK_V3_ROUTER: RouterForm("sigmoid", "norm_topk_prob", "routed_scaling_factor", True, False,
+                                    grouped=True),
+}
+
+
+def _router_patch(module: torch.nn.Module) -> Tuple[Optional[Callable], str]:
+    """The fused forward of a router of one of the forms above, or (None, why)."""
+    form = _ROUTERS[source_text(type(module).forward)]
+    weight = getattr(module, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return None, "router without a [experts, hidden] weight"
+    experts, top_k = weight.shape[0], module.top_k
+    if experts > 1024 or not 1 <= top_k <= min(32, experts):
+        return None, f"{experts} experts, top-{top_k} (the kernel takes up to 1024 experts and top-32)"
+    if form.score == "softmax" and form.scale is not None and getattr(module, "topk_method", None) != "greedy":
+        return None, f"topk_method {getattr(module, 'topk_method', None)!r} (greedy alone is fused)"
+    if form.grouped:
+        groups, chosen = module.num_group, module.topk_group
+        if not (1 <= groups <= 32 and experts % groups == 0 and 1 <= chosen <= groups
+                and (groups == 1 or (experts // groups >= 2 and chosen * experts // groups >= top_k))):
+            return None, f"{groups} groups of {experts} experts, {chosen} chosen (the kernel takes up to 32)"
+    return _make_router_forward(form), "moe_topk in the router"
+
+
+def _make_router_forward(form: RouterForm) -> Callable:
+    score, renormalize, scale, fp32_logits, cast, grouped = form
+
+    def forward(self, hidden_states):
+        if (not _fusable(hidden_states, self.weight)
+                or (score == "softmax" and scale is not None and self.topk_method != "greedy")):
+            return type(self).forward(self, hidden_states)
+        hidden_states = hidden_states.reshape(-1, self.hidden_dim)
+        if fp32_logits:
+            logits = torch.nn.functional.linear(hidden_states.type(torch.float32),
+                                                self.weight.type(torch.float32))
+        else:
+            logits = torch.nn.functional.linear(hidden_states, self.weight)
+        renorm = renormalize if isinstance(renormalize, bool) else bool(getattr(self, renormalize))
+        weights, index = F.moe_topk(
+            logits, self.top_k, score, self.e_score_correction_bias if grouped else None,
+            self.num_group if grouped else 1, self.topk_group if grouped else 1, renorm,
+            1.0 if scale is None else float(getattr(self, scale)),
+            logits.dtype if cast else torch.float32)
+        return logits, weights, index
+
+    return forward
 
 
 # --------------------------------------------------------------------------- attention
@@ -1983,6 +2090,10 @@ def _classify(module) -> Tuple[Optional[Callable], str, bool]:
                     f"gated_activation_packed ({activation})", True)
         return (_make_mlp_forward(activation, _has_dropout(module)),
                 f"gated_activation ({activation})", True)
+    if name.endswith("Router") and source_text(type(module).forward) in _ROUTERS:
+        # (routers of other forms, sigmoid or grouped scores, are not candidates: not reported)
+        fn, what = _router_patch(module)
+        return fn, what, True
     if name.endswith("Experts") and hasattr(module, "gate_up_proj") and hasattr(module, "has_gate"):
         # an experts class of transformers' experts interface (which sets has_gate)
         fn, what = _experts_patch(module)
