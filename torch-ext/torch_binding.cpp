@@ -432,7 +432,18 @@ std::tuple<Tensor, Tensor, Tensor> moe_sort(const Tensor& index, int64_t num_exp
   const TensorView i = index_view(index, "index"), rt = view_as(row_token, "row_token", fusebox::DType::kInt32),
                    of = view_as(offsets, "offsets", fusebox::DType::kInt32),
                    pr = view_as(pair_row, "pair_row", fusebox::DType::kInt32);
-  run(index, [&](cudaStream_t s) { fusebox::moe_sort(i, num_experts, rt, of, pr, s); });
+  run(index, [&](cudaStream_t s) {
+    // the counts of a sort over many blocks, from the caching allocator (no sync, no memset)
+    Tensor workspace;
+    TensorView ws;
+    const int64_t elements =
+        index.is_cuda() ? fusebox::moe_sort_workspace_size(index.size(0), index.size(1), num_experts) : 0;
+    if (elements > 0) {
+      workspace = at::empty({elements}, opts);
+      ws = view_as(workspace, "workspace", fusebox::DType::kInt32);
+    }
+    fusebox::moe_sort(i, num_experts, rt, of, pr, s, ws);
+  });
   return {row_token, offsets, pair_row};
 }
 

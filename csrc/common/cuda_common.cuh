@@ -426,6 +426,8 @@ struct TuningKnobs {
   std::optional<int> moe_items;       // FUSEBOX_MOE_ITEMS: the combine's vectors a thread (1, 2 or 4)
   std::optional<int> moe_chunk;       // FUSEBOX_MOE_CHUNK: the combine's threads a column chunk (32, 64,
                                       // 128 or 256), spreading a token's row over more blocks
+  std::optional<int> moe_sort_tile;   // FUSEBOX_MOE_SORT_TILE: the sort's pairs a block at least (larger
+                                      // than the index: one block sorts it in one launch)
 };
 const TuningKnobs& tuning_knobs();
 

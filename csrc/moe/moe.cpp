@@ -86,8 +86,15 @@ void moe_topk(const RouterArgs& a, cudaStream_t stream) {
   cuda::moe_topk_cuda(p, stream);
 }
 
+int64_t moe_sort_workspace_size(int64_t tokens, int64_t top_k, int64_t num_experts) {
+  FUSEBOX_CHECK(tokens >= 0 && top_k >= 0, "tokens and top_k must be non-negative; got ", tokens, " and ", top_k);
+  FUSEBOX_CHECK(num_experts >= 1, "num_experts must be at least 1; got ", num_experts);
+  return cuda::moe_sort_workspace_size(tokens, top_k, num_experts);
+}
+
 void moe_sort(const TensorView& index, int64_t num_experts, const TensorView& row_token,
-              const TensorView& offsets, const TensorView& pair_row, cudaStream_t stream) {
+              const TensorView& offsets, const TensorView& pair_row, cudaStream_t stream,
+              const TensorView& workspace) {
   check_index(index, "index");
   FUSEBOX_CHECK(num_experts >= 1, "num_experts must be at least 1; got ", num_experts);
   const int64_t tokens = index.shape[0], top_k = index.shape[1], pairs = tokens * top_k;
@@ -104,7 +111,15 @@ void moe_sort(const TensorView& index, int64_t num_experts, const TensorView& ro
   detail::check_dtype_is(pair_row, "pair_row", DType::kInt32, "the index type moe_sort writes");
   detail::check_same_device(
       {{&index, "index"}, {&row_token, "row_token"}, {&offsets, "offsets"}, {&pair_row, "pair_row"}});
-  const SortPlan p{&index, &row_token, &offsets, &pair_row, tokens, top_k, num_experts};
+  if (workspace.defined()) {
+    FUSEBOX_CHECK(workspace.ndim == 1 && workspace.strides[0] == 1,
+                  "workspace must be a contiguous 1-D tensor; got shape ", workspace.shape_str());
+    detail::check_dtype_is(workspace, "workspace", DType::kInt32, "the counts moe_sort keeps");
+    FUSEBOX_CHECK(reinterpret_cast<uintptr_t>(workspace.data) % 16 == 0,
+                  "workspace must start at a 16-byte aligned address");
+    detail::check_same_device({{&index, "index"}, {&workspace, "workspace"}});
+  }
+  const SortPlan p{&index, &row_token, &offsets, &pair_row, &workspace, tokens, top_k, num_experts};
   if (index.device == Device::kCPU) {
     cpu::moe_sort_cpu(p);
     return;

@@ -27,12 +27,14 @@ struct SortPlan {
   const TensorView* row_token;
   const TensorView* offsets;
   const TensorView* pair_row;
+  const TensorView* workspace;  // int32, or undefined (one block sorts)
   int64_t tokens, top_k, num_experts;
 };
 
 namespace cuda {
 void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream);
 void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream);
+int64_t moe_sort_workspace_size(int64_t tokens, int64_t top_k, int64_t num_experts);
 void moe_topk_cuda(const TopkPlan& plan, cudaStream_t stream);
 }
 namespace cpu {

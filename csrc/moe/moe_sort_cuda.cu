@@ -1,40 +1,86 @@
-// Mixture-of-experts dispatch sort: the (token, k) pairs ordered by expert in one launch of one
-// block, a stable counting sort. Unfused, the same step is a radix sort of the flattened index,
-// a histogram, a cumulative sum, a division for the tokens and an inverse permutation by index_put:
-// eight or more launches a layer on a path the host already bounds (DeepSeek-V2-Lite's patched
-// prefill waited on launches 17.5 ms of 48.1).
+// Mixture-of-experts dispatch sort: the (token, k) pairs ordered by expert, a stable counting
+// sort. Unfused, the same step is a radix sort of the flattened index, a histogram, a cumulative
+// sum, a division for the tokens and an inverse permutation by index_put: eight or more launches
+// a layer on a path the host already bounds (DeepSeek-V2-Lite's patched prefill waited on
+// launches 17.5 ms of 48.1).
 //
-// Warp w owns the pairs [w * chunk, (w + 1) * chunk). Pass 1 counts each warp's pairs per bucket
-// (expert, or one bucket past them for an index outside the experts) in shared memory; an
-// exclusive scan in (bucket, warp) order turns the counts into each warp's first row per bucket;
-// pass 2 re-reads the pairs 32 at a time in pair order, where lanes of one bucket (found by
-// __match_any_sync) take consecutive rows by their lane order. Warp chunks and rounds follow pair
-// order, so the result is the stable sort's. One block sorts DeepSeek-V2-Lite's 2048 x 6 pairs in
-// 24 rounds a warp (12 a pass); the grouped GEMMs that follow take milliseconds.
+// The pairs split into tiles of consecutive pairs, one block a tile, and a tile into warp chunks.
+// Each warp counts its pairs per bucket (expert, or one bucket past them for an index outside the
+// experts) in shared memory. A bucket's first row for a warp is then: the pairs of every lower
+// bucket, plus this bucket's pairs in earlier tiles, plus those of the tile's earlier warps. With
+// one tile the block has every count itself; with several, a counting launch first writes each
+// tile's counts to the workspace, and every block sums the earlier tiles' and all tiles' counts
+// from it (a few KB, from L2). Each warp then re-reads its pairs 32 at a time in pair order, and
+// lanes of one bucket (found by __match_any_sync) take consecutive rows by lane order: tiles,
+// chunks and rounds follow pair order, so the result is the stable sort's.
+//
+// One block was 31.8 us at DeepSeek-V2-Lite's 2048 x 6 pairs on an H100 (and slower than
+// torch.compile at 8192 x 8): an SM issues the scattered row stores and the dependent rounds of
+// every pair alone. Tiles of about 1024 pairs spread them over up to kMaxTiles SMs.
 #include "moe/moe_impl.h"
 #include "moe/moe_operands.cuh"
+
+#include <limits>
 
 namespace fusebox::cuda {
 namespace {
 
-constexpr int kMaxWarps = 32;
-constexpr int kRounds = 8;  // rounds of 32 pairs a warp loads before it uses them (loads in flight)
-// The counts' shared memory: under the 48 KB a block takes without an opt-in on every GPU, with
-// room for the static scan scratch.
-constexpr int kCountsBytes = 47 * 1024;
+constexpr int kMaxWarps = 32;      // of the one block that sorts a small index alone
+constexpr int kTileWarps = 8;      // of each block of a tiled sort
+constexpr int kTilePairs = 1024;   // a tile's pairs at least (FUSEBOX_MOE_SORT_TILE for tuning)
+constexpr int kMaxTiles = 64;      // larger indexes take larger tiles
+constexpr int kRounds = 8;         // rounds of 32 pairs a warp loads before it uses them
+// Shared memory: the warps' counts and two arrays a bucket, under the 48 KB a block takes without
+// an opt-in on every GPU, with room for the static scan scratch.
+constexpr int kSmemBytes = 47 * 1024;
+constexpr int64_t kMaxCells = kSmemBytes / int64_t(sizeof(int));
 
 struct SortKernelArgs {
   IndexPtr index;
   int* row_token;
   int* offsets;
   int* pair_row;
+  int* tile_counts;  // [tiles][buckets] (several tiles) or null (one)
   Strides2D index_strides, pair_row_strides;
   int64_t row_token_s, offsets_s;
-  int pairs, top_k, num_experts, chunk;  // chunk: pairs of a warp, a multiple of 32
+  int pairs, top_k, num_experts, tile_pairs, chunk;  // chunk: pairs of a warp, a multiple of 32
 };
 
+// How the pairs split: `tiles` blocks of `warps` warps, each warp `chunk` pairs of its tile's
+// `tile_pairs`. A tiled sort needs tiles * buckets counts of workspace (rounded up to whole int4).
+struct SortTiles {
+  int tiles = 1, warps = 1, tile_pairs = 0, chunk = 32;
+  int64_t workspace = 0;
+};
+
+SortTiles sort_tiles(int64_t pairs, int64_t buckets, int64_t workspace_available) {
+  SortTiles s;
+  const int64_t min_tile = std::max<int64_t>(32, tuning_knobs().moe_sort_tile.value_or(kTilePairs));
+  const int64_t tile_warps = std::min<int64_t>(kTileWarps, kMaxCells / buckets - 2);
+  if (pairs > min_tile && tile_warps >= 1) {
+    const int64_t align = 32 * tile_warps;
+    const int64_t tile = (std::max(min_tile, (pairs + kMaxTiles - 1) / kMaxTiles) + align - 1) / align * align;
+    const int64_t tiles = (pairs + tile - 1) / tile;
+    const int64_t workspace = (tiles * buckets + 3) / 4 * 4;
+    if (tiles > 1 && workspace <= workspace_available) {
+      s.tiles = int(tiles);
+      s.warps = int(tile_warps);
+      s.tile_pairs = int(tile);
+      s.chunk = int(tile / tile_warps);
+      s.workspace = workspace;
+      return s;
+    }
+  }
+  // one block: as many warps as the counts' memory holds, up to one per 32 pairs; at least one,
+  // which writes the offsets (all zero) where there are no pairs
+  s.warps = int(std::max<int64_t>(1, std::min<int64_t>({kMaxWarps, kMaxCells / buckets - 2, (pairs + 31) / 32})));
+  s.tile_pairs = int(pairs);
+  s.chunk = int(((pairs + s.warps - 1) / s.warps + 31) / 32 * 32);
+  return s;
+}
+
 // The bucket of pair `pair`: its expert, or num_experts for an index outside the experts; -1 past
-// the warp's last pair.
+// `end`.
 __device__ __forceinline__ int bucket_of(const SortKernelArgs& p, int pair, int end) {
   if (pair >= end) return -1;
   const int token = pair / p.top_k, k = pair - token * p.top_k;
@@ -42,17 +88,15 @@ __device__ __forceinline__ int bucket_of(const SortKernelArgs& p, int pair, int 
   return e >= 0 && e < p.num_experts ? int(e) : p.num_experts;
 }
 
-// Exclusive prefix sums, in place, of the n cells visited in the order cell(0), cell(1), ...;
-// every thread of the block calls it. Thread t sums a run of consecutive positions, the block
-// scans the run sums (shuffles, then warp 0 over the warp totals), and each thread writes its
-// run's prefixes.
-template <typename Cell>
-__device__ void block_exclusive_scan(int* cells, int n, Cell cell, int* warp_totals) {
+// Exclusive prefix sums of cells[0, n), in place; every thread of the block calls it. Thread t
+// sums a run of consecutive cells, the block scans the run sums (shuffles, then warp 0 over the
+// warp totals), and each thread writes its run's prefixes.
+__device__ void block_exclusive_scan(int* cells, int n, int* warp_totals) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
   const int per_thread = (n + blockDim.x - 1) / blockDim.x;
   const int first = min(n, int(threadIdx.x) * per_thread), last = min(n, first + per_thread);
   int run = 0;
-  for (int i = first; i < last; ++i) run += cells[cell(i)];
+  for (int i = first; i < last; ++i) run += cells[i];
   int inclusive = run;
 #pragma unroll
   for (int off = 1; off < 32; off <<= 1) {
@@ -75,27 +119,54 @@ __device__ void block_exclusive_scan(int* cells, int n, Cell cell, int* warp_tot
   __syncthreads();
   int prefix = warp_totals[warp] + inclusive - run;
   for (int i = first; i < last; ++i) {
-    const int c = cells[cell(i)];
-    cells[cell(i)] = prefix;
+    const int c = cells[i];
+    cells[i] = prefix;
     prefix += c;
   }
   __syncthreads();
 }
 
+// A tiled sort's first launch: each tile's pairs per bucket, to tile_counts[tile][bucket].
+__global__ void __launch_bounds__(kTileWarps * 32) moe_sort_count_kernel(const SortKernelArgs p) {
+  extern __shared__ int counts[];
+  const int buckets = p.num_experts + 1;
+  for (int b = threadIdx.x; b < buckets; b += blockDim.x) counts[b] = 0;
+  const int begin = blockIdx.x * p.tile_pairs, end = min(begin + p.tile_pairs, p.pairs);
+  __syncthreads();
+  pdl_wait();
+  for (int base = begin; base < end; base += blockDim.x * kRounds) {
+    int bucket[kRounds];
+#pragma unroll
+    for (int r = 0; r < kRounds; ++r) bucket[r] = bucket_of(p, base + r * blockDim.x + threadIdx.x, end);
+#pragma unroll
+    for (int r = 0; r < kRounds; ++r)
+      if (bucket[r] >= 0) atomicAdd(&counts[bucket[r]], 1);
+  }
+  pdl_release();
+  __syncthreads();
+  for (int b = threadIdx.x; b < buckets; b += blockDim.x) p.tile_counts[int64_t(blockIdx.x) * buckets + b] = counts[b];
+}
+
 __global__ void __launch_bounds__(kMaxWarps * 32) moe_sort_kernel(const SortKernelArgs p) {
   // counts[warp * buckets + bucket]: a warp's pairs of each bucket, then the row of its first one.
   // Warp-major, so the lanes of a warp, which hold different buckets, hit different banks.
-  extern __shared__ int counts[];
+  // first[bucket]: the bucket's pairs (in all tiles), then the row of its first one.
+  // earlier[bucket]: the bucket's pairs in earlier tiles.
+  extern __shared__ int smem[];
   __shared__ int warp_totals[kMaxWarps];
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int buckets = p.num_experts + 1;
+  int* const counts = smem;
+  int* const first = smem + warps * buckets;
+  int* const earlier = first + buckets;
   int* const mine = counts + warp * buckets;
-  for (int i = threadIdx.x; i < buckets * warps; i += blockDim.x) counts[i] = 0;
-  const int begin = min(warp * p.chunk, p.pairs), end = min(begin + p.chunk, p.pairs);
+  for (int i = threadIdx.x; i < (warps + 2) * buckets; i += blockDim.x) smem[i] = 0;
+  const int tile_end = min((blockIdx.x + 1) * p.tile_pairs, p.pairs);
+  const int begin = min(blockIdx.x * p.tile_pairs + warp * p.chunk, tile_end), end = min(begin + p.chunk, tile_end);
   __syncthreads();
   pdl_wait();
 
-  // 1. count (the loop is uniform over a warp: begin and end are the warp's)
+  // 1. count (the loops are uniform over a warp: begin and end are the warp's)
   for (int base = begin; base < end; base += 32 * kRounds) {
     int bucket[kRounds];
 #pragma unroll
@@ -104,17 +175,61 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_sort_kernel(const SortKern
     for (int r = 0; r < kRounds; ++r)
       if (bucket[r] >= 0) atomicAdd(&mine[bucket[r]], 1);
   }
+
+  // 2. every bucket's pairs, and those in earlier tiles
+  if (p.tile_counts == nullptr) {
+    __syncthreads();
+    for (int b = threadIdx.x; b < buckets; b += blockDim.x) {
+      int sum = 0;
+      for (int w = 0; w < warps; ++w) sum += counts[w * buckets + b];
+      first[b] = sum;
+    }
+  } else {
+    // int4 loads, all a thread's in flight at once (the workspace is whole int4)
+    const int4* cells4 = reinterpret_cast<const int4*>(p.tile_counts);
+    const int cells = gridDim.x * buckets, vectors = (cells + 3) / 4;
+    constexpr int kBatch = 2;  // 4 spills at the single block's 64 registers
+    for (int v0 = threadIdx.x; v0 < vectors; v0 += blockDim.x * kBatch) {
+      int4 c[kBatch];
+#pragma unroll
+      for (int r = 0; r < kBatch; ++r) {
+        const int v = v0 + r * blockDim.x;
+        c[r] = v < vectors ? __ldg(cells4 + v) : make_int4(0, 0, 0, 0);
+      }
+#pragma unroll
+      for (int r = 0; r < kBatch; ++r) {
+        const int cell = 4 * (v0 + r * blockDim.x);
+        const int n[4] = {c[r].x, c[r].y, c[r].z, c[r].w};
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          if (n[j] == 0 || cell + j >= cells) continue;  // the padding past the last tile is unwritten
+          const int tile = (cell + j) / buckets, b = cell + j - tile * buckets;
+          atomicAdd(&first[b], n[j]);
+          if (tile < int(blockIdx.x)) atomicAdd(&earlier[b], n[j]);
+        }
+      }
+    }
+  }
   __syncthreads();
 
-  // 2. each warp's first row per bucket: prefix sums in (bucket, warp) order
-  block_exclusive_scan(
-      counts, buckets * warps, [=](int i) { return (i % warps) * buckets + i / warps; }, warp_totals);
+  // 3. each bucket's first row, then each warp's: the lower buckets' pairs, then the earlier
+  // tiles' and warps' of this bucket
+  block_exclusive_scan(first, buckets, warp_totals);
   pdl_release();
-  // expert e's rows end where the next bucket's begin (warp 0's first row of bucket e + 1)
-  for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) p.offsets[e * p.offsets_s] = counts[e + 1];
-  __syncthreads();  // before warp 0 moves its first rows on
+  // expert e's rows end where the next bucket's begin
+  if (blockIdx.x == 0)
+    for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) p.offsets[e * p.offsets_s] = first[e + 1];
+  for (int b = threadIdx.x; b < buckets; b += blockDim.x) {
+    int row = first[b] + earlier[b];
+    for (int w = 0; w < warps; ++w) {
+      const int c = counts[w * buckets + b];
+      counts[w * buckets + b] = row;
+      row += c;
+    }
+  }
+  __syncthreads();
 
-  // 3. place the pairs in pair order
+  // 4. place the pairs in pair order
   const unsigned lanes_before = (1u << lane) - 1u;
   for (int base = begin; base < end; base += 32 * kRounds) {
     int bucket[kRounds];
@@ -122,6 +237,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_sort_kernel(const SortKern
     for (int r = 0; r < kRounds; ++r) bucket[r] = bucket_of(p, base + r * 32 + lane, end);
 #pragma unroll
     for (int r = 0; r < kRounds; ++r) {
+      if (base + r * 32 >= end) break;  // uniform over the warp
       const unsigned peers = __match_any_sync(0xffffffffu, bucket[r]);
       const int rank = __popc(peers & lanes_before);
       const int row = bucket[r] >= 0 ? mine[bucket[r]] + rank : 0;
@@ -137,18 +253,31 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_sort_kernel(const SortKern
   }
 }
 
+void check_experts(int64_t num_experts) {
+  // one warp's counts and the two bucket arrays must fit the shared memory
+  const int64_t most = kMaxCells / 3 - 1;
+  FUSEBOX_CHECK(num_experts <= most, "num_experts must be at most ", most, " (the sort counts pairs in ", kSmemBytes,
+                " bytes of shared memory); got ", num_experts);
+}
+
 }  // namespace
 
+int64_t moe_sort_workspace_size(int64_t tokens, int64_t top_k, int64_t num_experts) {
+  check_experts(num_experts);
+  return sort_tiles(tokens * top_k, num_experts + 1, std::numeric_limits<int64_t>::max()).workspace;
+}
+
 void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream) {
-  const int64_t max_cells = kCountsBytes / int64_t(sizeof(int)), buckets = plan.num_experts + 1;
-  FUSEBOX_CHECK(buckets <= max_cells, "num_experts must be at most ", max_cells - 1, " (the sort counts pairs in ",
-                kCountsBytes, " bytes of shared memory); got ", plan.num_experts);
-  const int64_t pairs = plan.tokens * plan.top_k;
+  check_experts(plan.num_experts);
+  const int64_t pairs = plan.tokens * plan.top_k, buckets = plan.num_experts + 1;
+  const TensorView* ws = plan.workspace;
+  const SortTiles tiles = sort_tiles(pairs, buckets, ws != nullptr && ws->defined() ? ws->shape[0] : 0);
   SortKernelArgs p{};
   p.index = index_ptr(*plan.index);
   p.row_token = static_cast<int*>(plan.row_token->data);
   p.offsets = static_cast<int*>(plan.offsets->data);
   p.pair_row = static_cast<int*>(plan.pair_row->data);
+  p.tile_counts = tiles.tiles > 1 ? static_cast<int*>(ws->data) : nullptr;
   p.index_strides = strides_2d(*plan.index);
   p.pair_row_strides = strides_2d(*plan.pair_row);
   p.row_token_s = plan.row_token->strides[0];
@@ -156,11 +285,12 @@ void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream) {
   p.pairs = int(pairs);
   p.top_k = int(std::max<int64_t>(plan.top_k, 1));
   p.num_experts = int(plan.num_experts);
-  // as many warps as the counts' memory holds, up to one per 32 pairs; at least one, which writes
-  // the offsets (all zero) where there are no pairs
-  const int warps = int(std::max<int64_t>(1, std::min<int64_t>({kMaxWarps, max_cells / buckets, (pairs + 31) / 32})));
-  p.chunk = int(((pairs + warps - 1) / warps + 31) / 32 * 32);
-  launch(moe_sort_kernel, dim3(1), dim3(warps * 32), size_t(buckets * warps) * sizeof(int), stream, p);
+  p.tile_pairs = tiles.tile_pairs;
+  p.chunk = tiles.chunk;
+  if (tiles.tiles > 1)
+    launch(moe_sort_count_kernel, dim3(tiles.tiles), dim3(kTileWarps * 32), size_t(buckets) * sizeof(int), stream, p);
+  launch(moe_sort_kernel, dim3(tiles.tiles), dim3(tiles.warps * 32), size_t((tiles.warps + 2) * buckets) * sizeof(int),
+         stream, p);
 }
 
 }  // namespace fusebox::cuda

@@ -276,8 +276,10 @@ TEST_F(CudaVsCpu, MoeTopkMatchesCpu) {
 }
 
 // The sort's outputs are integers: equal to the CPU's element for element. Sizes from one pair to
-// several rounds of every warp, experts from one to enough that fewer warps fit the counts,
-// index int32 and int64, row-major and column-major, outputs poisoned (-1 in every element).
+// several rounds of every warp and tens of tiles, experts from one to enough that fewer warps fit
+// the counts, index int32 and int64, row-major and column-major, outputs poisoned (-1 in every
+// element), over many blocks (int64 index, given the workspace, itself poisoned) and in one block
+// (int32 index, none).
 TEST_F(CudaVsCpu, MoeSortMatchesCpu) {
   for (int64_t num_experts : {1, 8, 64, 257, 3001})
     for (int64_t tokens : {1, 333, 4099})
@@ -296,11 +298,17 @@ TEST_F(CudaVsCpu, MoeSortMatchesCpu) {
           HostTensor got_row_token = row_token, got_offsets = offsets, got_pair_row = pair_row;
           for (HostTensor* t : {&got_row_token, &got_offsets, &got_pair_row}) t->view.data = t->storage.data();
           DeviceMirror dindex(index), drow_token(got_row_token), doffsets(got_offsets), dpair_row(got_pair_row);
-          for (DeviceMirror* d : {&drow_token, &doffsets, &dpair_row})
+          const int64_t workspace_size =
+              idx == DType::kInt64 ? fusebox::moe_sort_workspace_size(tokens, top_k, num_experts) : 0;
+          HostTensor workspace(DType::kInt32, {std::max<int64_t>(workspace_size, 1)});
+          DeviceMirror dworkspace(workspace);
+          for (DeviceMirror* d : {&drow_token, &doffsets, &dpair_row, &dworkspace})
             ASSERT_EQ(cudaMemset(d->ptr, 0xff, d->host->storage.size()), cudaSuccess);
-          fusebox::moe_sort(dindex.view, num_experts, drow_token.view, doffsets.view, dpair_row.view);
+          fusebox::moe_sort(dindex.view, num_experts, drow_token.view, doffsets.view, dpair_row.view, nullptr,
+                            workspace_size > 0 ? dworkspace.view : TensorView{});
           const std::string what = std::string(fusebox::dtype_name(idx)) + " experts " + std::to_string(num_experts) +
-                                   " tokens " + std::to_string(tokens) + " top_k " + std::to_string(top_k);
+                                   " tokens " + std::to_string(tokens) + " top_k " + std::to_string(top_k) +
+                                   " workspace " + std::to_string(workspace_size);
           ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess) << what;
           for (DeviceMirror* d : {&drow_token, &doffsets, &dpair_row}) d->copy_back();
           int64_t differ = 0;

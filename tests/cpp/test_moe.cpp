@@ -113,9 +113,33 @@ TEST(MoeCpu, SortValidatesArguments) {
                {"offsets must be a 1-D tensor of num_experts (4) elements", "[3]"});
   expect_error([&] { fusebox::moe_sort(index.view, 4, row_token.view, offsets.view, wrong_pairs.view); },
                {"pair_row must have the shape of index [3, 2]"});
+  HostTensor ws64(DType::kInt64, {8}), ws2d(DType::kInt32, {2, 4}), ws(DType::kInt32, {9});
+  expect_error([&] { fusebox::moe_sort(index.view, 4, row_token.view, offsets.view, pair_row.view, nullptr, ws64.view); },
+               {"workspace must be int32", "int64"});
+  expect_error([&] { fusebox::moe_sort(index.view, 4, row_token.view, offsets.view, pair_row.view, nullptr, ws2d.view); },
+               {"workspace must be a contiguous 1-D tensor", "[2, 4]"});
+  TensorView misaligned = ws.view;
+  misaligned.data = static_cast<int32_t*>(ws.view.data) + 1;
+  misaligned.shape[0] = 8;
+  expect_error(
+      [&] { fusebox::moe_sort(index.view, 4, row_token.view, offsets.view, pair_row.view, nullptr, misaligned); },
+      {"workspace must start at a 16-byte aligned address"});
+  expect_error([&] { fusebox::moe_sort_workspace_size(-1, 2, 4); }, {"tokens and top_k must be non-negative"});
   index.set(3, 4);  // index[1, 1] = 4 of 4 experts
   expect_error([&] { fusebox::moe_sort(index.view, 4, row_token.view, offsets.view, pair_row.view); },
                {"index[1, 1] = 4 is outside the 4 experts"});
+}
+
+// The workspace a sort needs: none up to a tile of pairs, whole int4 of one count a bucket a tile
+// above, the tiles growing past kMaxTiles; too many experts for the counts' shared memory raise.
+TEST(MoeCpu, SortWorkspaceSize) {
+  EXPECT_EQ(fusebox::moe_sort_workspace_size(16, 8, 64), 0);
+  EXPECT_EQ(fusebox::moe_sort_workspace_size(0, 8, 64), 0);
+  EXPECT_EQ(fusebox::moe_sort_workspace_size(2048, 6, 64), 12 * 65);   // 12 tiles of 1024 pairs
+  EXPECT_EQ(fusebox::moe_sort_workspace_size(8192, 8, 128), 64 * 129);
+  EXPECT_EQ(fusebox::moe_sort_workspace_size(3000, 1, 8), 28);  // 3 tiles of 9 buckets, whole int4
+  EXPECT_EQ(fusebox::moe_sort_workspace_size(32768, 8, 256), 64 * 257);  // 64 tiles of 4096 pairs
+  expect_error([&] { fusebox::moe_sort_workspace_size(4, 2, 4010); }, {"num_experts must be at most 4009"});
 }
 
 namespace {

@@ -1,7 +1,7 @@
 """Launch plans and kernel variants the tuning variables can force (FUSEBOX_NORM_ITEMS,
-FUSEBOX_NORM_STAGE, FUSEBOX_ROPE_ITEMS, FUSEBOX_ACT_FLAT, FUSEBOX_NORM_FLAT, FUSEBOX_NORM_SHORT, FUSEBOX_ROPE_SHORT,
-FUSEBOX_ROPE_EARLY, FUSEBOX_ADD_FLAT, FUSEBOX_MOE_ITEMS, FUSEBOX_MOE_CHUNK, used by scripts/tune.py): each
-still computes the reference result on CUDA."""
+FUSEBOX_NORM_STAGE, FUSEBOX_ROPE_ITEMS, FUSEBOX_ACT_FLAT, FUSEBOX_NORM_FLAT, FUSEBOX_NORM_SHORT,
+FUSEBOX_ROPE_SHORT, FUSEBOX_ROPE_EARLY, FUSEBOX_ADD_FLAT, FUSEBOX_MOE_ITEMS, FUSEBOX_MOE_CHUNK,
+FUSEBOX_MOE_SORT_TILE, used by scripts/tune.py): each still computes the reference result on CUDA."""
 
 import os
 import subprocess
@@ -151,6 +151,12 @@ for dtype in (BF16, F16, F32):
         weights = torch.rand((tokens, top_k), generator=gen).cuda()
         assert_close(call(fusebox.moe_combine, rows, index, weights), ref.moe_combine(rows, index, weights),
                      dtype, name="moe_combine")
+# the MoE sort: tiles of 32 pairs up to one block for all; equal to the stable sort
+for tokens, top_k, num_experts in ((1, 8, 64), (300, 6, 64), (2048, 8, 257), (777, 3, 5)):
+    index = torch.randint(0, num_experts, (tokens, top_k), generator=gen).cuda()
+    got = fusebox.moe_sort(index, num_experts)
+    for name, g, w in zip(("row_token", "offsets", "pair_row"), got, ref.moe_sort(index, num_experts)):
+        assert torch.equal(g.cpu().long(), w.cpu().long()), (name, tokens, top_k, num_experts)
 print("ok")
 """
 
@@ -166,7 +172,8 @@ print("ok")
                                      "FUSEBOX_NORM_SHORT=0", "FUSEBOX_ROPE_SHORT=0", "FUSEBOX_ROPE_SHORT=2",
                                      "FUSEBOX_ROPE_EARLY=0", "FUSEBOX_ADD_FLAT=0", "FUSEBOX_ADD_FLAT=2",
                                      "FUSEBOX_MOE_ITEMS=1", "FUSEBOX_MOE_ITEMS=4", "FUSEBOX_MOE_CHUNK=32",
-                                     "FUSEBOX_MOE_CHUNK=64"])
+                                     "FUSEBOX_MOE_CHUNK=64", "FUSEBOX_MOE_SORT_TILE=32", "FUSEBOX_MOE_SORT_TILE=300",
+                                     "FUSEBOX_MOE_SORT_TILE=1000000"])
 def test_forced_launch_plans_cuda(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8
     applies to ops without a residual, NORM_ITEMS=3 to 16-bit rows with fp32 modulation; the

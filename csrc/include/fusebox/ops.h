@@ -164,7 +164,8 @@ struct RouterArgs {
 void moe_topk(const RouterArgs& args, cudaStream_t stream = nullptr);
 
 // The dispatch step of a mixture-of-experts layer: its (token, k) pairs sorted by expert, as
-// grouped GEMMs over each expert's rows read them, in one launch. Sorted row r holds one pair;
+// grouped GEMMs over each expert's rows read them, in one launch, or two over many blocks for
+// an index of more than about a thousand pairs given a workspace. Sorted row r holds one pair;
 // expert e's pairs take rows [offsets[e - 1], offsets[e]) in pair order (n * K + k), as a stable
 // sort of the flattened index puts them.
 //   index: [N, K], int32 or int64, the expert of each pair (any strides); num_experts: E >= 1.
@@ -175,7 +176,16 @@ void moe_topk(const RouterArgs& args, cudaStream_t stream = nullptr);
 // An expert outside [0, E): the CPU reference raises; a CUDA launch cannot without a host sync,
 // so it sorts the pair after every expert's rows (outside all offsets) and sets its pair_row to
 // -1, on which moe_combine writes NaN over that token's row.
+//   workspace: optional, contiguous int32 on index's device, 16-byte aligned, of at least
+//   moe_sort_workspace_size elements (when that is 0 or the workspace is smaller or undefined,
+//   one block sorts in one launch: the same result, slower for large indexes). Not read after.
+// num_experts at most 4009 on CUDA (the counts live in shared memory).
 void moe_sort(const TensorView& index, int64_t num_experts, const TensorView& row_token,
-              const TensorView& offsets, const TensorView& pair_row, cudaStream_t stream = nullptr);
+              const TensorView& offsets, const TensorView& pair_row, cudaStream_t stream = nullptr,
+              const TensorView& workspace = TensorView{});
+
+// The int32 elements of the workspace that lets moe_sort spread over many blocks (0 where one
+// block sorts an index of this size).
+int64_t moe_sort_workspace_size(int64_t tokens, int64_t top_k, int64_t num_experts);
 
 }  // namespace fusebox
