@@ -425,7 +425,8 @@ struct TuningKnobs {
                                       // 1 (default) or 2 vectors a thread; 0: the row kernel
   std::optional<int> moe_items;       // FUSEBOX_MOE_ITEMS: the combine's vectors a thread (1, 2 or 4)
   std::optional<int> moe_chunk;       // FUSEBOX_MOE_CHUNK: the combine's threads a column chunk (32, 64,
-                                      // 128 or 256), spreading a token's row over more blocks
+                                      // 128 or 256), spreading a token's row over more blocks; 0: the
+                                      // widest chunks (the plan of grids of at least one block an SM)
   std::optional<int> moe_sort_tile;   // FUSEBOX_MOE_SORT_TILE: the sort's pairs a block at least (larger
                                       // than the index: one block sorts it in one launch)
 };

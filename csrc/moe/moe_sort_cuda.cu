@@ -14,9 +14,10 @@
 // lanes of one bucket (found by __match_any_sync) take consecutive rows by lane order: tiles,
 // chunks and rounds follow pair order, so the result is the stable sort's.
 //
-// One block was 31.8 us at DeepSeek-V2-Lite's 2048 x 6 pairs on an H100 (and slower than
-// torch.compile at 8192 x 8): an SM issues the scattered row stores and the dependent rounds of
-// every pair alone. Tiles of about 1024 pairs spread them over up to kMaxTiles SMs.
+// One block was 31.7 us at DeepSeek-V2-Lite's 2048 x 6 pairs on an H100 and 124.5 at OLMoE's
+// 8192 x 8 (slower than torch.compile): one SM issued the scattered row stores and the dependent
+// rounds of every pair. Tiles of 512 pairs (up to kMaxTiles) took them to 11.7 and 16.1 us;
+// tiles of 1024 to 13.5 and 16.2, of 2048 to 18.4 and 19.7.
 #include "moe/moe_impl.h"
 #include "moe/moe_operands.cuh"
 
@@ -27,7 +28,7 @@ namespace {
 
 constexpr int kMaxWarps = 32;      // of the one block that sorts a small index alone
 constexpr int kTileWarps = 8;      // of each block of a tiled sort
-constexpr int kTilePairs = 1024;   // a tile's pairs at least (FUSEBOX_MOE_SORT_TILE for tuning)
+constexpr int kTilePairs = 512;    // a tile's pairs at least (FUSEBOX_MOE_SORT_TILE for tuning)
 constexpr int kMaxTiles = 64;      // larger indexes take larger tiles
 constexpr int kRounds = 8;         // rounds of 32 pairs a warp loads before it uses them
 // Shared memory: the warps' counts and two arrays a bucket, under the 48 KB a block takes without

@@ -133,11 +133,11 @@ TEST(MoeCpu, SortValidatesArguments) {
 // The workspace a sort needs: none up to a tile of pairs, whole int4 of one count a bucket a tile
 // above, the tiles growing past kMaxTiles; too many experts for the counts' shared memory raise.
 TEST(MoeCpu, SortWorkspaceSize) {
-  EXPECT_EQ(fusebox::moe_sort_workspace_size(16, 8, 64), 0);
+  EXPECT_EQ(fusebox::moe_sort_workspace_size(64, 8, 64), 0);  // 512 pairs: one block
   EXPECT_EQ(fusebox::moe_sort_workspace_size(0, 8, 64), 0);
-  EXPECT_EQ(fusebox::moe_sort_workspace_size(2048, 6, 64), 12 * 65);   // 12 tiles of 1024 pairs
+  EXPECT_EQ(fusebox::moe_sort_workspace_size(2048, 6, 64), 24 * 65);   // 24 tiles of 512 pairs
   EXPECT_EQ(fusebox::moe_sort_workspace_size(8192, 8, 128), 64 * 129);
-  EXPECT_EQ(fusebox::moe_sort_workspace_size(3000, 1, 8), 28);  // 3 tiles of 9 buckets, whole int4
+  EXPECT_EQ(fusebox::moe_sort_workspace_size(3000, 1, 8), 56);  // 6 tiles of 9 buckets, whole int4
   EXPECT_EQ(fusebox::moe_sort_workspace_size(32768, 8, 256), 64 * 257);  // 64 tiles of 4096 pairs
   expect_error([&] { fusebox::moe_sort_workspace_size(4, 2, 4010); }, {"num_experts must be at most 4009"});
 }

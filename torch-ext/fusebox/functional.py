@@ -415,7 +415,7 @@ def moe_topk(logits: Tensor, top_k: int, score: str = "softmax", bias: Optional[
 
 def moe_sort(index: Tensor, num_experts: int) -> Tuple[Tensor, Tensor, Tensor]:
     """The dispatch step of a mixture-of-experts layer in one launch (two, over up to 64 blocks,
-    from about a thousand pairs): the ``(token, k)`` pairs of ``index`` ``[N, K]`` (each pair's
+    above 512 pairs): the ``(token, k)`` pairs of ``index`` ``[N, K]`` (each pair's
     expert, int32 or int64) sorted by expert, stably, for grouped GEMMs over each expert's rows.
     ``num_experts`` <= 4009 on CUDA. Returns int32 ``(row_token, offsets, pair_row)``:
 

@@ -165,7 +165,7 @@ void moe_topk(const RouterArgs& args, cudaStream_t stream = nullptr);
 
 // The dispatch step of a mixture-of-experts layer: its (token, k) pairs sorted by expert, as
 // grouped GEMMs over each expert's rows read them, in one launch, or two over many blocks for
-// an index of more than about a thousand pairs given a workspace. Sorted row r holds one pair;
+// an index of more than 512 pairs given a workspace. Sorted row r holds one pair;
 // expert e's pairs take rows [offsets[e - 1], offsets[e]) in pair order (n * K + k), as a stable
 // sort of the flattened index puts them.
 //   index: [N, K], int32 or int64, the expert of each pair (any strides); num_experts: E >= 1.
