@@ -135,7 +135,7 @@ void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
   int items = vectors_per_thread(plan.top_k, p.vec_per_row), chunk_threads = 0;
   // A grid of fewer blocks than SMs (decode): one vector a thread in chunks of a warp, so the
   // token's row loads spread over more SMs: 1-7% faster at 1-16 tokens on an H100, where the
-  // dependent index and row loads bound the time; 15-20% slower at 2048 tokens.
+  // dependent index and row loads bound the time; 14% slower at 2048 tokens.
   if (combine_grid(p.tokens, p.vec_per_row, items, 0).blocks() < device_limits().sm_count) {
     items = 1;
     chunk_threads = 32;
