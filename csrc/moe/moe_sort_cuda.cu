@@ -89,6 +89,21 @@ __device__ __forceinline__ int bucket_of(const SortKernelArgs& p, int pair, int 
   return e >= 0 && e < p.num_experts ? int(e) : p.num_experts;
 }
 
+// Adds the pairs [begin, end) to counts[bucket], `step` threads (this one at `offset`) taking
+// consecutive pairs, kRounds of them loaded before the first add (loads in flight). The loop is
+// uniform over the threads that share begin and end.
+__device__ __forceinline__ void count_pairs(const SortKernelArgs& p, int* counts, int begin, int end, int step,
+                                            int offset) {
+  for (int base = begin; base < end; base += step * kRounds) {
+    int bucket[kRounds];
+#pragma unroll
+    for (int r = 0; r < kRounds; ++r) bucket[r] = bucket_of(p, base + r * step + offset, end);
+#pragma unroll
+    for (int r = 0; r < kRounds; ++r)
+      if (bucket[r] >= 0) atomicAdd(&counts[bucket[r]], 1);
+  }
+}
+
 // Exclusive prefix sums of cells[0, n), in place; every thread of the block calls it. Thread t
 // sums a run of consecutive cells, the block scans the run sums (shuffles, then warp 0 over the
 // warp totals), and each thread writes its run's prefixes.
@@ -135,14 +150,7 @@ __global__ void __launch_bounds__(kTileWarps * 32) moe_sort_count_kernel(const S
   const int begin = blockIdx.x * p.tile_pairs, end = min(begin + p.tile_pairs, p.pairs);
   __syncthreads();
   pdl_wait();
-  for (int base = begin; base < end; base += blockDim.x * kRounds) {
-    int bucket[kRounds];
-#pragma unroll
-    for (int r = 0; r < kRounds; ++r) bucket[r] = bucket_of(p, base + r * blockDim.x + threadIdx.x, end);
-#pragma unroll
-    for (int r = 0; r < kRounds; ++r)
-      if (bucket[r] >= 0) atomicAdd(&counts[bucket[r]], 1);
-  }
+  count_pairs(p, counts, begin, end, blockDim.x, threadIdx.x);
   pdl_release();
   __syncthreads();
   for (int b = threadIdx.x; b < buckets; b += blockDim.x) p.tile_counts[int64_t(blockIdx.x) * buckets + b] = counts[b];
@@ -167,15 +175,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_sort_kernel(const SortKern
   __syncthreads();
   pdl_wait();
 
-  // 1. count (the loops are uniform over a warp: begin and end are the warp's)
-  for (int base = begin; base < end; base += 32 * kRounds) {
-    int bucket[kRounds];
-#pragma unroll
-    for (int r = 0; r < kRounds; ++r) bucket[r] = bucket_of(p, base + r * 32 + lane, end);
-#pragma unroll
-    for (int r = 0; r < kRounds; ++r)
-      if (bucket[r] >= 0) atomicAdd(&mine[bucket[r]], 1);
-  }
+  // 1. count (begin and end are the warp's)
+  count_pairs(p, mine, begin, end, 32, lane);
 
   // 2. every bucket's pairs, and those in earlier tiles
   if (p.tile_counts == nullptr) {
