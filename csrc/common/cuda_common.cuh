@@ -427,6 +427,8 @@ struct TuningKnobs {
   std::optional<int> moe_chunk;       // FUSEBOX_MOE_CHUNK: the combine's threads a column chunk (32, 64,
                                       // 128 or 256), spreading a token's row over more blocks; 0: the
                                       // widest chunks (the plan of grids of at least one block an SM)
+  std::optional<int> moe_stage;       // FUSEBOX_MOE_STAGE=0: the combine holds rows in registers, never
+                                      // staging them through shared memory
   std::optional<int> moe_sort_tile;   // FUSEBOX_MOE_SORT_TILE: the sort's pairs a block at least (larger
                                       // than the index: one block sorts it in one launch)
 };

@@ -16,6 +16,12 @@ namespace {
 
 constexpr int kBlockThreads = 256;
 constexpr int kMaxLoads = 16;  // row vectors a thread has in flight: K_CHUNK * ITEMS
+constexpr int kMaxChunk = 8;   // rows a chunk: every top-k of the models served (2-8) in one
+
+// Rows of a chunk (K_CHUNK) at `items` vectors a thread.
+__host__ __device__ constexpr int chunk_rows(int items) {
+  return kMaxLoads / items < kMaxChunk ? kMaxLoads / items : kMaxChunk;
+}
 
 struct CombineKernelArgs {
   const void* rows;
@@ -28,9 +34,17 @@ struct CombineKernelArgs {
   int top_k, vec_per_row, tokens_per_block;
 };
 
-template <typename T, int VEC, int ITEMS>
-__global__ void __launch_bounds__(kBlockThreads) moe_combine_kernel(const CombineKernelArgs p) {
-  constexpr int K_CHUNK = kMaxLoads / ITEMS;
+// STAGED: row vectors go to this thread's shared-memory slots by cp.async rather than into
+// registers, so the bytes in flight are bound by shared memory (up to 228 KB an SM) instead of
+// the registers that hold them (128 a thread at 16 loads: 2 blocks, 96 KB an SM). Slot (j, it)
+// of thread `tid` is stage[(j * ITEMS + it) * threads + tid]: a warp's reads are consecutive.
+template <typename T, int VEC, int ITEMS, bool STAGED>
+__global__ void __launch_bounds__(kBlockThreads, !STAGED ? 1 : ITEMS == 4 ? 3 : 4) moe_combine_kernel(const CombineKernelArgs p) {
+  using PackT = Pack<T, VEC>;
+  extern __shared__ __align__(16) unsigned char combine_smem[];
+  PackT* stage = reinterpret_cast<PackT*>(combine_smem);
+  const int threads = blockDim.x * blockDim.y, tid = threadIdx.y * blockDim.x + threadIdx.x;
+  constexpr int K_CHUNK = chunk_rows(ITEMS);
   const int64_t token = int64_t(blockIdx.x) * p.tokens_per_block + threadIdx.y;
   const int first = blockIdx.y * ITEMS * blockDim.x + threadIdx.x;  // vectors first + it * blockDim.x
   if (token >= p.tokens || first >= p.vec_per_row) return;
@@ -40,30 +54,48 @@ __global__ void __launch_bounds__(kBlockThreads) moe_combine_kernel(const Combin
   float acc[ITEMS][VEC] = {};
   bool out_of_range = false;
   for (int k0 = 0; k0 < p.top_k; k0 += K_CHUNK) {
-    Pack<T, VEC> v[K_CHUNK][ITEMS];
+    // Every index and weight of the chunk is requested before the first row: a row load waits
+    // on its index, and interleaved (index, row, index, row...) the chunk took one index
+    // latency a row instead of one for all.
+    int64_t r[K_CHUNK];
     float w[K_CHUNK];
 #pragma unroll
     for (int j = 0; j < K_CHUNK; ++j) {
       if (k0 + j < p.top_k) {
-        int64_t r = p.index.load(p.index_strides.at(token, k0 + j));
-        if (r < 0 || r >= p.num_rows) {  // never read out of bounds; the row becomes NaN
-          out_of_range = true;
-          r = 0;
-        }
+        r[j] = p.index.load(p.index_strides.at(token, k0 + j));
         w[j] = load_param_scalar<T>(p.weights, p.weights_strides.at(token, k0 + j));
-#pragma unroll
-        for (int it = 0; it < ITEMS; ++it)
-          if (first + it * int(blockDim.x) < p.vec_per_row)
-            v[j][it] = load_pack<T, VEC>(rows + r * p.rows_stride + it * blockDim.x * VEC);
       }
     }
+    PackT v[STAGED ? 1 : K_CHUNK][ITEMS];
+#pragma unroll
+    for (int j = 0; j < K_CHUNK; ++j) {
+      if (k0 + j < p.top_k) {
+        if (r[j] < 0 || r[j] >= p.num_rows) {  // never read out of bounds; the row becomes NaN
+          out_of_range = true;
+          r[j] = 0;
+        }
+#pragma unroll
+        for (int it = 0; it < ITEMS; ++it)
+          if (first + it * int(blockDim.x) < p.vec_per_row) {
+            const T* src = rows + r[j] * p.rows_stride + it * blockDim.x * VEC;
+            if constexpr (STAGED)
+              async_copy_pack(&stage[(j * ITEMS + it) * threads + tid], src);
+            else
+              v[j][it] = load_pack<T, VEC>(src);
+          }
+      }
+    }
+    if constexpr (STAGED) async_copy_wait();  // this thread's own slots only
 #pragma unroll
     for (int j = 0; j < K_CHUNK; ++j) {
       if (k0 + j < p.top_k) {
 #pragma unroll
         for (int it = 0; it < ITEMS; ++it) {
           float x[VEC];
-          unpack(v[j][it], x);
+          if constexpr (STAGED)
+            unpack(stage[(j * ITEMS + it) * threads + tid], x);
+          else
+            unpack(v[j][it], x);
 #pragma unroll
           for (int i = 0; i < VEC; ++i) {  // no fma: the product is rounded before the add, as unfused
             float product = __fmul_rn(w[j], x[i]);
@@ -154,14 +186,27 @@ void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
   FUSEBOX_CHECK(blocks < (int64_t(1) << 31), "too many tokens: ", p.tokens);
   const dim3 block(split.tpr, p.tokens_per_block);
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(split.chunks));
+  // Rows staged through shared memory (see moe_combine_kernel) on sm_80+ with 16-byte vectors,
+  // where the slots fit the default 48 KB a block; else held in registers.
+  const int slots = int(std::min<int64_t>(plan.top_k, chunk_rows(items))) * items;
+  const size_t stage_bytes = size_t(block.x) * block.y * slots * 16;
+  bool staged = device_limits().major >= 8 && stage_bytes <= 48 * 1024;
+  if (knobs.moe_stage) staged = staged && *knobs.moe_stage != 0;
   dispatch_dtype(plan.rows->dtype, [&](auto t) {
     using T = decltype(t);
     dispatch_vec<T>(vec, [&](auto v) {
       constexpr int V = decltype(v)::value;
+      auto go = [&](auto items_c) {
+        constexpr int I = decltype(items_c)::value;
+        if constexpr (V * sizeof(T) == 16) {
+          if (staged) return launch(moe_combine_kernel<T, V, I, true>, grid, block, stage_bytes, stream, p);
+        }
+        launch(moe_combine_kernel<T, V, I, false>, grid, block, 0, stream, p);
+      };
       switch (items) {
-        case 4: launch(moe_combine_kernel<T, V, 4>, grid, block, 0, stream, p); break;
-        case 2: launch(moe_combine_kernel<T, V, 2>, grid, block, 0, stream, p); break;
-        default: launch(moe_combine_kernel<T, V, 1>, grid, block, 0, stream, p); break;
+        case 4: go(std::integral_constant<int, 4>{}); break;
+        case 2: go(std::integral_constant<int, 2>{}); break;
+        default: go(std::integral_constant<int, 1>{}); break;
       }
     });
   });

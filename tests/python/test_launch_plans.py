@@ -1,7 +1,8 @@
 """Launch plans and kernel variants the tuning variables can force (FUSEBOX_NORM_ITEMS,
 FUSEBOX_NORM_STAGE, FUSEBOX_ROPE_ITEMS, FUSEBOX_ACT_FLAT, FUSEBOX_NORM_FLAT, FUSEBOX_NORM_SHORT,
 FUSEBOX_ROPE_SHORT, FUSEBOX_ROPE_EARLY, FUSEBOX_ADD_FLAT, FUSEBOX_MOE_ITEMS, FUSEBOX_MOE_CHUNK,
-FUSEBOX_MOE_SORT_TILE, used by scripts/tune.py): each still computes the reference result on CUDA."""
+FUSEBOX_MOE_STAGE, FUSEBOX_MOE_SORT_TILE, used by scripts/tune.py): each still computes the reference
+result on CUDA."""
 
 import os
 import subprocess
@@ -145,7 +146,8 @@ for dtype in (BF16, F16, F32):
                      ref.gated_act(packed[:, :width], packed[:, width:], "silu"), dtype,
                      name="gated strided")
     # the MoE combine: 1-4 vectors a thread, row chunks of 32-256 threads, 1-8 of its rows a token
-    for tokens, top_k, width in ((1, 8, 2048), (16, 6, 2048), (33, 2, 4104), (5, 9, 1001)):
+    for tokens, top_k, width in ((1, 8, 2048), (16, 6, 2048), (33, 2, 4104), (5, 9, 1001), (300, 6, 2048),
+                                  (300, 2, 4104)):
         rows = randn(gen, (tokens * top_k, width), dtype, "cuda")
         index = torch.randperm(tokens * top_k, generator=gen).view(tokens, top_k).cuda()
         weights = torch.rand((tokens, top_k), generator=gen).cuda()
@@ -172,7 +174,8 @@ print("ok")
                                      "FUSEBOX_NORM_SHORT=0", "FUSEBOX_ROPE_SHORT=0", "FUSEBOX_ROPE_SHORT=2",
                                      "FUSEBOX_ROPE_EARLY=0", "FUSEBOX_ADD_FLAT=0", "FUSEBOX_ADD_FLAT=2",
                                      "FUSEBOX_MOE_ITEMS=1", "FUSEBOX_MOE_ITEMS=4", "FUSEBOX_MOE_CHUNK=32",
-                                     "FUSEBOX_MOE_CHUNK=64", "FUSEBOX_MOE_SORT_TILE=32", "FUSEBOX_MOE_SORT_TILE=300",
+                                     "FUSEBOX_MOE_CHUNK=64", "FUSEBOX_MOE_STAGE=0", "FUSEBOX_MOE_SORT_TILE=32",
+                                     "FUSEBOX_MOE_SORT_TILE=300",
                                      "FUSEBOX_MOE_SORT_TILE=1000000"])
 def test_forced_launch_plans_cuda(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8

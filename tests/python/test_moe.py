@@ -42,6 +42,21 @@ def test_moe_combine(device, gen, dtypes, index_dtype, top_k, width):
     assert_close(out, ref.moe_combine(rows, index, weights), dtype)
 
 
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("top_k", [2, 6, 8, 9])
+@pytest.mark.parametrize("width", [1001, 2048, 4104])
+def test_moe_combine_many_tokens(device, gen, dtypes, top_k, width):
+    """Enough tokens for a grid of more blocks than SMs: the plans of 2-4 vectors a thread over
+    whole rows, several tokens a block, rows staged through shared memory (the 17 tokens above
+    take the decode plan)."""
+    dtype, wdtype = dtypes
+    tokens = 300
+    rows = expert_rows(gen, tokens * top_k, width, dtype, device)
+    index, weights = routing(gen, tokens, top_k, tokens * top_k, torch.int32, wdtype, device)
+    out = call(fusebox.moe_combine, rows, index, weights)
+    assert_close(out, ref.moe_combine(rows, index, weights), dtype)
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16])
 @pytest.mark.parametrize("layout", ["row_slice", "transposed"])
 def test_moe_combine_strided(device, gen, dtype, layout):
