@@ -18,8 +18,8 @@ constexpr int kBlockThreads = 256;
 constexpr int kMaxLoads = 16;  // row vectors a thread has in flight: K_CHUNK * ITEMS
 constexpr int kMaxChunk = 8;   // rows a chunk: every top-k of the models served (2-8) in one
 
-// Rows of a chunk (K_CHUNK) at `items` vectors a thread.
-__host__ __device__ constexpr int chunk_rows(int items) {
+// Rows of a staged chunk (K_CHUNK) at `items` vectors a thread.
+__host__ __device__ constexpr int staged_chunk_rows(int items) {
   return kMaxLoads / items < kMaxChunk ? kMaxLoads / items : kMaxChunk;
 }
 
@@ -39,12 +39,12 @@ struct CombineKernelArgs {
 // the registers that hold them (128 a thread at 16 loads: 2 blocks, 96 KB an SM). Slot (j, it)
 // of thread `tid` is stage[(j * ITEMS + it) * threads + tid]: a warp's reads are consecutive.
 template <typename T, int VEC, int ITEMS, bool STAGED>
-__global__ void __launch_bounds__(kBlockThreads, !STAGED ? 1 : ITEMS == 4 ? 3 : 4) moe_combine_kernel(const CombineKernelArgs p) {
+__global__ void __launch_bounds__(kBlockThreads, !STAGED ? 2 : ITEMS == 4 ? 3 : 4) moe_combine_kernel(const CombineKernelArgs p) {
   using PackT = Pack<T, VEC>;
   extern __shared__ __align__(16) unsigned char combine_smem[];
   PackT* stage = reinterpret_cast<PackT*>(combine_smem);
   const int threads = blockDim.x * blockDim.y, tid = threadIdx.y * blockDim.x + threadIdx.x;
-  constexpr int K_CHUNK = chunk_rows(ITEMS);
+  constexpr int K_CHUNK = STAGED ? staged_chunk_rows(ITEMS) : kMaxLoads / ITEMS;
   const int64_t token = int64_t(blockIdx.x) * p.tokens_per_block + threadIdx.y;
   const int first = blockIdx.y * ITEMS * blockDim.x + threadIdx.x;  // vectors first + it * blockDim.x
   if (token >= p.tokens || first >= p.vec_per_row) return;
@@ -54,36 +54,43 @@ __global__ void __launch_bounds__(kBlockThreads, !STAGED ? 1 : ITEMS == 4 ? 3 : 
   float acc[ITEMS][VEC] = {};
   bool out_of_range = false;
   for (int k0 = 0; k0 < p.top_k; k0 += K_CHUNK) {
-    // Every index and weight of the chunk is requested before the first row: a row load waits
-    // on its index, and interleaved (index, row, index, row...) the chunk took one index
-    // latency a row instead of one for all.
-    int64_t r[K_CHUNK];
+    int64_t r[STAGED ? K_CHUNK : 1];
     float w[K_CHUNK];
+    PackT v[STAGED ? 1 : K_CHUNK][ITEMS];
+    auto load_row = [&](int j, int64_t row) {
+      if (row < 0 || row >= p.num_rows) {  // never read out of bounds; the row becomes NaN
+        out_of_range = true;
+        row = 0;
+      }
+#pragma unroll
+      for (int it = 0; it < ITEMS; ++it)
+        if (first + it * int(blockDim.x) < p.vec_per_row) {
+          const T* src = rows + row * p.rows_stride + it * blockDim.x * VEC;
+          if constexpr (STAGED)
+            async_copy_pack(&stage[(j * ITEMS + it) * threads + tid], src);
+          else
+            v[j][it] = load_pack<T, VEC>(src);
+        }
+    };
+    // Staged, every index and weight of the chunk is requested before the first row (one index
+    // latency for all rows). In registers the loads alternate (index, row, index, row...): the
+    // indices held alongside the rows cost an occupancy step (120 -> 141 registers at 2 vectors
+    // a thread, 2x the time on an H200).
 #pragma unroll
     for (int j = 0; j < K_CHUNK; ++j) {
       if (k0 + j < p.top_k) {
-        r[j] = p.index.load(p.index_strides.at(token, k0 + j));
+        const int64_t row = p.index.load(p.index_strides.at(token, k0 + j));
         w[j] = load_param_scalar<T>(p.weights, p.weights_strides.at(token, k0 + j));
+        if constexpr (STAGED)
+          r[j] = row;
+        else
+          load_row(j, row);
       }
     }
-    PackT v[STAGED ? 1 : K_CHUNK][ITEMS];
+    if constexpr (STAGED) {
 #pragma unroll
-    for (int j = 0; j < K_CHUNK; ++j) {
-      if (k0 + j < p.top_k) {
-        if (r[j] < 0 || r[j] >= p.num_rows) {  // never read out of bounds; the row becomes NaN
-          out_of_range = true;
-          r[j] = 0;
-        }
-#pragma unroll
-        for (int it = 0; it < ITEMS; ++it)
-          if (first + it * int(blockDim.x) < p.vec_per_row) {
-            const T* src = rows + r[j] * p.rows_stride + it * blockDim.x * VEC;
-            if constexpr (STAGED)
-              async_copy_pack(&stage[(j * ITEMS + it) * threads + tid], src);
-            else
-              v[j][it] = load_pack<T, VEC>(src);
-          }
-      }
+      for (int j = 0; j < K_CHUNK; ++j)
+        if (k0 + j < p.top_k) load_row(j, r[j]);
     }
     if constexpr (STAGED) async_copy_wait();  // this thread's own slots only
 #pragma unroll
@@ -119,10 +126,22 @@ __global__ void __launch_bounds__(kBlockThreads, !STAGED ? 1 : ITEMS == 4 ? 3 : 
   }
 }
 
-// Vectors a thread: 4 where K <= 4 (one burst of K_CHUNK = 4 rows holds the whole top-k), else
-// 2 (bursts of 8 rows); fewer where a token's row would get less than a warp of threads.
-int vectors_per_thread(int64_t top_k, int64_t vec_per_row) {
-  int items = top_k <= 4 ? 4 : 2;
+// Staged row vectors a thread at most: 12 of 16 bytes, 48 KB a block of 256 threads (the
+// default without an opt-in; four blocks an SM).
+constexpr int kMaxStagedSlots = 12;
+
+int staged_slots(int64_t top_k, int items) { return int(std::min<int64_t>(top_k, staged_chunk_rows(items))) * items; }
+
+// Vectors a thread. Staged: the most (4, 2, 1) whose chunk of rows fits the slots (H200, bf16,
+// 2048 tokens: K = 2 at 4, K = 6 at 2, K = 8 at 1 were each the fastest of the three). In
+// registers: 4 where K <= 4 (one burst of K_CHUNK = 4 rows holds the whole top-k), else 2
+// (bursts of 8 rows). Fewer where a token's row would get less than a warp of threads.
+int vectors_per_thread(int64_t top_k, int64_t vec_per_row, bool staged) {
+  int items = 4;
+  if (staged)
+    while (items > 1 && staged_slots(top_k, items) > kMaxStagedSlots) items /= 2;
+  else if (top_k > 4)
+    items = 2;
   while (items > 1 && vec_per_row < 32 * items) items /= 2;
   return items;
 }
@@ -164,7 +183,12 @@ void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
   FUSEBOX_CHECK(plan.top_k < (int64_t(1) << 31), "index's top_k must be < 2^31; got ", plan.top_k);
   p.top_k = int(plan.top_k);
   p.vec_per_row = int(plan.width / vec);
-  int items = vectors_per_thread(plan.top_k, p.vec_per_row), chunk_threads = 0;
+  const auto& knobs = tuning_knobs();
+  // Rows staged through shared memory (see moe_combine_kernel): sm_80+ (cp.async), 16-byte
+  // vectors, unless FUSEBOX_MOE_STAGE=0; else held in registers.
+  const bool can_stage = device_limits().major >= 8 && vec * dtype_size(plan.rows->dtype) == 16 &&
+                         knobs.moe_stage.value_or(1) != 0;
+  int items = vectors_per_thread(plan.top_k, p.vec_per_row, can_stage), chunk_threads = 0;
   // A grid of fewer blocks than SMs (decode): one vector a thread in chunks of a warp, so the
   // token's row loads spread over more SMs: 1-7% faster at 1-16 tokens on an H100, where the
   // dependent index and row loads bound the time; 14% slower at 2048 tokens.
@@ -172,7 +196,6 @@ void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
     items = 1;
     chunk_threads = 32;
   }
-  const auto& knobs = tuning_knobs();
   const int knob_items = knobs.moe_items.value_or(0);
   if (knob_items == 1 || knob_items == 2 || knob_items == 4) items = knob_items;
   const int knob_chunk = knobs.moe_chunk.value_or(-1);
@@ -186,12 +209,9 @@ void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
   FUSEBOX_CHECK(blocks < (int64_t(1) << 31), "too many tokens: ", p.tokens);
   const dim3 block(split.tpr, p.tokens_per_block);
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(split.chunks));
-  // Rows staged through shared memory (see moe_combine_kernel) on sm_80+ with 16-byte vectors,
-  // where the slots fit the default 48 KB a block; else held in registers.
-  const int slots = int(std::min<int64_t>(plan.top_k, chunk_rows(items))) * items;
-  const size_t stage_bytes = size_t(block.x) * block.y * slots * 16;
-  bool staged = device_limits().major >= 8 && stage_bytes <= 48 * 1024;
-  if (knobs.moe_stage) staged = staged && *knobs.moe_stage != 0;
+  // (a forced FUSEBOX_MOE_ITEMS past the slots holds its rows in registers)
+  const bool staged = can_stage && staged_slots(plan.top_k, items) <= kMaxStagedSlots;
+  const size_t stage_bytes = size_t(block.x) * block.y * staged_slots(plan.top_k, items) * 16;
   dispatch_dtype(plan.rows->dtype, [&](auto t) {
     using T = decltype(t);
     dispatch_vec<T>(vec, [&](auto v) {
