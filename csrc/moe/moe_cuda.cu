@@ -40,7 +40,8 @@ struct CombineKernelArgs {
 // the registers that hold them (128 a thread at 16 loads: 2 blocks, 96 KB an SM). Slot (j, it)
 // of thread `tid` is stage[(j * ITEMS + it) * threads + tid]: a warp's reads are consecutive.
 template <typename T, int VEC, int ITEMS, bool STAGED>
-__global__ void __launch_bounds__(kBlockThreads, !STAGED ? 2 : ITEMS == 4 ? 3 : 4) moe_combine_kernel(const CombineKernelArgs p) {
+__global__ void __launch_bounds__(kBlockThreads, !STAGED ? 2 : ITEMS == 4 ? 3 : 4)
+    moe_combine_kernel(const CombineKernelArgs p) {
   using PackT = Pack<T, VEC>;
   extern __shared__ __align__(16) unsigned char combine_smem[];
   PackT* stage = reinterpret_cast<PackT*>(combine_smem);
@@ -131,7 +132,9 @@ __global__ void __launch_bounds__(kBlockThreads, !STAGED ? 2 : ITEMS == 4 ? 3 : 
 // default without an opt-in; four blocks an SM).
 constexpr int kMaxStagedSlots = 12;
 
-int staged_slots(int64_t top_k, int items) { return int(std::min<int64_t>(top_k, staged_chunk_rows(items))) * items; }
+int staged_slots(int64_t top_k, int items) {
+  return int(std::min<int64_t>(top_k, staged_chunk_rows(items))) * items;
+}
 
 // Vectors a thread. Staged: the most (4, 2, 1) whose chunk of rows fits the slots (H200, bf16,
 // 2048 tokens: K = 2 at 4, K = 6 at 2, K = 8 at 1 were each the fastest of the three). In

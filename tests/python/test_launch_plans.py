@@ -174,8 +174,8 @@ print("ok")
                                      "FUSEBOX_NORM_SHORT=0", "FUSEBOX_ROPE_SHORT=0", "FUSEBOX_ROPE_SHORT=2",
                                      "FUSEBOX_ROPE_EARLY=0", "FUSEBOX_ADD_FLAT=0", "FUSEBOX_ADD_FLAT=2",
                                      "FUSEBOX_MOE_ITEMS=1", "FUSEBOX_MOE_ITEMS=4", "FUSEBOX_MOE_CHUNK=32",
-                                     "FUSEBOX_MOE_CHUNK=64", "FUSEBOX_MOE_STAGE=0", "FUSEBOX_MOE_SORT_TILE=32",
-                                     "FUSEBOX_MOE_SORT_TILE=300",
+                                     "FUSEBOX_MOE_CHUNK=64", "FUSEBOX_MOE_STAGE=0",
+                                     "FUSEBOX_MOE_SORT_TILE=32", "FUSEBOX_MOE_SORT_TILE=300",
                                      "FUSEBOX_MOE_SORT_TILE=1000000"])
 def test_forced_launch_plans_cuda(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8
