@@ -16,12 +16,15 @@ namespace fusebox::cuda {
 namespace {
 
 constexpr int kBlockThreads = 256;
-constexpr int kMaxLoads = 16;  // row vectors a thread has in flight: K_CHUNK * ITEMS
+constexpr int kMaxLoads = 16;  // row vectors a thread has in flight in registers: K_CHUNK * ITEMS
 constexpr int kMaxChunk = 8;   // rows a chunk: every top-k of the models served (2-8) in one
+// Staged row vectors a thread at most: 12 of 16 bytes, 48 KB a block of 256 threads (the
+// default without an opt-in; four blocks an SM).
+constexpr int kMaxStagedSlots = 12;
 
-// Rows of a staged chunk (K_CHUNK) at `items` vectors a thread.
+// Rows of a staged chunk (K_CHUNK) at `items` vectors a thread: a chunk fills the slots.
 __host__ __device__ constexpr int staged_chunk_rows(int items) {
-  return kMaxLoads / items < kMaxChunk ? kMaxLoads / items : kMaxChunk;
+  return kMaxStagedSlots / items < kMaxChunk ? kMaxStagedSlots / items : kMaxChunk;
 }
 
 struct CombineKernelArgs {
@@ -74,25 +77,33 @@ __global__ void __launch_bounds__(kBlockThreads, !STAGED ? 2 : ITEMS == 4 ? 3 : 
             v[j][it] = load_pack<T, VEC>(src);
         }
     };
-    // Staged, every index and weight of the chunk is requested before the first row (one index
-    // latency for all rows). In registers the loads alternate (index, row, index, row...): the
-    // indices held alongside the rows cost an occupancy step (120 -> 141 registers at 2 vectors
-    // a thread, 2x the time on an H200).
+    // Staged, every index of the chunk is requested before the first row (one index latency
+    // for all rows), and the weights after the rows, under their latency (H100, 2048 tokens:
+    // 0.7-1.9% faster than with the indices). In registers the loads alternate (index,
+    // row, index, row...): the indices held alongside the rows cost an occupancy step (120 ->
+    // 141 registers at 2 vectors a thread, 2x the time on an H200).
+    auto load_weight = [&](int j) {
+      w[j] = load_param_scalar<T>(p.weights, p.weights_strides.at(token, k0 + j));
+    };
 #pragma unroll
     for (int j = 0; j < K_CHUNK; ++j) {
       if (k0 + j < p.top_k) {
         const int64_t row = p.index.load(p.index_strides.at(token, k0 + j));
-        w[j] = load_param_scalar<T>(p.weights, p.weights_strides.at(token, k0 + j));
-        if constexpr (STAGED)
+        if constexpr (STAGED) {
           r[j] = row;
-        else
+        } else {
+          load_weight(j);
           load_row(j, row);
+        }
       }
     }
     if constexpr (STAGED) {
 #pragma unroll
       for (int j = 0; j < K_CHUNK; ++j)
         if (k0 + j < p.top_k) load_row(j, r[j]);
+#pragma unroll
+      for (int j = 0; j < K_CHUNK; ++j)
+        if (k0 + j < p.top_k) load_weight(j);
     }
     if constexpr (STAGED) async_copy_wait();  // this thread's own slots only
 #pragma unroll
@@ -128,22 +139,18 @@ __global__ void __launch_bounds__(kBlockThreads, !STAGED ? 2 : ITEMS == 4 ? 3 : 
   }
 }
 
-// Staged row vectors a thread at most: 12 of 16 bytes, 48 KB a block of 256 threads (the
-// default without an opt-in; four blocks an SM).
-constexpr int kMaxStagedSlots = 12;
-
 int staged_slots(int64_t top_k, int items) {
   return int(std::min<int64_t>(top_k, staged_chunk_rows(items))) * items;
 }
 
-// Vectors a thread. Staged: the most (4, 2, 1) whose chunk of rows fits the slots (H200, bf16,
-// 2048 tokens: K = 2 at 4, K = 6 at 2, K = 8 at 1 were each the fastest of the three). In
-// registers: 4 where K <= 4 (one burst of K_CHUNK = 4 rows holds the whole top-k), else 2
-// (bursts of 8 rows). Fewer where a token's row would get less than a warp of threads.
+// Vectors a thread. Staged: the most (4, 2, 1) whose slots hold the whole top-k in one chunk
+// (H200, bf16, 2048 tokens: K = 2 at 4, K = 6 at 2, K = 8 at 1 were each the fastest of the
+// three). In registers: 4 where K <= 4 (one burst of K_CHUNK = 4 rows holds the whole top-k),
+// else 2 (bursts of 8 rows). Fewer where a token's row would get less than a warp of threads.
 int vectors_per_thread(int64_t top_k, int64_t vec_per_row, bool staged) {
   int items = 4;
   if (staged)
-    while (items > 1 && staged_slots(top_k, items) > kMaxStagedSlots) items /= 2;
+    while (items > 1 && top_k * items > kMaxStagedSlots) items /= 2;
   else if (top_k > 4)
     items = 2;
   while (items > 1 && vec_per_row < 32 * items) items /= 2;
@@ -213,8 +220,7 @@ void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
   FUSEBOX_CHECK(blocks < (int64_t(1) << 31), "too many tokens: ", p.tokens);
   const dim3 block(split.tpr, p.tokens_per_block);
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(split.chunks));
-  // (a forced FUSEBOX_MOE_ITEMS past the slots holds its rows in registers)
-  const bool staged = can_stage && staged_slots(plan.top_k, items) <= kMaxStagedSlots;
+  const bool staged = can_stage;  // (a forced FUSEBOX_MOE_ITEMS: chunks of fewer rows)
   const size_t stage_bytes = size_t(block.x) * block.y * staged_slots(plan.top_k, items) * 16;
   dispatch_dtype(plan.rows->dtype, [&](auto t) {
     using T = decltype(t);

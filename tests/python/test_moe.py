@@ -121,6 +121,27 @@ def test_moe_combine_index_out_of_range_cuda_is_nan(gen):
     assert_close(out[:1], ref.moe_combine(rows, good, weights[:1]), BF16)
 
 
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("top_k", [6, 9])
+def test_moe_combine_out_of_range_token_spares_its_neighbours_cuda(gen, top_k):
+    """Only the tokens with a bad index turn NaN: the others, several of them in the same
+    blocks (a 264-wide row takes under a block's threads), are exact."""
+    tokens, width = 300, 264
+    rows = randn(gen, (tokens * top_k, width), BF16, "cuda")
+    index = torch.randperm(tokens * top_k, generator=gen).view(tokens, top_k).cuda()
+    weights = torch.rand((tokens, top_k), generator=gen).cuda()
+    bad = [150, 299]
+    index[150, top_k - 1] = 1 << 40
+    index[299, 0] = -1
+    out = call(fusebox.moe_combine, rows, index, weights)
+    assert torch.isnan(out[bad].float()).all()
+    good = torch.ones(tokens, dtype=torch.bool)
+    good[bad] = False
+    assert not torch.isnan(out[good].float()).any()
+    assert_close(out[good], ref.moe_combine(rows, index[good], weights[good]), BF16)
+
+
 @pytest.mark.parametrize("case", ["rows_1d", "index_float", "index_3d", "weights_shape", "weights_f16",
                                   "rows_int", "rows_column_major", "devices"])
 def test_moe_combine_errors(case):
