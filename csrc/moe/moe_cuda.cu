@@ -49,7 +49,10 @@ __global__ void __launch_bounds__(kBlockThreads, !STAGED ? 2 : ITEMS == 4 ? 3 : 
   extern __shared__ __align__(16) unsigned char combine_smem[];
   PackT* stage = reinterpret_cast<PackT*>(combine_smem);
   const int threads = blockDim.x * blockDim.y, tid = threadIdx.y * blockDim.x + threadIdx.x;
-  constexpr int K_CHUNK = STAGED ? staged_chunk_rows(ITEMS) : kMaxLoads / ITEMS;
+  // Indices first where the rows are staged or a thread's rows take few registers (the decode
+  // plan's 4-byte vectors).
+  constexpr bool INDEX_FIRST = STAGED || (ITEMS == 1 && VEC * sizeof(T) <= 4);
+  constexpr int K_CHUNK = STAGED ? staged_chunk_rows(ITEMS) : INDEX_FIRST ? kMaxChunk : kMaxLoads / ITEMS;
   const int64_t token = int64_t(blockIdx.x) * p.tokens_per_block + threadIdx.y;
   const int first = blockIdx.y * ITEMS * blockDim.x + threadIdx.x;  // vectors first + it * blockDim.x
   if (token >= p.tokens || first >= p.vec_per_row) return;
@@ -59,7 +62,7 @@ __global__ void __launch_bounds__(kBlockThreads, !STAGED ? 2 : ITEMS == 4 ? 3 : 
   float acc[ITEMS][VEC] = {};
   bool out_of_range = false;
   for (int k0 = 0; k0 < p.top_k; k0 += K_CHUNK) {
-    int64_t r[STAGED ? K_CHUNK : 1];
+    int64_t r[INDEX_FIRST ? K_CHUNK : 1];
     float w[K_CHUNK];
     PackT v[STAGED ? 1 : K_CHUNK][ITEMS];
     auto load_row = [&](int j, int64_t row) {
@@ -89,7 +92,7 @@ __global__ void __launch_bounds__(kBlockThreads, !STAGED ? 2 : ITEMS == 4 ? 3 : 
     for (int j = 0; j < K_CHUNK; ++j) {
       if (k0 + j < p.top_k) {
         const int64_t row = p.index.load(p.index_strides.at(token, k0 + j));
-        if constexpr (STAGED) {
+        if constexpr (INDEX_FIRST) {
           r[j] = row;
         } else {
           load_weight(j);
@@ -97,7 +100,7 @@ __global__ void __launch_bounds__(kBlockThreads, !STAGED ? 2 : ITEMS == 4 ? 3 : 
         }
       }
     }
-    if constexpr (STAGED) {
+    if constexpr (INDEX_FIRST) {
 #pragma unroll
       for (int j = 0; j < K_CHUNK; ++j)
         if (k0 + j < p.top_k) load_row(j, r[j]);
@@ -201,11 +204,21 @@ void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
                          knobs.moe_stage.value_or(1) != 0;
   int items = vectors_per_thread(plan.top_k, p.vec_per_row, can_stage), chunk_threads = 0;
   // A grid of fewer blocks than SMs (decode): one vector a thread in chunks of a warp, so the
-  // token's row loads spread over more SMs: 1-7% faster at 1-16 tokens on an H100, where the
-  // dependent index and row loads bound the time; 14% slower at 2048 tokens.
+  // token's row loads spread over more SMs (b8747da: 1-7% faster at 1-16 tokens on an H100;
+  // 14% slower at 2048 tokens). From top-k 5, 4-byte vectors held in registers: there one
+  // warp's chain of dependent instructions bounded the 16-byte plan (ncu, 1 token x 6: a warp
+  // a block, about 780 instructions at 11 cycles each). H100, 1-16 tokens: 2-11% faster at
+  // top-k 6 and 8 (graph replay 16-24%); 3-6% slower at top-k 2, which keeps 16 bytes.
+  bool staged = can_stage;
   if (combine_grid(p.tokens, p.vec_per_row, items, 0).blocks() < device_limits().sm_count) {
     items = 1;
     chunk_threads = 32;
+    const int narrow = std::max(1, 4 / int(dtype_size(plan.rows->dtype)));
+    if (plan.top_k > 4 && vec > narrow) {
+      vec = narrow;
+      p.vec_per_row = int(plan.width / vec);
+      staged = false;
+    }
   }
   const int knob_items = knobs.moe_items.value_or(0);
   if (knob_items == 1 || knob_items == 2 || knob_items == 4) items = knob_items;
@@ -220,7 +233,6 @@ void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
   FUSEBOX_CHECK(blocks < (int64_t(1) << 31), "too many tokens: ", p.tokens);
   const dim3 block(split.tpr, p.tokens_per_block);
   const dim3 grid(static_cast<unsigned>(blocks), static_cast<unsigned>(split.chunks));
-  const bool staged = can_stage;  // (a forced FUSEBOX_MOE_ITEMS: chunks of fewer rows)
   const size_t stage_bytes = size_t(block.x) * block.y * staged_slots(plan.top_k, items) * 16;
   dispatch_dtype(plan.rows->dtype, [&](auto t) {
     using T = decltype(t);
