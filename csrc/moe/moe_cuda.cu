@@ -214,7 +214,7 @@ void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
     items = 1;
     chunk_threads = 32;
     const int narrow = std::max(1, 4 / int(dtype_size(plan.rows->dtype)));
-    if (plan.top_k > 4 && vec > narrow) {
+    if (plan.top_k > 4 && vec > narrow && plan.width / narrow <= int64_t(chunk_threads) * 65535) {
       vec = narrow;
       p.vec_per_row = int(plan.width / vec);
       staged = false;
