@@ -208,7 +208,7 @@ void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
   // 14% slower at 2048 tokens). From top-k 5, 4-byte vectors held in registers: there one
   // warp's chain of dependent instructions bounded the 16-byte plan (ncu, 1 token x 6: a warp
   // a block, about 780 instructions at 11 cycles each). H100, 1-16 tokens: 2-11% faster at
-  // top-k 6 and 8 (graph replay 16-24%); 3-6% slower at top-k 2, which keeps 16 bytes.
+  // top-k 6 and 8 (graph replay 3-24%); 3-6% slower at top-k 2, which keeps 16 bytes.
   bool staged = can_stage;
   if (combine_grid(p.tokens, p.vec_per_row, items, 0).blocks() < device_limits().sm_count) {
     items = 1;
