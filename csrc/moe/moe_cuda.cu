@@ -49,8 +49,8 @@ __global__ void __launch_bounds__(kBlockThreads, !STAGED ? 2 : ITEMS == 4 ? 3 : 
   extern __shared__ __align__(16) unsigned char combine_smem[];
   PackT* stage = reinterpret_cast<PackT*>(combine_smem);
   const int threads = blockDim.x * blockDim.y, tid = threadIdx.y * blockDim.x + threadIdx.x;
-  // Indices first where the rows are staged or a thread's rows take few registers (the decode
-  // plan's 4-byte vectors).
+  // Indices first where the rows are staged or a thread's rows take few registers (one vector
+  // of at most 4 bytes: the decode plan's, or rows too narrow for wider vectors).
   constexpr bool INDEX_FIRST = STAGED || (ITEMS == 1 && VEC * sizeof(T) <= 4);
   constexpr int K_CHUNK = STAGED ? staged_chunk_rows(ITEMS) : INDEX_FIRST ? kMaxChunk : kMaxLoads / ITEMS;
   const int64_t token = int64_t(blockIdx.x) * p.tokens_per_block + threadIdx.y;
@@ -206,8 +206,8 @@ void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
   // A grid of fewer blocks than SMs (decode): one vector a thread in chunks of a warp, so the
   // token's row loads spread over more SMs (b8747da: 1-7% faster at 1-16 tokens on an H100;
   // 14% slower at 2048 tokens). From top-k 5, 4-byte vectors held in registers: there one
-  // warp's chain of dependent instructions bounded the 16-byte plan (ncu, 1 token x 6: a warp
-  // a block, about 780 instructions at 11 cycles each). H100, 1-16 tokens: 2-11% faster at
+  // warp's chain of dependent instructions bounded the 16-byte plan (ncu, 1 token x 6: one warp
+  // a block, about 750 instructions over 5100 cycles). H100, 1-16 tokens: 2-11% faster at
   // top-k 6 and 8 (graph replay 3-24%); 3-6% slower at top-k 2, which keeps 16 bytes.
   bool staged = can_stage;
   if (combine_grid(p.tokens, p.vec_per_row, items, 0).blocks() < device_limits().sm_count) {
