@@ -123,17 +123,20 @@ def test_moe_combine_index_out_of_range_cuda_is_nan(gen):
 
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("top_k", [6, 9])
-def test_moe_combine_out_of_range_token_spares_its_neighbours_cuda(gen, top_k):
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
+@pytest.mark.parametrize("tokens", [3, 300])
+@pytest.mark.parametrize("top_k", [2, 6, 9])
+def test_moe_combine_out_of_range_token_spares_its_neighbours_cuda(gen, top_k, tokens, index_dtype):
     """Only the tokens with a bad index turn NaN: the others, several of them in the same
-    blocks (a 264-wide row takes under a block's threads), are exact."""
-    tokens, width = 300, 264
+    blocks (a 264-wide row takes under a block's threads), are exact. 3 tokens take the
+    decode plans (a warp a column chunk), 300 the staged ones."""
+    width = 264
     rows = randn(gen, (tokens * top_k, width), BF16, "cuda")
-    index = torch.randperm(tokens * top_k, generator=gen).view(tokens, top_k).cuda()
+    index = torch.randperm(tokens * top_k, generator=gen).view(tokens, top_k).to(index_dtype).cuda()
     weights = torch.rand((tokens, top_k), generator=gen).cuda()
-    bad = [150, 299]
-    index[150, top_k - 1] = 1 << 40
-    index[299, 0] = -1
+    bad = [tokens // 2, tokens - 1]
+    index[bad[0], top_k - 1] = (1 << 40) if index_dtype == torch.int64 else tokens * top_k
+    index[bad[1], 0] = -1
     out = call(fusebox.moe_combine, rows, index, weights)
     assert torch.isnan(out[bad].float()).all()
     good = torch.ones(tokens, dtype=torch.bool)
