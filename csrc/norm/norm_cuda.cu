@@ -861,6 +861,13 @@ int threads_per_row(int64_t vec_per_row, int items) {
 //   61.3 -> 57.2 us bf16, gated_residual_norm Wan 1.3B 104.5 -> 102.7-103.1 bf16 (fp16 within
 //   0.4). LayerNorm alone and the per-token rows ran unchanged and keep 4; 16-bit modulation was
 //   not measured.
+// - 2 as well for 16-bit RMS rows of up to 256 vectors modulated the same for every row of a
+//   sample by 16-bit operands (LTX's per-sample AdaLN), held in registers instead of staged.
+//   H100 (bench/results/2026-12-06_h100_ee5fe0a/tune/): forced by FUSEBOX_NORM_ITEMS=2 (dit_*.txt)
+//   LTX 19.41-19.54 -> 18.74-18.85 us, LTX-long 49.25-49.41 -> 47.89; the LayerNorm rows ran even
+//   (FLUX) or slower (Wan 1.3B's fp32 modulation 72.5 -> 73.0) and keep 3-4. As the default,
+//   alternating with ee5fe0a's library (adaln_rms_sample_items2_*.txt): LTX 19.47-19.57 ->
+//   18.86-18.93, LTX-long 49.50-49.60 -> 47.58-47.87; per-token, FLUX and Wan rows unchanged.
 // Odd widths (one element per vector) use 8.
 int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOpTraits& op) {
   if (!full_vectors) return vec_per_row <= 8 * kMaxThreads ? 8 : 0;
@@ -880,6 +887,9 @@ int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOp
   if (op.plain_residual && op.short_rows && vec_per_row <= kMaxThreads && rows * vec_per_row <= 2 * wave) return 1;
   if (op.plain_residual && vec_per_row <= kMaxThreads) return 2;
   if (op.per_row_operand && !op.f32_operands && vec_per_row <= 256) return 2;
+  if (op.modulated && !op.residual && !op.layer_norm && op.sixteen_bit_rows && !op.f32_operands &&
+      vec_per_row <= 256)
+    return 2;
   if (op.residual && op.modulated && op.sixteen_bit_rows && !op.f32_operands && vec_per_row <= 384) return 2;
   if (vec_per_row <= 4 * kMaxThreads)
     return three && !op.per_row_operand && 3 * threads_per_row(vec_per_row, 4) >= vec_per_row ? 3 : 4;

@@ -405,6 +405,20 @@ def test_adaln(device, gen, dtypes, norm_type, kind, with_shift, width):
 
 @pytest.mark.parametrize("dtypes", DTYPE_CASES)
 @pytest.mark.parametrize("norm_type", NORM_TYPES)
+@pytest.mark.parametrize("kind", ["sample", "sample_chunk", "token"])
+def test_adaln_rows_past_a_wave(device, gen, dtypes, norm_type, kind):
+    """LTX's rows (2048 wide) past half the resident threads, where the plan holds the small
+    operands in registers (2 vectors a thread: 16-bit RMS rows) or stages them (3-4)."""
+    xd, pd = dtypes
+    shape = (2, 1500, 2048)
+    x = randn(gen, shape, xd, device)
+    scale, shift = modulation(gen, kind, shape, 2, pd, device)
+    out = call(fusebox.adaln, x, scale, shift, norm_type=norm_type, eps=1e-6)
+    assert_close(out, ref.modulate(ref.norm(norm_type, x, eps=1e-6), scale, shift), xd)
+
+
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("norm_type", NORM_TYPES)
 @pytest.mark.parametrize("affine", AFFINE)
 @pytest.mark.parametrize("weight_offset", [0.0, 1.0])
 def test_adaln_affine(device, gen, dtypes, norm_type, affine, weight_offset):
