@@ -80,11 +80,11 @@ __global__ void __launch_bounds__(kBlockThreads, !STAGED ? 2 : ITEMS == 4 ? 3 : 
             v[j][it] = load_pack<T, VEC>(src);
         }
     };
-    // Staged, every index of the chunk is requested before the first row (one index latency
-    // for all rows), and the weights after the rows, under their latency (H100, 2048 tokens:
-    // 0.7-1.9% faster than with the indices). In registers the loads alternate (index,
-    // row, index, row...): the indices held alongside the rows cost an occupancy step (120 ->
-    // 141 registers at 2 vectors a thread, 2x the time on an H200).
+    // INDEX_FIRST: every index of the chunk is requested before the first row (one index
+    // latency for all rows), and the weights after the rows, under their latency (staged, H100,
+    // 2048 tokens: 0.7-1.9% faster than with the indices). Otherwise the loads alternate (index,
+    // row, index, row...): the indices held alongside 2-4 vectors of rows cost an occupancy
+    // step (120 -> 141 registers at 2 vectors a thread, 2x the time on an H200).
     auto load_weight = [&](int j) {
       w[j] = load_param_scalar<T>(p.weights, p.weights_strides.at(token, k0 + j));
     };
