@@ -142,6 +142,75 @@ __global__ void __launch_bounds__(kBlockThreads, !STAGED ? 2 : ITEMS == 4 ? 3 : 
   }
 }
 
+// Decode-sized calls (a grid of fewer blocks than SMs): the time is one chain, index load ->
+// row loads -> store, plus the instructions between them. This kernel keeps that path short:
+// one vector a thread, one token a grid row, index and weights contiguous along k (element j
+// at an immediate offset), 32-bit row offsets, K_MAX rows' loads unrolled and predicated on
+// the uniform top-k. Against the general kernel's decode plan (H100, 1-16 tokens): 4-8% faster
+// with L2 flushed, CUDA-graph replay 1.9-3.2 -> 1.3-2.2 us.
+struct DecodeCombineArgs {
+  const void* rows;
+  const void* index;
+  const void* weights;
+  void* out;
+  int index_stride, weights_stride;  // a token's k-vector: element j at token * stride + j
+  int64_t out_stride;
+  int rows_stride, num_rows, top_k, vec_per_row;
+  bool index64, weights_f32;
+};
+
+template <typename T, int VEC, int K_MAX>
+__global__ void __launch_bounds__(128) moe_combine_decode_kernel(const DecodeCombineArgs p) {
+  const int v = blockIdx.x * blockDim.x + threadIdx.x;
+  if (v >= p.vec_per_row) return;
+  const int token = blockIdx.y, K = p.top_k;
+  pdl_wait();
+  int64_t r[K_MAX];
+  if (p.index64) {
+    const long long* index = static_cast<const long long*>(p.index) + token * p.index_stride;
+#pragma unroll
+    for (int j = 0; j < K_MAX; ++j) r[j] = j < K ? __ldg(index + j) : 0;
+  } else {
+    const int* index = static_cast<const int*>(p.index) + token * p.index_stride;
+#pragma unroll
+    for (int j = 0; j < K_MAX; ++j) r[j] = j < K ? __ldg(index + j) : 0;
+  }
+  float w[K_MAX];
+#pragma unroll
+  for (int j = 0; j < K_MAX; ++j)
+    if (j < K) w[j] = load_param_scalar<T>(ParamPtr{p.weights, p.weights_f32}, token * p.weights_stride + j);
+  bool bad = false;  // the whole output row becomes NaN, as in moe_combine_kernel; nothing is read
+#pragma unroll
+  for (int j = 0; j < K_MAX; ++j) bad |= uint64_t(r[j]) >= uint64_t(p.num_rows);
+  const T* rows = static_cast<const T*>(p.rows) + v * VEC;
+  Pack<T, VEC> x[K_MAX];
+  if (!bad) {
+#pragma unroll
+    for (int j = 0; j < K_MAX; ++j)
+      if (j < K) x[j] = load_pack<T, VEC>(rows + static_cast<int64_t>(int(r[j])) * p.rows_stride);
+  }
+  pdl_release();
+  float acc[VEC] = {};
+#pragma unroll
+  for (int j = 0; j < K_MAX; ++j) {
+    if (j < K) {
+      float xf[VEC];
+      unpack(x[j], xf);
+#pragma unroll
+      for (int i = 0; i < VEC; ++i) {  // no fma: the product is rounded before the add, as unfused
+        float product = __fmul_rn(w[j], xf[i]);
+        if (!p.weights_f32) product = round_to<T>(product);
+        acc[i] = __fadd_rn(acc[i], product);
+      }
+    }
+  }
+  if (bad) {
+#pragma unroll
+    for (int i = 0; i < VEC; ++i) acc[i] = __int_as_float(0x7fc00000);
+  }
+  store_pack(static_cast<T*>(p.out) + token * p.out_stride + v * VEC, pack<T, VEC>(acc));
+}
+
 int staged_slots(int64_t top_k, int items) {
   return int(std::min<int64_t>(top_k, staged_chunk_rows(items))) * items;
 }
@@ -169,18 +238,63 @@ struct CombineGrid {
 };
 
 // chunk_threads: 0 for the widest chunks (up to a block), else at most that many threads
-CombineGrid combine_grid(int64_t tokens, int vec_per_row, int items, int chunk_threads) {
-  CombineGrid g{tokens, column_split(vec_per_row, items, false, kBlockThreads), 1};
+CombineGrid combine_grid(int64_t tokens, int vec_per_row, int items, int chunk_threads,
+                         int block_threads = kBlockThreads) {
+  CombineGrid g{tokens, column_split(vec_per_row, items, false, block_threads), 1};
   if (chunk_threads > 0) {  // a token's row over more, smaller chunks
     const int64_t need = (vec_per_row + items - 1) / items;
     g.split.tpr = int(std::min<int64_t>(chunk_threads, next_pow2(need)));
     g.split.chunks = (need + g.split.tpr - 1) / g.split.tpr;
   }
-  g.tokens_per_block = std::max(1, kBlockThreads / g.split.tpr);
+  g.tokens_per_block = std::max(1, block_threads / g.split.tpr);
   return g;
 }
 
 }  // namespace
+
+// The decode kernel where it applies: top-k <= 8, 16-byte vectors up to top-k 4 (4-byte ones
+// above, as the general decode plan), k-contiguous index and weights, 32-bit offsets.
+bool try_decode_combine(const CombinePlan& plan, int vec, cudaStream_t stream) {
+  const int64_t elem = dtype_size(plan.rows->dtype), K = plan.top_k;
+  const int wide = int(16 / elem), narrow = int(std::max<int64_t>(1, 4 / elem));
+  const int v = K <= 4 ? wide : narrow;
+  const TensorView &index = *plan.index, &weights = *plan.weights;
+  const auto fits32 = [](int64_t x) { return x >= 0 && x < (int64_t(1) << 31); };
+  if (K > 8 || vec < v || plan.tokens > 65535 || (K > 1 && (index.strides[1] != 1 || weights.strides[1] != 1)) ||
+      !fits32(plan.tokens * index.strides[0]) || !fits32(plan.tokens * weights.strides[0]) ||
+      !fits32(plan.rows->strides[0]) || !fits32(plan.num_rows) || !fits32(plan.num_rows * plan.rows->strides[0]))
+    return false;
+  DecodeCombineArgs p{};
+  p.rows = plan.rows->data;
+  p.index = index.data;
+  p.weights = weights.data;
+  p.out = plan.out->data;
+  p.index_stride = int(index.strides[0]);
+  p.weights_stride = int(weights.strides[0]);
+  p.out_stride = plan.out->strides[0];
+  p.rows_stride = int(plan.rows->strides[0]);
+  p.num_rows = int(plan.num_rows);
+  p.top_k = int(K);
+  p.vec_per_row = int(plan.width / v);
+  p.index64 = index.dtype == DType::kInt64;
+  p.weights_f32 = weights.dtype == DType::kFloat32;
+  // Blocks of 128 threads, fewer where the grid would be under 16 blocks (H200: one token
+  // 0.1-0.2 us faster at 64 than at 128 threads, 16 tokens' graph replay 0.1-0.3 us slower).
+  int threads = 128;
+  while (threads > 32 && plan.tokens * ((p.vec_per_row + threads - 1) / threads) < 16) threads /= 2;
+  const dim3 block(threads), grid(unsigned((p.vec_per_row + threads - 1) / threads), unsigned(plan.tokens));
+  dispatch_dtype(plan.rows->dtype, [&](auto t) {
+    using T = decltype(t);
+    constexpr int kWide = 16 / sizeof(T), kNarrow = sizeof(T) >= 4 ? 1 : 4 / sizeof(T);
+    if (K <= 2)
+      launch(moe_combine_decode_kernel<T, kWide, 2>, grid, block, 0, stream, p);
+    else if (K <= 4)
+      launch(moe_combine_decode_kernel<T, kWide, 4>, grid, block, 0, stream, p);
+    else
+      launch(moe_combine_decode_kernel<T, kNarrow, 8>, grid, block, 0, stream, p);
+  });
+  return true;
+}
 
 void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
   CombineKernelArgs p{};
@@ -203,14 +317,18 @@ void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
   const bool can_stage = device_limits().major >= 8 && vec * dtype_size(plan.rows->dtype) == 16 &&
                          knobs.moe_stage.value_or(1) != 0;
   int items = vectors_per_thread(plan.top_k, p.vec_per_row, can_stage), chunk_threads = 0;
-  // A grid of fewer blocks than SMs (decode): one vector a thread in chunks of a warp, so the
-  // token's row loads spread over more SMs (b8747da: 1-7% faster at 1-16 tokens on an H100;
-  // 14% slower at 2048 tokens). From top-k 5, 4-byte vectors held in registers: there one
+  // A grid of fewer blocks than SMs (decode): the decode kernel where it applies. Otherwise
+  // (top-k over 8, strided index or weights, narrow vectors, a forced plan) this plan: one
+  // vector a thread in chunks of a warp, so the token's row loads spread over more SMs
+  // (b8747da: 1-7% faster at 1-16 tokens on an H100; 14% slower at 2048 tokens). From top-k 5,
+  // 4-byte vectors held in registers: there one
   // warp's chain of dependent instructions bounded the 16-byte plan (ncu, 1 token x 6: one warp
   // a block, about 750 instructions over 5100 cycles). H100, 1-16 tokens: 2-11% faster at
   // top-k 6 and 8 (graph replay 3-24%); 3-6% slower at top-k 2, which keeps 16 bytes.
   bool staged = can_stage;
   if (combine_grid(p.tokens, p.vec_per_row, items, 0).blocks() < device_limits().sm_count) {
+    // A forced plan (FUSEBOX_MOE_ITEMS or _CHUNK) keeps the general kernel for tuning and tests.
+    if (!knobs.moe_items && !knobs.moe_chunk && try_decode_combine(plan, vec, stream)) return;
     items = 1;
     chunk_threads = 32;
     const int narrow = std::max(1, 4 / int(dtype_size(plan.rows->dtype)));
@@ -225,7 +343,11 @@ void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
   const int knob_chunk = knobs.moe_chunk.value_or(-1);
   if (knob_chunk == 0 || knob_chunk == 32 || knob_chunk == 64 || knob_chunk == 128 || knob_chunk == 256)
     chunk_threads = knob_chunk;  // 0: the widest chunks
-  const CombineGrid grid_plan = combine_grid(p.tokens, p.vec_per_row, items, chunk_threads);
+  // Staged rows at 1 or 4 vectors a thread in blocks of 128 threads: H200, 2048-8192 tokens,
+  // top-k 8 2-5% faster (DeepSeek-V3 72.1 -> 68.9 us), top-k 2 0-2%; H100 within +-1%. At 2
+  // vectors (top-k 5-6) 4-7% slower on the H200, 2% on the H100: those keep 256.
+  const int block_threads = staged && items != 2 ? 128 : kBlockThreads;
+  const CombineGrid grid_plan = combine_grid(p.tokens, p.vec_per_row, items, chunk_threads, block_threads);
   const ColumnSplit split = grid_plan.split;
   p.tokens_per_block = grid_plan.tokens_per_block;
   FUSEBOX_CHECK(split.chunks <= 65535, "rows' width ", plan.width, " is too wide for the combine kernel");

@@ -42,6 +42,24 @@ def test_moe_combine(device, gen, dtypes, index_dtype, top_k, width):
     assert_close(out, ref.moe_combine(rows, index, weights), dtype)
 
 
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtypes", DTYPE_CASES)
+@pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
+@pytest.mark.parametrize("top_k", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("width", [264, 4104])
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_moe_combine_decode_sizes_cuda(gen, dtypes, index_dtype, top_k, width, tokens):
+    """1 and 16 tokens: the decode kernel (16-byte vectors up to top-k 4, 4-byte ones above,
+    K padded to 2, 4 or 8, a last block only partly in the row), with more rows than pairs so
+    that rows go unused."""
+    dtype, wdtype = dtypes
+    rows = expert_rows(gen, tokens * top_k + 5, width, dtype, "cuda")
+    index, weights = routing(gen, tokens, top_k, tokens * top_k + 5, index_dtype, wdtype, "cuda")
+    out = call(fusebox.moe_combine, rows, index, weights)
+    assert_close(out, ref.moe_combine(rows, index, weights), dtype)
+
+
 @pytest.mark.parametrize("dtypes", DTYPE_CASES)
 @pytest.mark.parametrize("top_k", [2, 6, 8, 9])
 @pytest.mark.parametrize("width", [1001, 2048, 4104])
