@@ -145,9 +145,9 @@ __global__ void __launch_bounds__(kBlockThreads, !STAGED ? 2 : ITEMS == 4 ? 3 : 
 // Decode-sized calls (a grid of fewer blocks than SMs): the time is one chain, index load ->
 // row loads -> store, plus the instructions between them. This kernel keeps that path short:
 // one vector a thread, one token a grid row, index and weights contiguous along k (element j
-// at an immediate offset), 32-bit row offsets, K_MAX rows' loads unrolled and predicated on
-// the uniform top-k. Against the general kernel's decode plan (H100, 1-16 tokens): 4-8% faster
-// with L2 flushed, CUDA-graph replay 1.9-3.2 -> 1.3-2.2 us.
+// at an immediate offset), 32-bit row numbers and stride, K_MAX rows' loads unrolled and
+// predicated on the uniform top-k. Against the general kernel's decode plan (H100, 1-16 tokens): 2-8% faster
+// with L2 flushed, CUDA-graph replay 1.8-3.1 -> 1.3-2.2 us.
 struct DecodeCombineArgs {
   const void* rows;
   const void* index;
@@ -253,16 +253,16 @@ CombineGrid combine_grid(int64_t tokens, int vec_per_row, int items, int chunk_t
 }  // namespace
 
 // The decode kernel where it applies: top-k <= 8, 16-byte vectors up to top-k 4 (4-byte ones
-// above, as the general decode plan), k-contiguous index and weights, 32-bit offsets.
+// above, as the general decode plan), k-contiguous index and weights, 32-bit row numbers and strides.
 bool try_decode_combine(const CombinePlan& plan, int vec, cudaStream_t stream) {
   const int64_t elem = dtype_size(plan.rows->dtype), K = plan.top_k;
   const int wide = int(16 / elem), narrow = int(std::max<int64_t>(1, 4 / elem));
   const int v = K <= 4 ? wide : narrow;
   const TensorView &index = *plan.index, &weights = *plan.weights;
   const auto fits32 = [](int64_t x) { return x >= 0 && x < (int64_t(1) << 31); };
-  if (K > 8 || vec < v || plan.tokens > 65535 || (K > 1 && (index.strides[1] != 1 || weights.strides[1] != 1)) ||
-      !fits32(plan.tokens * index.strides[0]) || !fits32(plan.tokens * weights.strides[0]) ||
-      !fits32(plan.rows->strides[0]) || !fits32(plan.num_rows) || !fits32(plan.num_rows * plan.rows->strides[0]))
+  const bool k_contiguous = K <= 1 || (index.strides[1] == 1 && weights.strides[1] == 1);
+  if (K > 8 || vec < v || plan.tokens > 65535 || !k_contiguous || !fits32(plan.tokens * index.strides[0]) ||
+      !fits32(plan.tokens * weights.strides[0]) || !fits32(plan.rows->strides[0]) || !fits32(plan.num_rows))
     return false;
   DecodeCombineArgs p{};
   p.rows = plan.rows->data;
@@ -344,7 +344,7 @@ void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
   if (knob_chunk == 0 || knob_chunk == 32 || knob_chunk == 64 || knob_chunk == 128 || knob_chunk == 256)
     chunk_threads = knob_chunk;  // 0: the widest chunks
   // Staged rows at 1 or 4 vectors a thread in blocks of 128 threads: H200, 2048-8192 tokens,
-  // top-k 8 2-5% faster (DeepSeek-V3 72.1 -> 68.9 us), top-k 2 0-2%; H100 within +-1%. At 2
+  // top-k 8 2-5% faster (DeepSeek-V3 72.1 -> 68.9 us), top-k 2 0-2.5%; H100 within +-1%. At 2
   // vectors (top-k 5-6) 4-7% slower on the H200, 2% on the H100: those keep 256.
   const int block_threads = staged && items != 2 ? 128 : kBlockThreads;
   const CombineGrid grid_plan = combine_grid(p.tokens, p.vec_per_row, items, chunk_threads, block_threads);
