@@ -181,7 +181,7 @@ __global__ void __launch_bounds__(128) moe_combine_decode_kernel(const DecodeCom
     if (j < K) w[j] = load_param_scalar<T>(ParamPtr{p.weights, p.weights_f32}, token * p.weights_stride + j);
   bool bad = false;  // the whole output row becomes NaN, as in moe_combine_kernel; nothing is read
 #pragma unroll
-  for (int j = 0; j < K_MAX; ++j) bad |= uint64_t(r[j]) >= uint64_t(p.num_rows);
+  for (int j = 0; j < K_MAX; ++j) bad |= j < K && uint64_t(r[j]) >= uint64_t(p.num_rows);
   const T* rows = static_cast<const T*>(p.rows) + v * VEC;
   Pack<T, VEC> x[K_MAX];
   if (!bad) {

@@ -107,8 +107,8 @@ def test_moe_combine_matches_the_unfused_form(device, gen, dtype, weights_16bit)
 
 
 def test_moe_combine_empty(device):
-    rows = torch.randn(4, 16, device=device, dtype=BF16)
-    for tokens, top_k in ((0, 2), (3, 0)):
+    for num_rows, tokens, top_k in ((4, 0, 2), (4, 3, 0), (0, 3, 0)):
+        rows = torch.randn(num_rows, 16, device=device, dtype=BF16)
         index = torch.zeros((tokens, top_k), dtype=torch.int64, device=device)
         out = call(fusebox.moe_combine, rows, index, torch.ones((tokens, top_k), device=device))
         assert out.shape == (tokens, 16) and out.dtype == BF16
