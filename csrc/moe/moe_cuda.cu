@@ -27,6 +27,28 @@ __host__ __device__ constexpr int staged_chunk_rows(int items) {
   return kMaxStagedSlots / items < kMaxChunk ? kMaxStagedSlots / items : kMaxChunk;
 }
 
+// acc += w * row, element by element as the unfused form computes it: the product rounded to
+// the rows' dtype where the weights are 16-bit (the product tensor is then 16-bit), no fma.
+template <typename T, int VEC>
+__device__ __forceinline__ void add_weighted_row(float (&acc)[VEC], const Pack<T, VEC>& row, float w,
+                                                 bool weights_f32) {
+  float x[VEC];
+  unpack(row, x);
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) {
+    float product = __fmul_rn(w, x[i]);
+    if (!weights_f32) product = round_to<T>(product);
+    acc[i] = __fadd_rn(acc[i], product);
+  }
+}
+
+// A token with an index outside the rows: its whole output row is NaN (no host sync to raise).
+template <int VEC>
+__device__ __forceinline__ void poison_row(float (&acc)[VEC]) {
+#pragma unroll
+  for (int i = 0; i < VEC; ++i) acc[i] = __int_as_float(0x7fc00000);
+}
+
 struct CombineKernelArgs {
   const void* rows;
   IndexPtr index;
@@ -114,17 +136,11 @@ __global__ void __launch_bounds__(kBlockThreads, !STAGED ? 2 : ITEMS == 4 ? 3 : 
       if (k0 + j < p.top_k) {
 #pragma unroll
         for (int it = 0; it < ITEMS; ++it) {
-          float x[VEC];
           if constexpr (STAGED)
-            unpack(stage[(j * ITEMS + it) * threads + tid], x);
+            add_weighted_row<T, VEC>(acc[it], stage[(j * ITEMS + it) * threads + tid], w[j],
+                                     p.weights.is_f32);
           else
-            unpack(v[j][it], x);
-#pragma unroll
-          for (int i = 0; i < VEC; ++i) {  // no fma: the product is rounded before the add, as unfused
-            float product = __fmul_rn(w[j], x[i]);
-            if (!p.weights.is_f32) product = round_to<T>(product);  // a 16-bit product tensor
-            acc[it][i] = __fadd_rn(acc[it][i], product);
-          }
+            add_weighted_row<T, VEC>(acc[it], v[j][it], w[j], p.weights.is_f32);
         }
       }
     }
@@ -134,10 +150,7 @@ __global__ void __launch_bounds__(kBlockThreads, !STAGED ? 2 : ITEMS == 4 ? 3 : 
 #pragma unroll
   for (int it = 0; it < ITEMS; ++it) {
     if (first + it * int(blockDim.x) >= p.vec_per_row) break;
-    if (out_of_range) {
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) acc[it][i] = __int_as_float(0x7fc00000);
-    }
+    if (out_of_range) poison_row(acc[it]);
     store_pack(out + it * blockDim.x * VEC, pack<T, VEC>(acc[it]));
   }
 }
@@ -146,8 +159,8 @@ __global__ void __launch_bounds__(kBlockThreads, !STAGED ? 2 : ITEMS == 4 ? 3 : 
 // row loads -> store, plus the instructions between them. This kernel keeps that path short:
 // one vector a thread, one token a grid row, index and weights contiguous along k (element j
 // at an immediate offset), 32-bit row numbers and stride, K_MAX rows' loads unrolled and
-// predicated on the uniform top-k. Against the general kernel's decode plan (H100, 1-16 tokens): 2-8% faster
-// with L2 flushed, CUDA-graph replay 1.8-3.1 -> 1.3-2.2 us.
+// predicated on the uniform top-k. Against the general kernel's decode plan (H100, 1-16
+// tokens): 2-8% faster with L2 flushed, CUDA-graph replay 1.8-3.1 -> 1.3-2.2 us.
 struct DecodeCombineArgs {
   const void* rows;
   const void* index;
@@ -192,22 +205,9 @@ __global__ void __launch_bounds__(128) moe_combine_decode_kernel(const DecodeCom
   pdl_release();
   float acc[VEC] = {};
 #pragma unroll
-  for (int j = 0; j < K_MAX; ++j) {
-    if (j < K) {
-      float xf[VEC];
-      unpack(x[j], xf);
-#pragma unroll
-      for (int i = 0; i < VEC; ++i) {  // no fma: the product is rounded before the add, as unfused
-        float product = __fmul_rn(w[j], xf[i]);
-        if (!p.weights_f32) product = round_to<T>(product);
-        acc[i] = __fadd_rn(acc[i], product);
-      }
-    }
-  }
-  if (bad) {
-#pragma unroll
-    for (int i = 0; i < VEC; ++i) acc[i] = __int_as_float(0x7fc00000);
-  }
+  for (int j = 0; j < K_MAX; ++j)
+    if (j < K) add_weighted_row<T, VEC>(acc, x[j], w[j], p.weights_f32);
+  if (bad) poison_row(acc);
   store_pack(static_cast<T*>(p.out) + token * p.out_stride + v * VEC, pack<T, VEC>(acc));
 }
 
@@ -249,8 +249,6 @@ CombineGrid combine_grid(int64_t tokens, int vec_per_row, int items, int chunk_t
   g.tokens_per_block = std::max(1, block_threads / g.split.tpr);
   return g;
 }
-
-}  // namespace
 
 // The decode kernel where it applies: top-k <= 8, 16-byte vectors up to top-k 4 (4-byte ones
 // above, as the general decode plan), k-contiguous index and weights, 32-bit row numbers and strides.
@@ -296,6 +294,8 @@ bool try_decode_combine(const CombinePlan& plan, int vec, cudaStream_t stream) {
   return true;
 }
 
+}  // namespace
+
 void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
   CombineKernelArgs p{};
   p.rows = plan.rows->data;
@@ -321,10 +321,10 @@ void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
   // (top-k over 8, strided index or weights, narrow vectors, a forced plan) this plan: one
   // vector a thread in chunks of a warp, so the token's row loads spread over more SMs
   // (b8747da: 1-7% faster at 1-16 tokens on an H100; 14% slower at 2048 tokens). From top-k 5,
-  // 4-byte vectors held in registers: there one
-  // warp's chain of dependent instructions bounded the 16-byte plan (ncu, 1 token x 6: one warp
-  // a block, about 750 instructions over 5100 cycles). H100, 1-16 tokens: 2-11% faster at
-  // top-k 6 and 8 (graph replay 3-24%); 3-6% slower at top-k 2, which keeps 16 bytes.
+  // 4-byte vectors held in registers: there one warp's chain of dependent instructions bounded
+  // the 16-byte plan (ncu, 1 token x 6: one warp a block, about 750 instructions over 5100
+  // cycles). H100, 1-16 tokens: 2-11% faster at top-k 6 and 8 (graph replay 3-24%); 3-6% slower
+  // at top-k 2, which keeps 16 bytes.
   bool staged = can_stage;
   if (combine_grid(p.tokens, p.vec_per_row, items, 0).blocks() < device_limits().sm_count) {
     // A forced plan (FUSEBOX_MOE_ITEMS or _CHUNK) keeps the general kernel for tuning and tests.
