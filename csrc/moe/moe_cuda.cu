@@ -211,6 +211,9 @@ __global__ void __launch_bounds__(128) moe_combine_decode_kernel(const DecodeCom
   store_pack(static_cast<T*>(p.out) + token * p.out_stride + v * VEC, pack<T, VEC>(acc));
 }
 
+// Elements in a 4-byte vector of `dtype` (1 for fp32): the decode plans' width from top-k 5.
+int four_byte_vec(DType dtype) { return std::max(1, 4 / int(dtype_size(dtype))); }
+
 int staged_slots(int64_t top_k, int items) {
   return int(std::min<int64_t>(top_k, staged_chunk_rows(items))) * items;
 }
@@ -254,7 +257,7 @@ CombineGrid combine_grid(int64_t tokens, int vec_per_row, int items, int chunk_t
 // above, as the general decode plan), k-contiguous index and weights, 32-bit row numbers and strides.
 bool try_decode_combine(const CombinePlan& plan, int vec, cudaStream_t stream) {
   const int64_t elem = dtype_size(plan.rows->dtype), K = plan.top_k;
-  const int wide = int(16 / elem), narrow = int(std::max<int64_t>(1, 4 / elem));
+  const int wide = int(16 / elem), narrow = four_byte_vec(plan.rows->dtype);
   const int v = K <= 4 ? wide : narrow;
   const TensorView &index = *plan.index, &weights = *plan.weights;
   const auto fits32 = [](int64_t x) { return x >= 0 && x < (int64_t(1) << 31); };
@@ -332,7 +335,7 @@ void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
     if (!knobs.moe_items && !knobs.moe_chunk && try_decode_combine(plan, vec, stream)) return;
     items = 1;
     chunk_threads = 32;
-    const int narrow = std::max(1, 4 / int(dtype_size(plan.rows->dtype)));
+    const int narrow = four_byte_vec(plan.rows->dtype);
     if (plan.top_k > 4 && vec > narrow && plan.width / narrow <= int64_t(chunk_threads) * 65535) {
       vec = narrow;
       p.vec_per_row = int(plan.width / vec);

@@ -147,7 +147,8 @@ def test_moe_combine_index_out_of_range_cuda_is_nan(gen):
 def test_moe_combine_out_of_range_token_spares_its_neighbours_cuda(gen, top_k, tokens, index_dtype):
     """Only the tokens with a bad index turn NaN: the others, several of them in the same
     blocks (a 264-wide row takes under a block's threads), are exact. 3 tokens take the
-    decode plans (a warp a column chunk), 300 the staged ones."""
+    decode kernel (top-k 2 and 6) or the general kernel's decode plan (top-k 9), 300 the
+    staged plans."""
     width = 264
     rows = randn(gen, (tokens * top_k, width), BF16, "cuda")
     index = torch.randperm(tokens * top_k, generator=gen).view(tokens, top_k).to(index_dtype).cuda()
