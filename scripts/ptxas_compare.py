@@ -98,6 +98,11 @@ def main() -> int:
             (r0, s0), (r1, s1) = old[k], new.get(k, (0, 0))
             print(f"  {r0:4d} ({s0:3d}) -> {r1:4d} ({s1:3d})  {k}")
         print(f"{len(changed)} of {len(old)} kernels changed")
+        added = [k for k in new if k not in old]
+        for k in added:
+            print(f"     new -> {new[k][0]:4d} ({new[k][1]:3d})  {k}")
+        if added:
+            print(f"{len(added)} kernels only at {args.new}")
         if args.sass:
             if not args.cuobjdump:
                 print("SASS counts skipped: no cuobjdump (pass --cuobjdump)")
