@@ -211,8 +211,9 @@ __global__ void __launch_bounds__(128) moe_combine_decode_kernel(const DecodeCom
   store_pack(static_cast<T*>(p.out) + token * p.out_stride + v * VEC, pack<T, VEC>(acc));
 }
 
-// Elements in a 4-byte vector of `dtype` (1 for fp32): the decode plans' width from top-k 5.
-int four_byte_vec(DType dtype) { return std::max(1, 4 / int(dtype_size(dtype))); }
+// Elements in a 4-byte vector of `elem_bytes`-byte elements (1 for fp32): the decode plans' width
+// from top-k 5. constexpr: the decode launcher's template argument too.
+constexpr int four_byte_vec(int64_t elem_bytes) { return elem_bytes >= 4 ? 1 : int(4 / elem_bytes); }
 
 int staged_slots(int64_t top_k, int items) {
   return int(std::min<int64_t>(top_k, staged_chunk_rows(items))) * items;
@@ -257,7 +258,7 @@ CombineGrid combine_grid(int64_t tokens, int vec_per_row, int items, int chunk_t
 // above, as the general decode plan), k-contiguous index and weights, 32-bit row numbers and strides.
 bool try_decode_combine(const CombinePlan& plan, int vec, cudaStream_t stream) {
   const int64_t elem = dtype_size(plan.rows->dtype), K = plan.top_k;
-  const int wide = int(16 / elem), narrow = four_byte_vec(plan.rows->dtype);
+  const int wide = int(16 / elem), narrow = four_byte_vec(elem);
   const int v = K <= 4 ? wide : narrow;
   const TensorView &index = *plan.index, &weights = *plan.weights;
   const auto fits32 = [](int64_t x) { return x >= 0 && x < (int64_t(1) << 31); };
@@ -287,7 +288,7 @@ bool try_decode_combine(const CombinePlan& plan, int vec, cudaStream_t stream) {
   const dim3 block(threads), grid(unsigned((p.vec_per_row + threads - 1) / threads), unsigned(plan.tokens));
   dispatch_dtype(plan.rows->dtype, [&](auto t) {
     using T = decltype(t);
-    constexpr int kWide = 16 / sizeof(T), kNarrow = sizeof(T) >= 4 ? 1 : 4 / sizeof(T);
+    constexpr int kWide = 16 / sizeof(T), kNarrow = four_byte_vec(sizeof(T));
     if (K <= 2)
       launch(moe_combine_decode_kernel<T, kWide, 2>, grid, block, 0, stream, p);
     else if (K <= 4)
@@ -335,7 +336,7 @@ void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream) {
     if (!knobs.moe_items && !knobs.moe_chunk && try_decode_combine(plan, vec, stream)) return;
     items = 1;
     chunk_threads = 32;
-    const int narrow = four_byte_vec(plan.rows->dtype);
+    const int narrow = four_byte_vec(dtype_size(plan.rows->dtype));
     if (plan.top_k > 4 && vec > narrow && plan.width / narrow <= int64_t(chunk_threads) * 65535) {
       vec = narrow;
       p.vec_per_row = int(plan.width / vec);

@@ -196,10 +196,10 @@ __global__ void __maxnreg__(64) moe_sort_kernel(const SortKernelArgs p) {
   // 1. count (begin and end are the warp's). A warp of one round keeps its buckets in registers
   // for step 4 rather than loading them again (decode: one L2 round trip less on the chain).
   const bool one_round = end - begin <= 32 * kRounds;
-  int kept[kRounds];
+  int bucket[kRounds];
   if (one_round) {
-    load_round(p, kept, begin, end, 32, lane);
-    count_round(mine, kept);
+    load_round(p, bucket, begin, end, 32, lane);
+    count_round(mine, bucket);
   } else {
     count_pairs(p, mine, begin, end, 32, lane);
   }
@@ -260,13 +260,7 @@ __global__ void __maxnreg__(64) moe_sort_kernel(const SortKernelArgs p) {
   // 4. place the pairs in pair order
   const unsigned lanes_before = (1u << lane) - 1u;
   for (int base = begin; base < end; base += 32 * kRounds) {
-    int bucket[kRounds];
-    if (one_round) {
-#pragma unroll
-      for (int r = 0; r < kRounds; ++r) bucket[r] = kept[r];
-    } else {
-      load_round(p, bucket, base, end, 32, lane);
-    }
+    if (!one_round) load_round(p, bucket, base, end, 32, lane);  // one round: held since step 1
 #pragma unroll
     for (int r = 0; r < kRounds; ++r) {
       if (base + r * 32 >= end) break;  // uniform over the warp
