@@ -32,6 +32,7 @@ constexpr int kTileWarps = 8;      // of each block of a tiled sort
 constexpr int kTilePairs = 512;    // a tile's pairs at least (FUSEBOX_MOE_SORT_TILE for tuning)
 constexpr int kMaxTiles = 64;      // larger indexes take larger tiles
 constexpr int kRounds = 8;         // rounds of 32 pairs a warp loads before it uses them
+constexpr int kSmallPairs = 32;    // the most pairs the warp-shuffle sort takes (FUSEBOX_MOE_SORT_SMALL)
 // Shared memory: the warps' counts and two arrays a bucket, under the 48 KB a block takes without
 // an opt-in on every GPU, with room for the static scan scratch.
 constexpr int kSmemBytes = 47 * 1024;
@@ -279,6 +280,55 @@ __global__ void __maxnreg__(64) moe_sort_kernel(const SortKernelArgs p) {
   }
 }
 
+// The sort of at most 32 * kRoundsSmall pairs (decode), without shared memory or block barriers:
+// each warp loads every pair's bucket (lane l holds pairs l, l + 32, ...) as a key bucket * 128 +
+// pair, which orders the pairs as the stable sort does. A pair's row is then the number of keys
+// below its own, and expert e's end offset the number below (e + 1) * 128: every thread takes the
+// keys one lane at a time by shuffles and counts. Warp w places the pairs of round w; thread t
+// writes expert t's offset. H100, CUDA-graph replay against an empty launch's 1.24 us: one token
+// (one round) 2.4-3.2 us in the one-block kernel's chain (zeroing, counting atomics, a block scan,
+// the barriers between them), 1.25-1.47 here; at 96-128 pairs (four rounds, 16 tokens) level with
+// it in a graph and 0.3-0.5 us slower launched alone, so by default only one round takes it.
+constexpr int kSmallKeyBits = 7;  // of the pair, in a key
+constexpr int kMaxSmallWarps = 32;
+constexpr int kNoKey = 0x7fffffff;  // past the pairs: above every key and limit
+
+template <int kRoundsSmall>
+__global__ void __launch_bounds__(kMaxSmallWarps * 32) moe_sort_small_kernel(const SortKernelArgs p) {
+  static_assert(32 * kRoundsSmall <= (1 << kSmallKeyBits), "a pair must fit its key bits");
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  pdl_wait();
+  int key[kRoundsSmall];
+#pragma unroll
+  for (int r = 0; r < kRoundsSmall; ++r) {
+    const int pair = r * 32 + lane;
+    key[r] = pair < p.pairs ? (bucket_of(p, pair, p.pairs) << kSmallKeyBits) | pair : kNoKey;
+  }
+  pdl_release();
+  int my_key = kNoKey;
+#pragma unroll
+  for (int r = 0; r < kRoundsSmall; ++r)
+    if (r == warp) my_key = key[r];
+  const int limit = int(threadIdx.x + 1) << kSmallKeyBits;  // keys of buckets up to expert threadIdx.x
+  int row = 0, below = 0;
+  const int lanes = min(32, p.pairs);  // more than 32 pairs fill every lane of the earlier rounds
+  for (int j = 0; j < lanes; ++j) {
+#pragma unroll
+    for (int r = 0; r < kRoundsSmall; ++r) {
+      const int k = __shfl_sync(0xffffffffu, key[r], j);
+      row += k < my_key;
+      below += k < limit;
+    }
+  }
+  if (int(threadIdx.x) < p.num_experts) p.offsets[threadIdx.x * p.offsets_s] = below;
+  const int pair = my_key & ((1 << kSmallKeyBits) - 1), bucket = my_key >> kSmallKeyBits;
+  if (warp < kRoundsSmall && warp * 32 + lane < p.pairs) {
+    const int token = pair / p.top_k, k = pair - token * p.top_k;
+    p.row_token[row * p.row_token_s] = token;
+    p.pair_row[p.pair_row_strides.at(token, k)] = bucket < p.num_experts ? row : -1;
+  }
+}
+
 void check_experts(int64_t num_experts) {
   // one warp's counts and the two bucket arrays must fit the shared memory
   const int64_t most = kMaxCells / 3 - 1;
@@ -313,6 +363,18 @@ void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream) {
   p.num_experts = int(plan.num_experts);
   p.tile_pairs = tiles.tile_pairs;
   p.chunk = tiles.chunk;
+  const int64_t small = std::min<int64_t>(128, tuning_knobs().moe_sort_small.value_or(kSmallPairs));
+  if (small > 0 && pairs <= small && plan.num_experts <= kMaxSmallWarps * 32) {
+    const int rounds = int(std::max<int64_t>(1, (pairs + 31) / 32));
+    const dim3 block(32 * int(std::max<int64_t>(rounds, (plan.num_experts + 31) / 32)));
+    if (rounds == 1)
+      launch(moe_sort_small_kernel<1>, dim3(1), block, 0, stream, p);
+    else if (rounds == 2)
+      launch(moe_sort_small_kernel<2>, dim3(1), block, 0, stream, p);
+    else
+      launch(moe_sort_small_kernel<4>, dim3(1), block, 0, stream, p);
+    return;
+  }
   if (tiles.tiles > 1)
     launch(moe_sort_count_kernel, dim3(tiles.tiles), dim3(kTileWarps * 32), size_t(buckets) * sizeof(int), stream, p);
   launch(moe_sort_kernel, dim3(tiles.tiles), dim3(tiles.warps * 32), size_t((tiles.warps + 2) * buckets) * sizeof(int),

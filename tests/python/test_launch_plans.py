@@ -1,8 +1,8 @@
 """Launch plans and kernel variants the tuning variables can force (FUSEBOX_NORM_ITEMS,
 FUSEBOX_NORM_STAGE, FUSEBOX_ROPE_ITEMS, FUSEBOX_ACT_FLAT, FUSEBOX_NORM_FLAT, FUSEBOX_NORM_SHORT,
 FUSEBOX_ROPE_SHORT, FUSEBOX_ROPE_EARLY, FUSEBOX_ADD_FLAT, FUSEBOX_MOE_ITEMS, FUSEBOX_MOE_CHUNK,
-FUSEBOX_MOE_STAGE, FUSEBOX_MOE_SORT_TILE, used by scripts/tune.py): each still computes the reference
-result on CUDA."""
+FUSEBOX_MOE_STAGE, FUSEBOX_MOE_SORT_TILE, FUSEBOX_MOE_SORT_SMALL, used by scripts/tune.py): each
+still computes the reference result on CUDA."""
 
 import os
 import subprocess
@@ -153,8 +153,10 @@ for dtype in (BF16, F16, F32):
         weights = torch.rand((tokens, top_k), generator=gen).cuda()
         assert_close(call(fusebox.moe_combine, rows, index, weights), ref.moe_combine(rows, index, weights),
                      dtype, name="moe_combine")
-# the MoE sort: tiles of 32 pairs up to one block for all; equal to the stable sort
-for tokens, top_k, num_experts in ((1, 8, 64), (300, 6, 64), (2048, 8, 257), (777, 3, 5)):
+# the MoE sort: tiles of 32 pairs up to one block for all, the decode kernel in one, two or four
+# rounds or none; equal to the stable sort
+for tokens, top_k, num_experts in ((1, 8, 64), (8, 6, 100), (16, 8, 256), (21, 6, 1000), (300, 6, 64),
+                                   (2048, 8, 257), (777, 3, 5)):
     index = torch.randint(0, num_experts, (tokens, top_k), generator=gen).cuda()
     got = fusebox.moe_sort(index, num_experts)
     for name, g, w in zip(("row_token", "offsets", "pair_row"), got, ref.moe_sort(index, num_experts)):
@@ -176,7 +178,8 @@ print("ok")
                                      "FUSEBOX_MOE_ITEMS=1", "FUSEBOX_MOE_ITEMS=4", "FUSEBOX_MOE_CHUNK=32",
                                      "FUSEBOX_MOE_CHUNK=64", "FUSEBOX_MOE_STAGE=0",
                                      "FUSEBOX_MOE_SORT_TILE=32", "FUSEBOX_MOE_SORT_TILE=300",
-                                     "FUSEBOX_MOE_SORT_TILE=1000000"])
+                                     "FUSEBOX_MOE_SORT_TILE=1000000", "FUSEBOX_MOE_SORT_SMALL=0",
+                                     "FUSEBOX_MOE_SORT_SMALL=64", "FUSEBOX_MOE_SORT_SMALL=128"])
 def test_forced_launch_plans_cuda(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8
     applies to ops without a residual, NORM_ITEMS=3 to 16-bit rows with fp32 modulation; the

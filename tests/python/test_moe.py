@@ -238,21 +238,23 @@ def check_sort(got, index, num_experts):
 
 @pytest.mark.parametrize("index_dtype", [torch.int64, torch.int32], ids=["i64", "i32"])
 @pytest.mark.parametrize("top_k", [1, 2, 6, 8])
-@pytest.mark.parametrize("tokens", [1, 5, 300, 2048, 8193])
+@pytest.mark.parametrize("tokens", [1, 5, 16, 21, 300, 2048, 8193])
 @pytest.mark.parametrize("num_experts", [1, 8, 64, 257, 3001])
 def test_moe_sort(device, gen, index_dtype, top_k, tokens, num_experts):
     """Against the stable sort, from one pair to 65544 (several rounds of every warp) and from
-    one expert to 3001 (fewer warps, whose counts then fill the shared memory)."""
+    one expert to 3001 (fewer warps, whose counts then fill the shared memory); up to 32 pairs
+    of up to 1024 experts take the decode kernel."""
     index = expert_index(gen, tokens, top_k, num_experts).to(device=device, dtype=index_dtype)
     check_sort(call(fusebox.moe_sort, index, num_experts), index, num_experts)
 
 
+@pytest.mark.parametrize("tokens", [5, 1500])
 @pytest.mark.parametrize("skew", ["skewed", "uniform"])
 @pytest.mark.parametrize("layout", ["contiguous", "transposed", "sliced"])
-def test_moe_sort_layouts(device, gen, layout, skew):
+def test_moe_sort_layouts(device, gen, layout, skew, tokens):
     """Index read through strides (column-major; every other column of a wider one) and routings
-    where most lanes of a warp name one expert."""
-    tokens, top_k, num_experts = 1500, 6, 64
+    where most lanes of a warp name one expert, by the decode kernel (5 tokens) and the tiles."""
+    top_k, num_experts = 6, 64
     full = expert_index(gen, tokens, 2 * top_k, num_experts, skew)
     index = {"contiguous": full[:, :top_k].contiguous(), "transposed": full[:, :top_k].t().contiguous().t(),
              "sliced": full[:, ::2]}[layout].to(device)
@@ -294,21 +296,23 @@ def test_moe_sort_index_out_of_range_cpu():
 
 @requires_cuda
 @pytest.mark.gpu
-def test_moe_sort_index_out_of_range_cuda(gen):
+@pytest.mark.parametrize("repeat", [1, 300])
+def test_moe_sort_index_out_of_range_cuda(gen, repeat):
     """CUDA cannot raise without a host sync: a pair outside the experts goes after every
     expert's rows, outside all offsets, with pair_row -1, on which moe_combine writes NaN over
-    its token's row; the other pairs sort as without it."""
-    index = torch.tensor([[0, 3, 1], [2, 1 << 40, 1], [3, -7, 0], [1, 2, 3]], device="cuda")
+    its token's row; the other pairs sort as without it (12 pairs: the decode kernel; 3600: the
+    tiles)."""
+    index = torch.tensor([[0, 3, 1], [2, 1 << 40, 1], [3, -7, 0], [1, 2, 3]], device="cuda").repeat(repeat, 1)
     row_token, offsets, pair_row = call(fusebox.moe_sort, index, 4)
     valid = ((index >= 0) & (index < 4)).cpu()
     # the stable sort with the bad pairs in a fifth expert, whose end offsets leave out
     want_row_token, want_offsets, want_pair_row = ref.moe_sort(index.cpu().where(valid, 4), 5)
     assert row_token.tolist() == want_row_token.tolist()
-    assert offsets.tolist() == want_offsets[:4].tolist() == [2, 5, 7, 10]
+    assert offsets.tolist() == want_offsets[:4].tolist() == [repeat * n for n in (2, 5, 7, 10)]
     assert pair_row.tolist() == want_pair_row.where(valid, -1).tolist()
-    rows = randn(gen, (12, 40), BF16, "cuda")
-    out = fusebox.moe_combine(rows, pair_row, torch.full((4, 3), 0.3, device="cuda"))
-    assert torch.isnan(out[1:3].float()).all() and not torch.isnan(out[[0, 3]].float()).any()
+    rows = randn(gen, (12 * repeat, 40), BF16, "cuda")
+    out = fusebox.moe_combine(rows, pair_row, torch.full((4 * repeat, 3), 0.3, device="cuda")).view(repeat, 4, 40)
+    assert torch.isnan(out[:, 1:3].float()).all() and not torch.isnan(out[:, [0, 3]].float()).any()
 
 
 @pytest.mark.parametrize("case", ["index_1d", "index_float", "no_experts", "too_many_experts"])
