@@ -18,7 +18,8 @@
 // One block was 31.7 us at DeepSeek-V2-Lite's 2048 x 6 pairs on an H100 and 124.5 at OLMoE's
 // 8192 x 8 (slower than torch.compile): one SM issued the scattered row stores and the dependent
 // rounds of every pair. Tiles of 512 pairs (up to kMaxTiles) took them to 11.7 and 16.1 us;
-// tiles of 1024 to 13.5 and 16.2, of 2048 to 18.4 and 19.7.
+// tiles of 1024 to 13.5 and 16.2, of 2048 to 18.4 and 19.7. Decode calls (up to 32 pairs) take a
+// kernel of their own, without shared memory or barriers (moe_sort_small_kernel).
 #include "moe/moe_impl.h"
 #include "moe/moe_operands.cuh"
 
@@ -290,11 +291,10 @@ __global__ void __maxnreg__(64) moe_sort_kernel(const SortKernelArgs p) {
 // the barriers between them), 1.25-1.47 here; at 96-128 pairs (four rounds, 16 tokens) level with
 // it in a graph and 0.3-0.5 us slower launched alone, so by default only one round takes it.
 constexpr int kSmallKeyBits = 7;  // of the pair, in a key
-constexpr int kMaxSmallWarps = 32;
 constexpr int kNoKey = 0x7fffffff;  // past the pairs: above every key and limit
 
 template <int kRoundsSmall>
-__global__ void __launch_bounds__(kMaxSmallWarps * 32) moe_sort_small_kernel(const SortKernelArgs p) {
+__global__ void __launch_bounds__(kMaxWarps * 32) moe_sort_small_kernel(const SortKernelArgs p) {
   static_assert(32 * kRoundsSmall <= (1 << kSmallKeyBits), "a pair must fit its key bits");
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   pdl_wait();
@@ -346,14 +346,11 @@ int64_t moe_sort_workspace_size(int64_t tokens, int64_t top_k, int64_t num_exper
 void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream) {
   check_experts(plan.num_experts);
   const int64_t pairs = plan.tokens * plan.top_k, buckets = plan.num_experts + 1;
-  const TensorView* ws = plan.workspace;
-  const SortTiles tiles = sort_tiles(pairs, buckets, ws != nullptr && ws->defined() ? ws->shape[0] : 0);
   SortKernelArgs p{};
   p.index = index_ptr(*plan.index);
   p.row_token = static_cast<int*>(plan.row_token->data);
   p.offsets = static_cast<int*>(plan.offsets->data);
   p.pair_row = static_cast<int*>(plan.pair_row->data);
-  p.tile_counts = tiles.tiles > 1 ? static_cast<int*>(ws->data) : nullptr;
   p.index_strides = strides_2d(*plan.index);
   p.pair_row_strides = strides_2d(*plan.pair_row);
   p.row_token_s = plan.row_token->strides[0];
@@ -361,10 +358,8 @@ void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream) {
   p.pairs = int(pairs);
   p.top_k = int(std::max<int64_t>(plan.top_k, 1));
   p.num_experts = int(plan.num_experts);
-  p.tile_pairs = tiles.tile_pairs;
-  p.chunk = tiles.chunk;
   const int64_t small = std::min<int64_t>(128, tuning_knobs().moe_sort_small.value_or(kSmallPairs));
-  if (small > 0 && pairs <= small && plan.num_experts <= kMaxSmallWarps * 32) {
+  if (small > 0 && pairs <= small && plan.num_experts <= kMaxWarps * 32) {
     const int rounds = int(std::max<int64_t>(1, (pairs + 31) / 32));
     const dim3 block(32 * int(std::max<int64_t>(rounds, (plan.num_experts + 31) / 32)));
     if (rounds == 1)
@@ -375,6 +370,11 @@ void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream) {
       launch(moe_sort_small_kernel<4>, dim3(1), block, 0, stream, p);
     return;
   }
+  const TensorView* ws = plan.workspace;
+  const SortTiles tiles = sort_tiles(pairs, buckets, ws != nullptr && ws->defined() ? ws->shape[0] : 0);
+  p.tile_counts = tiles.tiles > 1 ? static_cast<int*>(ws->data) : nullptr;
+  p.tile_pairs = tiles.tile_pairs;
+  p.chunk = tiles.chunk;
   if (tiles.tiles > 1)
     launch(moe_sort_count_kernel, dim3(tiles.tiles), dim3(kTileWarps * 32), size_t(buckets) * sizeof(int), stream, p);
   launch(moe_sort_kernel, dim3(tiles.tiles), dim3(tiles.warps * 32), size_t((tiles.warps + 2) * buckets) * sizeof(int),
