@@ -18,8 +18,9 @@
 // One block was 31.7 us at DeepSeek-V2-Lite's 2048 x 6 pairs on an H100 and 124.5 at OLMoE's
 // 8192 x 8 (slower than torch.compile): one SM issued the scattered row stores and the dependent
 // rounds of every pair. Tiles of 512 pairs (up to kMaxTiles) took them to 11.7 and 16.1 us;
-// tiles of 1024 to 13.5 and 16.2, of 2048 to 18.4 and 19.7. Decode calls (up to 32 pairs) take a
-// kernel of their own, without shared memory or barriers (moe_sort_small_kernel).
+// tiles of 1024 to 13.5 and 16.2, of 2048 to 18.4 and 19.7. Decode calls take kernels of their
+// own: up to 32 pairs without shared memory or barriers (moe_sort_small_kernel), up to 128 with
+// two barriers (moe_sort_ranked_kernel).
 #include "moe/moe_impl.h"
 #include "moe/moe_operands.cuh"
 
@@ -33,7 +34,7 @@ constexpr int kTileWarps = 8;      // of each block of a tiled sort
 constexpr int kTilePairs = 512;    // a tile's pairs at least (FUSEBOX_MOE_SORT_TILE for tuning)
 constexpr int kMaxTiles = 64;      // larger indexes take larger tiles
 constexpr int kRounds = 8;         // rounds of 32 pairs a warp loads before it uses them
-constexpr int kSmallPairs = 32;    // the most pairs the warp-shuffle sort takes (FUSEBOX_MOE_SORT_SMALL)
+constexpr int kSmallPairs = 128;   // the most pairs the decode kernels take (FUSEBOX_MOE_SORT_SMALL, <= 128)
 // Shared memory: the warps' counts and two arrays a bucket, under the 48 KB a block takes without
 // an opt-in on every GPU, with room for the static scan scratch.
 constexpr int kSmemBytes = 47 * 1024;
@@ -281,51 +282,90 @@ __global__ void __maxnreg__(64) moe_sort_kernel(const SortKernelArgs p) {
   }
 }
 
-// The sort of at most 32 * kRoundsSmall pairs (decode), without shared memory or block barriers:
-// each warp loads every pair's bucket (lane l holds pairs l, l + 32, ...) as a key bucket * 128 +
-// pair, which orders the pairs as the stable sort does. A pair's row is then the number of keys
-// below its own, and expert e's end offset the number below (e + 1) * 128: every thread takes the
-// keys one lane at a time by shuffles and counts. Warp w places the pairs of round w; thread t
-// writes expert t's offset. H100, CUDA-graph replay against an empty launch's 1.24 us: one token
-// (one round) 2.4-3.2 us in the one-block kernel's chain (zeroing, counting atomics, a block scan,
-// the barriers between them), 1.25-1.47 here; at 96-128 pairs (four rounds, 16 tokens) level with
-// it in a graph and 0.3-0.5 us slower launched alone, so by default only one round takes it.
+// The sort of at most 32 pairs (decode), without shared memory or block barriers: each warp
+// loads every pair's bucket (lane l holds pair l) as a key bucket * 128 + pair, which orders the
+// pairs as the stable sort does. A pair's row is then the number of keys below its own, and
+// expert e's end offset the number below (e + 1) * 128: every thread takes the keys one lane at a
+// time by shuffles and counts. Warp 0 places the pairs; thread t writes expert t's offset. H100,
+// CUDA-graph replay against an empty launch's 1.24 us: one token 2.4-3.2 us in the one-block
+// kernel's chain (zeroing, counting atomics, a block scan, the barriers between them), 1.25-1.47
+// here.
 constexpr int kSmallKeyBits = 7;  // of the pair, in a key
 constexpr int kNoKey = 0x7fffffff;  // past the pairs: above every key and limit
 
-template <int kRoundsSmall>
+__device__ __forceinline__ int small_sort_key(const SortKernelArgs& p, int pair) {
+  return pair < p.pairs ? (bucket_of(p, pair, p.pairs) << kSmallKeyBits) | pair : kNoKey;
+}
+
+// Writes the pair of key `key` (not kNoKey) at row `row`.
+__device__ __forceinline__ void place_small(const SortKernelArgs& p, int key, int row) {
+  const int pair = key & ((1 << kSmallKeyBits) - 1), bucket = key >> kSmallKeyBits;
+  const int token = pair / p.top_k, k = pair - token * p.top_k;
+  p.row_token[row * p.row_token_s] = token;
+  p.pair_row[p.pair_row_strides.at(token, k)] = bucket < p.num_experts ? row : -1;
+}
+
 __global__ void __launch_bounds__(kMaxWarps * 32) moe_sort_small_kernel(const SortKernelArgs p) {
-  static_assert(32 * kRoundsSmall <= (1 << kSmallKeyBits), "a pair must fit its key bits");
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int lane = threadIdx.x & 31;
   pdl_wait();
-  int key[kRoundsSmall];
-#pragma unroll
-  for (int r = 0; r < kRoundsSmall; ++r) {
-    const int pair = r * 32 + lane;
-    key[r] = pair < p.pairs ? (bucket_of(p, pair, p.pairs) << kSmallKeyBits) | pair : kNoKey;
-  }
+  const int key = small_sort_key(p, lane);
   pdl_release();
-  int my_key = kNoKey;
-#pragma unroll
-  for (int r = 0; r < kRoundsSmall; ++r)
-    if (r == warp) my_key = key[r];
   const int limit = int(threadIdx.x + 1) << kSmallKeyBits;  // keys of buckets up to expert threadIdx.x
   int row = 0, below = 0;
-  const int lanes = min(32, p.pairs);  // more than 32 pairs fill every lane of the earlier rounds
-  for (int j = 0; j < lanes; ++j) {
-#pragma unroll
-    for (int r = 0; r < kRoundsSmall; ++r) {
-      const int k = __shfl_sync(0xffffffffu, key[r], j);
-      row += k < my_key;
-      below += k < limit;
-    }
+  for (int j = 0; j < p.pairs; ++j) {
+    const int k = __shfl_sync(0xffffffffu, key, j);
+    row += k < key;
+    below += k < limit;
   }
   if (int(threadIdx.x) < p.num_experts) p.offsets[threadIdx.x * p.offsets_s] = below;
-  const int pair = my_key & ((1 << kSmallKeyBits) - 1), bucket = my_key >> kSmallKeyBits;
-  if (warp < kRoundsSmall && warp * 32 + lane < p.pairs) {
-    const int token = pair / p.top_k, k = pair - token * p.top_k;
-    p.row_token[row * p.row_token_s] = token;
-    p.pair_row[p.pair_row_strides.at(token, k)] = bucket < p.num_experts ? row : -1;
+  if (threadIdx.x < 32 && key != kNoKey) place_small(p, key, row);
+}
+
+// The sort of 33 to 32 * kRounds pairs (16 decode tokens of top-6 or top-8): the same keys, through
+// shared memory. Warp w loads the keys of pairs [32w, 32w + 32); after one barrier each counts,
+// by 16-byte broadcast reads, the keys below its own (its row), places its pair and files the key
+// at that row; after a second, expert e's end offset is a binary search of the sorted keys.
+// H100, CUDA graph: 16 tokens of top-6 and top-8 2.63-3.05 us in the one-block kernel, 1.95-2.00
+// here (empty launch 1.20); counting every key for every expert by shuffles, as the one-round
+// kernel does, was level with the one-block kernel at 128 pairs.
+template <int kRounds>
+__global__ void __launch_bounds__(kMaxWarps * 32) moe_sort_ranked_kernel(const SortKernelArgs p) {
+  __shared__ __align__(16) int keys[32 * kRounds];
+  __shared__ int sorted[32 * kRounds];
+  const int warp = threadIdx.x >> 5;
+  pdl_wait();
+  int key = kNoKey;
+  if (warp < kRounds) {
+    key = small_sort_key(p, int(threadIdx.x));
+    keys[threadIdx.x] = key;
+  }
+  pdl_release();
+  __syncthreads();
+  if (key != kNoKey) {
+    const int4* keys4 = reinterpret_cast<const int4*>(keys);
+    int row = 0;
+#pragma unroll
+    for (int j = 0; j < 8 * kRounds; ++j) {
+      const int4 k = keys4[j];
+      row += (k.x < key) + (k.y < key) + (k.z < key) + (k.w < key);
+    }
+    sorted[row] = key;
+    place_small(p, key, row);
+  }
+  __syncthreads();
+  for (int e = threadIdx.x; e < p.num_experts; e += blockDim.x) {
+    const int limit = (e + 1) << kSmallKeyBits;
+    int below = 0;  // the first sorted key at or above limit
+    for (int n = p.pairs; n > 0;) {
+      const int half = n >> 1;
+      if (sorted[below + half] < limit) {
+        below += half + 1;
+        n -= half + 1;
+      } else {
+        n = half;
+      }
+    }
+    p.offsets[e * p.offsets_s] = below;
   }
 }
 
@@ -360,14 +400,15 @@ void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream) {
   p.num_experts = int(plan.num_experts);
   const int64_t small = std::min<int64_t>(128, tuning_knobs().moe_sort_small.value_or(kSmallPairs));
   if (small > 0 && pairs <= small && plan.num_experts <= kMaxWarps * 32) {
-    const int rounds = int(std::max<int64_t>(1, (pairs + 31) / 32));
+    // the kernel's rounds: 1, 2 or 4 warps of keys, which the block must hold
+    const int rounds = pairs <= 32 ? 1 : pairs <= 64 ? 2 : 4;
     const dim3 block(32 * int(std::max<int64_t>(rounds, (plan.num_experts + 31) / 32)));
     if (rounds == 1)
-      launch(moe_sort_small_kernel<1>, dim3(1), block, 0, stream, p);
+      launch(moe_sort_small_kernel, dim3(1), block, 0, stream, p);
     else if (rounds == 2)
-      launch(moe_sort_small_kernel<2>, dim3(1), block, 0, stream, p);
+      launch(moe_sort_ranked_kernel<2>, dim3(1), block, 0, stream, p);
     else
-      launch(moe_sort_small_kernel<4>, dim3(1), block, 0, stream, p);
+      launch(moe_sort_ranked_kernel<4>, dim3(1), block, 0, stream, p);
     return;
   }
   const TensorView* ws = plan.workspace;

@@ -155,8 +155,8 @@ for dtype in (BF16, F16, F32):
                      dtype, name="moe_combine")
 # the MoE sort: tiles of 32 pairs up to one block for all, the decode kernel in one, two or four
 # rounds or none; equal to the stable sort
-for tokens, top_k, num_experts in ((1, 8, 64), (8, 6, 100), (16, 8, 256), (21, 6, 1000), (300, 6, 64),
-                                   (2048, 8, 257), (777, 3, 5)):
+for tokens, top_k, num_experts in ((1, 8, 64), (8, 6, 100), (16, 8, 256), (21, 6, 1000), (16, 6, 64), (13, 5, 8),
+                                   (300, 6, 64), (2048, 8, 257), (777, 3, 5)):
     index = torch.randint(0, num_experts, (tokens, top_k), generator=gen).cuda()
     got = fusebox.moe_sort(index, num_experts)
     for name, g, w in zip(("row_token", "offsets", "pair_row"), got, ref.moe_sort(index, num_experts)):

@@ -242,8 +242,9 @@ def check_sort(got, index, num_experts):
 @pytest.mark.parametrize("num_experts", [1, 8, 64, 257, 3001])
 def test_moe_sort(device, gen, index_dtype, top_k, tokens, num_experts):
     """Against the stable sort, from one pair to 65544 (several rounds of every warp) and from
-    one expert to 3001 (fewer warps, whose counts then fill the shared memory); up to 32 pairs
-    of up to 1024 experts take the decode kernel."""
+    one expert to 3001 (fewer warps, whose counts then fill the shared memory); up to 128 pairs
+    of up to 1024 experts take the decode kernels (one round up to 32 pairs, two at 40 and 42,
+    four at 96-128, with fewer expert warps than rounds at 96 pairs of 1-64 experts)."""
     index = expert_index(gen, tokens, top_k, num_experts).to(device=device, dtype=index_dtype)
     check_sort(call(fusebox.moe_sort, index, num_experts), index, num_experts)
 
