@@ -50,22 +50,18 @@ __device__ __forceinline__ unsigned order_key(float f) {
   return (u & 0x80000000u) ? ~u : u | 0x80000000u;
 }
 
-__device__ __forceinline__ unsigned warp_max(unsigned v) {
+// The warp's largest (kMax) or smallest 32-bit integer, on every lane: one hardware reduction
+// on sm_80+, a shuffle tree before.
+template <bool kMax, typename T>
+__device__ __forceinline__ T warp_extreme(T v) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  return __reduce_max_sync(0xffffffffu, v);
+  return kMax ? __reduce_max_sync(0xffffffffu, v) : __reduce_min_sync(0xffffffffu, v);
 #else
 #pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
-  return v;
-#endif
-}
-
-__device__ __forceinline__ int warp_min(int v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  return __reduce_min_sync(0xffffffffu, v);
-#else
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, off));
+  for (int off = 16; off > 0; off >>= 1) {
+    const T other = __shfl_xor_sync(0xffffffffu, v, off);
+    v = kMax ? max(v, other) : min(v, other);
+  }
   return v;
 #endif
 }
@@ -74,8 +70,8 @@ __device__ __forceinline__ int warp_min(int v) {
 // where every key is 0. Two reductions, where a shuffle tree of (key, id) takes five dependent
 // steps of two shuffles.
 __device__ __forceinline__ int warp_arg_max(unsigned key, int id) {
-  const unsigned best = warp_max(key);
-  return warp_min(best != 0u && key == best ? id : INT_MAX);
+  const unsigned best = warp_extreme<true>(key);
+  return warp_extreme<false>(best != 0u && key == best ? id : INT_MAX);
 }
 
 // Top-2 of two multisets, each given as its two largest: (first, second) becomes the merge's.
