@@ -432,7 +432,8 @@ struct TuningKnobs {
   std::optional<int> moe_sort_tile;   // FUSEBOX_MOE_SORT_TILE: the sort's pairs a block at least (larger
                                       // than the index: one block sorts it in one launch)
   std::optional<int> moe_sort_small;  // FUSEBOX_MOE_SORT_SMALL: the most pairs the decode sorts take
-                                      // (default 32; up to 128, in two or four rounds); 0: none
+                                      // (default and most 128: up to 32 by shuffles, past that ranked
+                                      // through shared memory); 0: none
 };
 const TuningKnobs& tuning_knobs();
 

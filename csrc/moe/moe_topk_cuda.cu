@@ -166,8 +166,8 @@ __global__ void __launch_bounds__(kBlockThreads) moe_topk_kernel(const TopkKerne
         if (lane == g) group_key = first + second;
       }
     }
-    // the open groups' arg-max, of equal keys the lowest; group_key is NaN-free (the keys are),
-    // -inf only where both of a group's largest are, so such a group ranks with the struck ones
+    // the open groups' arg-max, of equal keys the lowest: a NaN group key (an infinite key beside
+    // a -inf one) ranks above all, as torch.topk ranks NaN, and a -inf one just above the closed
     unsigned chosen = 0;  // bit g: group g is chosen from
     unsigned open_key = lane < p.num_groups ? max(order_key(group_key), 1u) : 0u;
     for (int j = 0; j < p.topk_groups; ++j) {

@@ -179,7 +179,7 @@ print("ok")
                                      "FUSEBOX_MOE_CHUNK=64", "FUSEBOX_MOE_STAGE=0",
                                      "FUSEBOX_MOE_SORT_TILE=32", "FUSEBOX_MOE_SORT_TILE=300",
                                      "FUSEBOX_MOE_SORT_TILE=1000000", "FUSEBOX_MOE_SORT_SMALL=0",
-                                     "FUSEBOX_MOE_SORT_SMALL=64", "FUSEBOX_MOE_SORT_SMALL=128"])
+                                     "FUSEBOX_MOE_SORT_SMALL=64", "FUSEBOX_MOE_SORT_SMALL=32"])
 def test_forced_launch_plans_cuda(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8
     applies to ops without a residual, NORM_ITEMS=3 to 16-bit rows with fp32 modulation; the
