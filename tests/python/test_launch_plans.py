@@ -153,8 +153,9 @@ for dtype in (BF16, F16, F32):
         weights = torch.rand((tokens, top_k), generator=gen).cuda()
         assert_close(call(fusebox.moe_combine, rows, index, weights), ref.moe_combine(rows, index, weights),
                      dtype, name="moe_combine")
-# the MoE sort: tiles of 32 pairs up to one block for all, the decode kernel in one, two or four
-# rounds or none; equal to the stable sort
+# the MoE sort: tiles of 32 pairs up to one block for all, the decode kernels (one round by
+# shuffles, two or four ranked, blocks with fewer expert warps than rounds) or none; equal to the
+# stable sort
 for tokens, top_k, num_experts in ((1, 8, 64), (8, 6, 100), (16, 8, 256), (21, 6, 1000), (16, 6, 64), (13, 5, 8),
                                    (300, 6, 64), (2048, 8, 257), (777, 3, 5)):
     index = torch.randint(0, num_experts, (tokens, top_k), generator=gen).cuda()
