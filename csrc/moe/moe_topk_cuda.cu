@@ -89,11 +89,19 @@ __global__ void __launch_bounds__(kBlockThreads) moe_topk_kernel(const TopkKerne
   const T* row = static_cast<const T*>(p.logits) + token * p.logits_stride;
 
   pdl_wait();
-  float score[VPL];
+  // The bias loads with the logits. Loaded where it is added, after the scores, it was a second
+  // memory round trip on the chain (DeepSeek-V3, one token, H100, CUDA graph: 4.04-4.12 us ->
+  // 3.66-3.71; routers without a bias level).
+  float score[VPL], bias[VPL];
 #pragma unroll
   for (int i = 0; i < VPL; ++i) {
     const int e = lane + 32 * i;
     score[i] = e < p.num_experts ? to_float(row[e]) : -INFINITY;
+  }
+#pragma unroll
+  for (int i = 0; i < VPL; ++i) {
+    const int e = lane + 32 * i;
+    bias[i] = p.bias != nullptr && e < p.num_experts ? load_bias(p, e) : 0.f;
   }
   pdl_release();
   if (p.sigmoid) {
@@ -120,7 +128,7 @@ __global__ void __launch_bounds__(kBlockThreads) moe_topk_kernel(const TopkKerne
 #pragma unroll
   for (int i = 0; i < VPL; ++i) {
     const int e = lane + 32 * i;
-    const float choice = p.bias != nullptr && e < p.num_experts ? score[i] + load_bias(p, e) : score[i];
+    const float choice = p.bias != nullptr ? score[i] + bias[i] : score[i];
     key[i] = e < p.num_experts ? (isnan(choice) ? INFINITY : choice) : -INFINITY;
   }
 
