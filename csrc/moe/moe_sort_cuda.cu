@@ -321,21 +321,22 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_sort_small_kernel(const So
   if (threadIdx.x < 32 && key != kNoKey) place_small(p, key, row);
 }
 
-// The sort of 33 to 32 * kRounds pairs (16 decode tokens of top-6 or top-8): the same keys, through
+// The sort of 33 to 32 * kKeyWarps pairs (16 decode tokens of top-6 or top-8): the same keys, through
 // shared memory. Warp w loads the keys of pairs [32w, 32w + 32); after one barrier each counts,
 // by 16-byte broadcast reads, the keys below its own (its row), places its pair and files the key
 // at that row; after a second, expert e's end offset is a binary search of the sorted keys.
 // H100, CUDA graph: 16 tokens of top-6 and top-8 2.63-3.05 us in the one-block kernel, 1.95-2.00
 // here (empty launch 1.20); counting every key for every expert by shuffles, as the one-round
 // kernel does, was level with the one-block kernel at 128 pairs.
-template <int kRounds>
+template <int kKeyWarps>
 __global__ void __launch_bounds__(kMaxWarps * 32) moe_sort_ranked_kernel(const SortKernelArgs p) {
-  __shared__ __align__(16) int keys[32 * kRounds];
-  __shared__ int sorted[32 * kRounds];
+  static_assert(32 * kKeyWarps <= (1 << kSmallKeyBits), "a pair must fit its key bits");
+  __shared__ __align__(16) int keys[32 * kKeyWarps];
+  __shared__ int sorted[32 * kKeyWarps];
   const int warp = threadIdx.x >> 5;
   pdl_wait();
   int key = kNoKey;
-  if (warp < kRounds) {
+  if (warp < kKeyWarps) {
     key = small_sort_key(p, int(threadIdx.x));
     keys[threadIdx.x] = key;
   }
@@ -345,7 +346,7 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_sort_ranked_kernel(const S
     const int4* keys4 = reinterpret_cast<const int4*>(keys);
     int row = 0;
 #pragma unroll
-    for (int j = 0; j < 8 * kRounds; ++j) {
+    for (int j = 0; j < 8 * kKeyWarps; ++j) {
       const int4 k = keys4[j];
       row += (k.x < key) + (k.y < key) + (k.z < key) + (k.w < key);
     }
@@ -400,12 +401,12 @@ void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream) {
   p.num_experts = int(plan.num_experts);
   const int64_t small = std::min<int64_t>(128, tuning_knobs().moe_sort_small.value_or(kSmallPairs));
   if (small > 0 && pairs <= small && plan.num_experts <= kMaxWarps * 32) {
-    // the kernel's rounds: 1, 2 or 4 warps of keys, which the block must hold
-    const int rounds = pairs <= 32 ? 1 : pairs <= 64 ? 2 : 4;
-    const dim3 block(32 * int(std::max<int64_t>(rounds, (plan.num_experts + 31) / 32)));
-    if (rounds == 1)
+    // 1, 2 or 4 warps of keys, which the block must hold besides a warp per 32 experts
+    const int key_warps = pairs <= 32 ? 1 : pairs <= 64 ? 2 : 4;
+    const dim3 block(32 * int(std::max<int64_t>(key_warps, (plan.num_experts + 31) / 32)));
+    if (key_warps == 1)
       launch(moe_sort_small_kernel, dim3(1), block, 0, stream, p);
-    else if (rounds == 2)
+    else if (key_warps == 2)
       launch(moe_sort_ranked_kernel<2>, dim3(1), block, 0, stream, p);
     else
       launch(moe_sort_ranked_kernel<4>, dim3(1), block, 0, stream, p);
