@@ -390,6 +390,7 @@ struct DeviceLimits {
   int threads_per_sm = 0;  // resident threads per SM (2048 on sm_80/sm_90, 1024 on sm_75)
   int smem_optin = 0;   // max dynamic shared memory per block after opt-in
   int smem_per_sm = 0;
+  double dram_bytes_per_s = 0;  // peak, from the memory clock and bus width (0: not reported)
   // Threads the whole GPU holds at once: one full wave of the launch plans' thresholds.
   int64_t resident_threads() const { return int64_t(sm_count) * threads_per_sm; }
 };

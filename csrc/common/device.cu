@@ -21,6 +21,12 @@ const DeviceLimits& device_limits() {
     FUSEBOX_CUDA_CHECK(cudaDeviceGetAttribute(&l.threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, device));
     FUSEBOX_CUDA_CHECK(cudaDeviceGetAttribute(&l.smem_optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
     FUSEBOX_CUDA_CHECK(cudaDeviceGetAttribute(&l.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+    int memory_khz = 0, bus_bits = 0;  // double data rate: two transfers a clock
+    if (cudaDeviceGetAttribute(&memory_khz, cudaDevAttrMemoryClockRate, device) == cudaSuccess &&
+        cudaDeviceGetAttribute(&bus_bits, cudaDevAttrGlobalMemoryBusWidth, device) == cudaSuccess)
+      l.dram_bytes_per_s = 2.0 * memory_khz * 1e3 * bus_bits / 8;
+    else
+      (void)cudaGetLastError();  // not reported: the launch plans take their defaults
   });
   return limits[device];
 }

@@ -229,6 +229,133 @@ __global__ void __launch_bounds__(kBlockThreads) moe_topk_kernel(const TopkKerne
   }
 }
 
+// The float an order_key stands for (0: -inf); +0 for both zeros.
+__device__ __forceinline__ float key_value(unsigned key) {
+  if (key == 0u) return -INFINITY;
+  return __uint_as_float((key & 0x80000000u) ? key & 0x7fffffffu : ~key);
+}
+
+// Decode-sized grouped routers (fewer tokens than SMs; groups one warp wide, DeepSeek-V3's 8 of
+// 32) whose chosen groups hold at most kRankedCandidates experts: a block a token, expert e on
+// thread e. The warp kernel's chain is a top-2 merge over the warp, topk_groups group rounds and
+// K dependent arg-max rounds. Here each warp takes its group's top-2 by two reductions and a vote,
+// each group's rank is a count of the group keys above its own, and every chosen expert's slot is
+// the count of the chosen experts ranked above it, read from shared memory (8 16-byte reads and
+// 32 compares a warp of experts): the rounds become independent compares. The same keys, orders
+// and ties as moe_topk_kernel.
+constexpr int kRankedThreads = 1024;    // a thread an expert
+constexpr int kRankedCandidates = 128;  // experts a slot counts over: the chosen groups'
+
+template <typename T>
+__global__ void __launch_bounds__(kRankedThreads) moe_topk_ranked_kernel(const TopkKernelArgs p) {
+  __shared__ __align__(16) unsigned expert_keys[kRankedThreads];
+  __shared__ float warp_max[32], warp_sum[32];  // softmax: each warp's
+  __shared__ unsigned group_keys[32];
+  __shared__ float slot_score[32];
+  __shared__ int slot_expert[32];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5, expert = threadIdx.x;
+  const bool in_row = expert < p.num_experts;
+  const int64_t token = blockIdx.x;
+  const T* row = static_cast<const T*>(p.logits) + token * p.logits_stride;
+
+  pdl_wait();
+  const float logit = in_row ? to_float(row[expert]) : -INFINITY;
+  const float bias = p.bias != nullptr && in_row ? load_bias(p, expert) : 0.f;  // beside the logit
+  pdl_release();
+  float score;
+  if (p.sigmoid) {
+    score = 1.f / (1.f + expf(-logit));
+  } else {  // the block's max, then its sum, each from the warps' partials
+    float max = logit;
+#pragma unroll
+    for (int off = 16; off > 0; off >>= 1) max = fmaxf(max, __shfl_xor_sync(0xffffffffu, max, off));
+    if (lane == 0) warp_max[warp] = max;
+    __syncthreads();
+    for (int w = 0; w < warps; ++w) max = fmaxf(max, warp_max[w]);
+    const float e = in_row ? expf(logit - max) : 0.f;
+    const float sum_of_warp = lane_group_sum(e, 32);
+    if (lane == 0) warp_sum[warp] = sum_of_warp;
+    __syncthreads();
+    float sum = 0.f;
+    for (int w = 0; w < warps; ++w) sum += warp_sum[w];
+    score = e / sum;
+  }
+  const float choice = p.bias != nullptr ? score + bias : score;
+  const unsigned key = in_row ? order_key(isnan(choice) ? INFINITY : choice) : 0u;
+  expert_keys[expert] = key;
+  {  // the group's two largest keys, summed (a key held twice counts twice, as torch.topk takes it)
+    const unsigned first = warp_extreme<true>(key);
+    const unsigned below_first = warp_extreme<true>(key == first ? 0u : key);
+    const unsigned holders = __ballot_sync(0xffffffffu, key == first);
+    const unsigned second = holders & (holders - 1u) ? first : below_first;
+    if (lane == 0) group_keys[warp] = max(order_key(key_value(first) + key_value(second)), 1u);
+  }
+  if (expert < p.top_k) {  // a slot no expert fills (too few choices) stays NaN, expert -1
+    slot_score[expert] = __int_as_float(0x7fc00000);
+    slot_expert[expert] = -1;
+  }
+  __syncthreads();
+
+  // group g (warp g, lane g here) is chosen where fewer than topk_groups groups rank above it: a
+  // larger key, or an equal one at a lower index
+  const unsigned own_group_key = lane < p.num_groups ? group_keys[lane] : 0u;
+  int groups_above = 0;
+  for (int h = 0; h < p.num_groups; ++h) {
+    const unsigned other = group_keys[h];
+    groups_above += other > own_group_key || (other == own_group_key && h < lane);
+  }
+  const unsigned chosen = __ballot_sync(0xffffffffu, lane < p.num_groups && groups_above < p.topk_groups);
+  if (((chosen >> warp) & 1u) && key != 0u) {
+    // expert j ranks above this one where its key is larger, or equal at a lower index: above
+    // key - 1 for j < expert, above key for j > expert (key >= 1 here). Four counts, so that the
+    // adds are not one chain.
+    int above[4] = {0, 0, 0, 0};
+    for (unsigned rest = chosen; rest != 0u; rest &= rest - 1u) {
+      const int h = __ffs(rest) - 1;
+      const uint4* keys = reinterpret_cast<const uint4*>(expert_keys + 32 * h);
+      if (h != warp) {  // 32 experts all at lower or all at higher indices
+        const unsigned t = h < warp ? key - 1u : key;
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const uint4 k = keys[q];
+          above[0] += k.x > t;
+          above[1] += k.y > t;
+          above[2] += k.z > t;
+          above[3] += k.w > t;
+        }
+      } else {
+#pragma unroll
+        for (int q = 0; q < 8; ++q) {
+          const uint4 k = keys[q];
+          above[0] += k.x > (4 * q + 0 < lane ? key - 1u : key);
+          above[1] += k.y > (4 * q + 1 < lane ? key - 1u : key);
+          above[2] += k.z > (4 * q + 2 < lane ? key - 1u : key);
+          above[3] += k.w > (4 * q + 3 < lane ? key - 1u : key);
+        }
+      }
+    }
+    const int slot = above[0] + above[1] + above[2] + above[3];
+    if (slot < p.top_k) {
+      slot_score[slot] = score;
+      slot_expert[slot] = expert;
+    }
+  }
+  __syncthreads();
+
+  if (expert < p.top_k) {
+    float top_sum = 0.f;  // in k order, as moe_topk_kernel sums
+    for (int k = 0; k < p.top_k; ++k) top_sum += slot_score[k];
+    const float mine = slot_score[expert];
+    const float w = (p.renormalize ? mine / (top_sum + 1e-20f) : mine) * p.scale;
+    const int64_t at = p.weights_strides.at(token, expert);
+    if (p.weights_f32)
+      static_cast<float*>(p.weights)[at] = w;
+    else
+      static_cast<T*>(p.weights)[at] = from_float<T>(w);
+    p.index.store(p.index_strides.at(token, expert), slot_expert[expert]);
+  }
+}
+
 }  // namespace
 
 void moe_topk_cuda(const TopkPlan& plan, cudaStream_t stream) {
@@ -253,6 +380,19 @@ void moe_topk_cuda(const TopkPlan& plan, cudaStream_t stream) {
   p.sigmoid = a.score == RouterScore::kSigmoid;
   p.renormalize = a.renormalize;
   p.scale = a.scale;
+  // Decode sizes (fewer tokens than SMs) of routers with groups of one warp whose chosen groups
+  // hold at most kRankedCandidates experts: a block a token (moe_topk_ranked_kernel). H100,
+  // CUDA-graph replay against the warp kernel: DeepSeek-V3 1 x 256 3.56-3.58 -> 2.34-2.35 us,
+  // 16 x 256 4.19-4.21 -> 2.60; without groups it ran 0.2-0.4 us slower (Mixtral 1 x 8
+  // 1.70-1.78 -> 2.01-2.02, Qwen3-30B-A3B 1 x 128 2.12 -> 2.41), so those keep the warp kernel.
+  const bool warp_groups = p.num_groups > 1 && p.group_size == 32;
+  if (plan.tokens <= device_limits().sm_count && warp_groups && int64_t(p.topk_groups) * 32 <= kRankedCandidates) {
+    const unsigned threads = unsigned((plan.num_experts + 31) / 32 * 32);
+    dispatch_dtype(a.logits.dtype, [&](auto t) {
+      launch(moe_topk_ranked_kernel<decltype(t)>, dim3(unsigned(plan.tokens)), dim3(threads), 0, stream, p);
+    });
+    return;
+  }
   const int64_t blocks = (plan.tokens + kBlockThreads / 32 - 1) / (kBlockThreads / 32);
   FUSEBOX_CHECK(blocks < (int64_t(1) << 31), "too many tokens: ", plan.tokens);
   const int vpl = next_pow2((plan.num_experts + 31) / 32);  // 1..32 (at most 1024 experts)

@@ -809,7 +809,12 @@ int threads_per_row(int64_t vec_per_row, int items) {
 //   of rows up to 512 vectors: nothing to stage, and the short plan is leaner than 4 vectors
 //   (2026-11-25, every such case 2-8% faster: LTX 15.02 -> 14.51 us, [4x4096x3072] 52.22 ->
 //   51.23, [1x1024x2048] 6.62 -> 6.11, where 1 vector took 6.30). With a weight, 4 stays ahead
-//   from 2048 rows up (2048x4096 12.91 vs 13.50 with 2).
+//   from 2048 rows up (2048x4096 12.91 vs 13.50 with 2). On GPUs of less DRAM bandwidth an SM
+//   (under kShortPathBytesPerSm: H100 SXM 25 GB/s, H200 37), 1 for such rows up to 256 vectors:
+//   fewer bytes in flight meet the bandwidth there, and the one-vector path is shorter. H100,
+//   forced 1 against the default 2 in one run (bench/results/2026-12-06_h100_ranked_topk/tune/
+//   norm_no_weight.txt): [1x1024x2048] 6.85-6.94 -> 6.66 us, [4x1024x2048] 15.22-15.41 -> 14.90,
+//   [1x4096x2048] 15.25-15.34 -> 14.85; 4 vectors slower (6.98-7.07, 15.49-15.57).
 // - 1 for a norm without a residual or modulation up to a full wave: 2026-11-25, [1x512x4096]
 //   7.17 -> 6.82 us (before the short plans of 00ba0d1 it lost there, 7.39 -> 8.51); with a
 //   residual it still loses ([1x512x4096] 8.38 -> 9.28).
@@ -869,6 +874,8 @@ int threads_per_row(int64_t vec_per_row, int items) {
 //   alternating with ee5fe0a's library (adaln_rms_sample_items2_*.txt): LTX 19.47-19.57 ->
 //   18.86-18.93, LTX-long 49.50-49.60 -> 47.58-47.87; per-token, FLUX and Wan rows unchanged.
 // Odd widths (one element per vector) use 8.
+constexpr double kShortPathBytesPerSm = 30e9;  // peak DRAM bytes/s an SM (see pick_items)
+
 int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOpTraits& op) {
   if (!full_vectors) return vec_per_row <= 8 * kMaxThreads ? 8 : 0;
   const int forced = tuning_knobs().norm_items.value_or(0);
@@ -881,7 +888,11 @@ int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOp
   const int64_t wave = device_limits().resident_threads();
   const bool plain_norm = !op.residual && !op.modulated;
   if (vec_per_row <= kMaxThreads && rows * vec_per_row <= wave / 2) return 1;
-  if (plain_norm && !op.small_operands && vec_per_row <= kMaxThreads) return 2;
+  if (plain_norm && !op.small_operands && vec_per_row <= kMaxThreads) {
+    const DeviceLimits& gpu = device_limits();
+    const bool lean_dram = gpu.dram_bytes_per_s > 0 && gpu.dram_bytes_per_s < kShortPathBytesPerSm * gpu.sm_count;
+    return lean_dram && vec_per_row <= 256 ? 1 : 2;
+  }
   if (plain_norm && vec_per_row <= kMaxThreads && rows * vec_per_row <= wave) return 1;
   if (plain_norm && !op.f32_operands && vec_per_row <= (op.layer_norm ? 384 : 256)) return 2;
   if (op.plain_residual && op.short_rows && vec_per_row <= kMaxThreads && rows * vec_per_row <= 2 * wave) return 1;

@@ -412,6 +412,53 @@ def test_moe_topk_sigmoid_with_bias_and_groups(device, gen, bias_dtype, experts,
     check_topk(weights, index, logits, top_k, **options)
 
 
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [F32, BF16])
+@pytest.mark.parametrize("score", ["softmax", "sigmoid"])
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("experts,top_k,groups,topk_groups", [(8, 2, 1, 1), (64, 6, 1, 1), (100, 5, 1, 1),
+                                                              (128, 8, 1, 1), (256, 8, 8, 4), (64, 6, 2, 1),
+                                                              (160, 6, 5, 3), (96, 4, 3, 3), (512, 16, 16, 4)])
+@pytest.mark.parametrize("tokens", [1, 5, 16])
+def test_moe_topk_decode_sizes_cuda(gen, dtype, score, bias, experts, top_k, groups, topk_groups, tokens):
+    """1-16 tokens: grouped routers whose chosen groups of 32 hold up to 128 experts take a block a
+    token, slots by counting; routers without groups the warp kernel. Both give the reference's
+    choices and weights, logits read through a row stride, renormalized or not."""
+    logits = randn(gen, (tokens, experts + 8), dtype, "cuda", scale=2.0)[:, 3:3 + experts]
+    options = dict(score=score, num_groups=groups, topk_groups=topk_groups, renormalize=bias, scale=2.5)
+    if bias:
+        options["bias"] = randn(gen, (experts,), F32, "cuda", scale=0.3)
+    weights, index = call(fusebox.moe_topk, logits, top_k, **options)
+    check_topk(weights, index, logits, top_k, **options)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_moe_topk_decode_sizes_ties_and_too_few_choices_cuda():
+    """Decode sizes, groups of 32 (a block a token) and none: of equal groups the lower ones are
+    chosen, of equal experts the lower first; a bias of -inf leaving fewer than top_k choices marks
+    the rest NaN, expert -1."""
+    flat = torch.zeros((2, 256), device="cuda")
+    weights, index = call(fusebox.moe_topk, flat, 4, "sigmoid", num_groups=8, topk_groups=2)
+    assert index.tolist() == [[0, 1, 2, 3]] * 2 and (weights == 0.5).all()
+    logits = torch.full((1, 256), 0.5, device="cuda")
+    logits[0, [200, 70, 71]] = 2.0   # groups 6 and 2 rank first; expert 70 before 71, both before 200
+    _, index = call(fusebox.moe_topk, logits, 5, "sigmoid", num_groups=8, topk_groups=2)
+    assert index[0].tolist() == [70, 71, 200, 64, 65]
+    bias = torch.full((256,), float("-inf"), device="cuda")
+    bias[[40, 5]] = 0.0
+    weights, index = call(fusebox.moe_topk, torch.randn(3, 256, device="cuda"), 3, "sigmoid", bias,
+                          num_groups=8, topk_groups=2)
+    assert sorted(index[:, :2].flatten().tolist()) == [5, 5, 5, 40, 40, 40]
+    assert (index[:, 2] == -1).all() and torch.isnan(weights[:, 2]).all()
+    assert torch.isfinite(weights[:, :2]).all()
+    logits = torch.full((1, 100), -4.0, dtype=BF16, device="cuda")
+    logits[0, [67, 3, 35, 99]] = 1.5
+    weights, index = call(fusebox.moe_topk, logits, 5)
+    assert index[0].tolist() == [3, 35, 67, 99, 0] and weights[0, 0] == weights[0, 3]
+
+
 def test_moe_topk_matches_the_routers(device, gen):
     """Against the routers' own code: indices equal (no near-equal scores in fp32 logits of this
     spread) and weights within a few fp32 ulps."""
