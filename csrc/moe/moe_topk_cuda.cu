@@ -33,6 +33,20 @@ struct TopkKernelArgs {
   float scale;
 };
 
+// The k-th choice of a token: its weight (renormalized over the top_sum of the K scores if asked,
+// then scaled) and its expert (-1 where no expert filled the slot).
+template <typename T>
+__device__ __forceinline__ void store_choice(const TopkKernelArgs& p, int64_t token, int k, float score,
+                                             float top_sum, int expert) {
+  const float w = (p.renormalize ? score / (top_sum + 1e-20f) : score) * p.scale;
+  const int64_t at = p.weights_strides.at(token, k);
+  if (p.weights_f32)
+    static_cast<float*>(p.weights)[at] = w;
+  else
+    static_cast<T*>(p.weights)[at] = from_float<T>(w);
+  p.index.store(p.index_strides.at(token, k), expert);
+}
+
 __device__ __forceinline__ float load_bias(const TopkKernelArgs& p, int e) {
   const int64_t at = e * p.bias_stride;
   switch (p.bias_dtype) {
@@ -218,15 +232,7 @@ __global__ void __launch_bounds__(kBlockThreads) moe_topk_kernel(const TopkKerne
     }
     top_sum += best_score;  // in k order, the same on every lane
   }
-  if (lane < p.top_k) {
-    const float w = (p.renormalize ? mine / (top_sum + 1e-20f) : mine) * p.scale;
-    const int64_t at = p.weights_strides.at(token, lane);
-    if (p.weights_f32)
-      static_cast<float*>(p.weights)[at] = w;
-    else
-      static_cast<T*>(p.weights)[at] = from_float<T>(w);
-    p.index.store(p.index_strides.at(token, lane), mine_expert);
-  }
+  if (lane < p.top_k) store_choice<T>(p, token, lane, mine, top_sum, mine_expert);
 }
 
 // The float an order_key stands for (0: -inf); +0 for both zeros.
@@ -345,14 +351,7 @@ __global__ void __launch_bounds__(kRankedThreads) moe_topk_ranked_kernel(const T
   if (expert < p.top_k) {
     float top_sum = 0.f;  // in k order, as moe_topk_kernel sums
     for (int k = 0; k < p.top_k; ++k) top_sum += slot_score[k];
-    const float mine = slot_score[expert];
-    const float w = (p.renormalize ? mine / (top_sum + 1e-20f) : mine) * p.scale;
-    const int64_t at = p.weights_strides.at(token, expert);
-    if (p.weights_f32)
-      static_cast<float*>(p.weights)[at] = w;
-    else
-      static_cast<T*>(p.weights)[at] = from_float<T>(w);
-    p.index.store(p.index_strides.at(token, expert), slot_expert[expert]);
+    store_choice<T>(p, token, expert, slot_score[expert], top_sum, slot_expert[expert]);
   }
 }
 
