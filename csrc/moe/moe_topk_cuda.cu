@@ -259,14 +259,14 @@ __global__ void __launch_bounds__(kRankedThreads) moe_topk_ranked_kernel(const T
   __shared__ unsigned group_keys[32];
   __shared__ float slot_score[32];
   __shared__ int slot_expert[32];
+  // a thread an expert: the block is the token's num_groups * 32 experts
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5, expert = threadIdx.x;
-  const bool in_row = expert < p.num_experts;
   const int64_t token = blockIdx.x;
   const T* row = static_cast<const T*>(p.logits) + token * p.logits_stride;
 
   pdl_wait();
-  const float logit = in_row ? to_float(row[expert]) : -INFINITY;
-  const float bias = p.bias != nullptr && in_row ? load_bias(p, expert) : 0.f;  // beside the logit
+  const float logit = to_float(row[expert]);
+  const float bias = p.bias != nullptr ? load_bias(p, expert) : 0.f;  // beside the logit
   pdl_release();
   float score;
   if (p.sigmoid) {
@@ -278,16 +278,11 @@ __global__ void __launch_bounds__(kRankedThreads) moe_topk_ranked_kernel(const T
     if (lane == 0) warp_max[warp] = max;
     __syncthreads();
     for (int w = 0; w < warps; ++w) max = fmaxf(max, warp_max[w]);
-    const float e = in_row ? expf(logit - max) : 0.f;
-    const float sum_of_warp = lane_group_sum(e, 32);
-    if (lane == 0) warp_sum[warp] = sum_of_warp;
-    __syncthreads();
-    float sum = 0.f;
-    for (int w = 0; w < warps; ++w) sum += warp_sum[w];
-    score = e / sum;
+    const float e = expf(logit - max);
+    score = e / row_sum(e, int(blockDim.x), warp_sum);
   }
   const float choice = p.bias != nullptr ? score + bias : score;
-  const unsigned key = in_row ? order_key(isnan(choice) ? INFINITY : choice) : 0u;
+  const unsigned key = order_key(isnan(choice) ? INFINITY : choice);
   expert_keys[expert] = key;
   {  // the group's two largest keys, summed (a key held twice counts twice, as torch.topk takes it)
     const unsigned first = warp_extreme<true>(key);
@@ -386,7 +381,7 @@ void moe_topk_cuda(const TopkPlan& plan, cudaStream_t stream) {
   // 1.70-1.78 -> 2.01-2.02, Qwen3-30B-A3B 1 x 128 2.12 -> 2.41), so those keep the warp kernel.
   const bool warp_groups = p.num_groups > 1 && p.group_size == 32;
   if (plan.tokens <= device_limits().sm_count && warp_groups && int64_t(p.topk_groups) * 32 <= kRankedCandidates) {
-    const unsigned threads = unsigned((plan.num_experts + 31) / 32 * 32);
+    const unsigned threads = unsigned(plan.num_experts);  // num_groups * 32: a thread an expert
     dispatch_dtype(a.logits.dtype, [&](auto t) {
       launch(moe_topk_ranked_kernel<decltype(t)>, dim3(unsigned(plan.tokens)), dim3(threads), 0, stream, p);
     });
