@@ -885,11 +885,11 @@ int pick_items(int64_t rows, int64_t vec_per_row, bool full_vectors, const RowOp
       vec_per_row <= forced * kMaxThreads)
     return forced;
   if (!op.normalizes && vec_per_row <= 2 * kMaxThreads) return vec_per_row <= kMaxThreads ? 1 : 2;
-  const int64_t wave = device_limits().resident_threads();
+  const DeviceLimits& gpu = device_limits();
+  const int64_t wave = gpu.resident_threads();
   const bool plain_norm = !op.residual && !op.modulated;
   if (vec_per_row <= kMaxThreads && rows * vec_per_row <= wave / 2) return 1;
   if (plain_norm && !op.small_operands && vec_per_row <= kMaxThreads) {
-    const DeviceLimits& gpu = device_limits();
     const bool lean_dram = gpu.dram_bytes_per_s > 0 && gpu.dram_bytes_per_s < kShortPathBytesPerSm * gpu.sm_count;
     return lean_dram && vec_per_row <= 256 ? 1 : 2;
   }
