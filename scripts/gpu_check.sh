@@ -9,7 +9,9 @@
 #      once per dtype, default bf16),
 #      SANITIZE_TIMEOUT / SANITIZE_CHUNK / SANITIZE_STRIDE / SANITIZE_OFFSET (the memcheck pytest
 #      run: scripts/memcheck_ops.sh),
-#      FUSEBOX_CUDA_ARCHS (default: the GPU's), .whl/ wheels are installed to /tmp/site if present,
+#      GPU_CHECK_SECONDS (a time budget for the whole script: each stage then runs under `timeout`
+#      with what is left, a stage that gets under 15 s is skipped, and the summary and archive
+#      are still written), FUSEBOX_CUDA_ARCHS (default: the GPU's), .whl/ wheels are installed to /tmp/site if present,
 #      .gtest/ (a GoogleTest source tree) is used when the machine has no GoogleTest package.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -22,6 +24,14 @@ py="${PY:-python3}"
 export PATH="$PATH:/usr/local/cuda/bin"
 export PYTHONUNBUFFERED=1
 declare -a summary
+script_start=$(date +%s)
+
+# Seconds left of GPU_CHECK_SECONDS (a large number without one).
+seconds_left() {
+  if [ -n "${GPU_CHECK_SECONDS:-}" ]; then echo $(( GPU_CHECK_SECONDS - ($(date +%s) - script_start) )); else echo 999999; fi
+}
+# Runs a command under the time left (exit 124 when it ran out).
+bounded() { timeout "$(seconds_left)" "$@"; }
 
 record() {  # name, status, detail
   summary+=("$(printf '| %-34s | %-4s | %s |' "$1" "$2" "$3")")
@@ -41,7 +51,7 @@ export FUSEBOX_BUILD_DIR="$root/build/gpu"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 
 t0=$(date +%s)
-if scripts/build.sh "$py" >"$out/build.log" 2>&1; then
+if bounded scripts/build.sh "$py" >"$out/build.log" 2>&1; then
   record build PASS "$(( $(date +%s) - t0 )) s, sm_$FUSEBOX_CUDA_ARCHS"
 else
   tail -30 "$out/build.log"; record build FAIL "see build.log"; printf '%s\n' "${summary[@]}"; exit 1
@@ -52,31 +62,33 @@ cpp_tests="$FUSEBOX_BUILD_DIR/fusebox_cpp_tests"
 pytest_line() { grep -E "^(=+ )?[0-9]+ (passed|failed)|no tests ran|[0-9]+ passed" "$1" | tail -1 | sed 's/=//g'; }
 
 for stage in "${stages[@]}"; do
+  if [ "$(seconds_left)" -lt 15 ]; then record "$stage" SKIP "no time left of GPU_CHECK_SECONDS"; continue; fi
   case "$stage" in
     test)
       t0=$(date +%s)
-      "$cpp_tests" --gtest_brief=1 >"$out/cpp_tests.log" 2>&1
+      bounded "$cpp_tests" --gtest_brief=1 >"$out/cpp_tests.log" 2>&1
       rc=$?; record "C++ tests (CPU + CUDA vs CPU)" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/cpp_tests.log" | tr '\n' ' ') $(( $(date +%s) - t0 )) s"
       t0=$(date +%s)
       # shellcheck disable=SC2086
-      "$py" -m pytest ${PYTEST_PATHS:-tests/python} -q -p no:cacheprovider --maxfail=40 -rf --junitxml="$out/pytest.xml" >"$out/pytest.log" 2>&1
+      bounded "$py" -m pytest ${PYTEST_PATHS:-tests/python} -q -p no:cacheprovider --maxfail=40 -rf --junitxml="$out/pytest.xml" >"$out/pytest.log" 2>&1
       rc=$?; record "pytest (CPU + CUDA)" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(pytest_line "$out/pytest.log"), $(( $(date +%s) - t0 )) s"
       [ $rc -ne 0 ] && grep -E "^FAILED|Error" "$out/pytest.log" | head -60
       ;;
     sanitize)
       t0=$(date +%s)
-      compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 "$cpp_tests" --gtest_filter='CudaVsCpu.*' \
+      bounded compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 "$cpp_tests" --gtest_filter='CudaVsCpu.*' \
         >"$out/sanitizer_cpp.log" 2>&1
       rc=$?; record "memcheck: C++ CUDA tests" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(grep -E 'ERROR SUMMARY' "$out/sanitizer_cpp.log" | tail -1), $(( $(date +%s) - t0 )) s"
       t0=$(date +%s)
-      line="$(PY="$py" scripts/memcheck_ops.sh "$out/sanitizer_py.log")"
+      budget=$(( $(seconds_left) - 5 )); [ "$budget" -gt "${SANITIZE_TIMEOUT:-420}" ] && budget="${SANITIZE_TIMEOUT:-420}"
+      line="$(PY="$py" SANITIZE_TIMEOUT="$budget" scripts/memcheck_ops.sh "$out/sanitizer_py.log")"
       rc=$?; record "memcheck: pytest CUDA op tests" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$line"
       ;;
     tune)
       t0=$(date +%s); rc=0; : >"$out/tune.txt"
       for dtype in ${TUNE_DTYPES:-bf16}; do
         echo "== $dtype" | tee -a "$out/tune.txt"
-        "$py" scripts/tune.py --cases "${TUNE_CASES:?TUNE_CASES}" --settings "${TUNE_SETTINGS:-default}" \
+        bounded "$py" scripts/tune.py --cases "${TUNE_CASES:?TUNE_CASES}" --settings "${TUNE_SETTINGS:-default}" \
           --dtype "$dtype" 2>&1 | tee -a "$out/tune.txt"
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
       done
@@ -87,7 +99,7 @@ for stage in "${stages[@]}"; do
       args=(); [ "$stage" = quick ] && args=(--quick)
       # shellcheck disable=SC2206
       args+=(${BENCH_ARGS:-})
-      "$py" -m fusebox bench "${args[@]}" --out "$out/bench" 2>&1 | tee "$out/bench.log" | tail -60
+      bounded "$py" -m fusebox bench "${args[@]}" --out "$out/bench" 2>&1 | tee "$out/bench.log" | tail -60
       rc=${PIPESTATUS[0]}; record "fusebox bench ${args[*]}" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(( $(date +%s) - t0 )) s"
       ;;
     e2e)
@@ -95,7 +107,7 @@ for stage in "${stages[@]}"; do
       t0=$(date +%s)
       # shellcheck disable=SC2206
       eargs=(${E2E_ARGS:-})
-      "$py" -m fusebox bench e2e --model "${E2E_MODELS:-tiny}" "${eargs[@]}" --out "$out/e2e" 2>&1 | tee "$out/e2e.log" | tail -80
+      bounded "$py" -m fusebox bench e2e --model "${E2E_MODELS:-tiny}" "${eargs[@]}" --out "$out/e2e" 2>&1 | tee "$out/e2e.log" | tail -80
       rc=${PIPESTATUS[0]}; record "fusebox bench e2e ${E2E_MODELS:-tiny}" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(( $(date +%s) - t0 )) s"
       ;;
   esac
