@@ -11,7 +11,8 @@
 #      run: scripts/memcheck_ops.sh),
 #      GPU_CHECK_SECONDS (a time budget for the whole script: each stage then runs under `timeout`
 #      with what is left, a stage that gets under 15 s is skipped, and the summary and archive
-#      are still written), FUSEBOX_CUDA_ARCHS (default: the GPU's), .whl/ wheels are installed to /tmp/site if present,
+#      are still written), FUSEBOX_CUDA_ARCHS (default: the GPU's),
+#      .whl/ wheels are installed to /tmp/site if present,
 #      .gtest/ (a GoogleTest source tree) is used when the machine has no GoogleTest package.
 set -uo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -30,8 +31,13 @@ script_start=$(date +%s)
 seconds_left() {
   if [ -n "${GPU_CHECK_SECONDS:-}" ]; then echo $(( GPU_CHECK_SECONDS - ($(date +%s) - script_start) )); else echo 999999; fi
 }
-# Runs a command under the time left (exit 124 when it ran out).
-bounded() { timeout "$(seconds_left)" "$@"; }
+# Runs a command under the time left (exit 124 when it ran out). At least 1 s: `timeout 0`
+# would mean no limit at all.
+bounded() {
+  local left; left=$(seconds_left)
+  [ "$left" -lt 1 ] && left=1
+  timeout "$left" "$@"
+}
 
 record() {  # name, status, detail
   summary+=("$(printf '| %-34s | %-4s | %s |' "$1" "$2" "$3")")

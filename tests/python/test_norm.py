@@ -104,8 +104,9 @@ def test_rms_norm_large(device, gen, dtypes, width):
 def test_plans_between_half_and_full_wave(device, gen, dtypes):
     """Calls of half a wave to two waves of resident threads on an H100/H200, where the default
     plan depends on the op: RMSNorm without a weight takes 2 vectors per thread (1 on GPUs of less
-    DRAM bandwidth an SM, such as the H100), with a weight 1, a gated residual of 640 vectors a row 2, and a residual add + RMSNorm the short rows of one
-    vector a thread up to two waves (the smaller CPU rows check the same semantics)."""
+    DRAM bandwidth an SM, such as the H100), with a weight 1, a gated residual of 640 vectors a row
+    2, and a residual add + RMSNorm the short rows of one vector a thread up to two waves (the
+    smaller CPU rows check the same semantics)."""
     xd, pd = dtypes
     rows = 1024 if torch.device(device).type == "cuda" else 6
     x = randn(gen, (rows, 2048), xd, device)
