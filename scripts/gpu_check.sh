@@ -10,8 +10,8 @@
 #      SANITIZE_TIMEOUT / SANITIZE_CHUNK / SANITIZE_STRIDE / SANITIZE_OFFSET (the memcheck pytest
 #      run: scripts/memcheck_ops.sh),
 #      GPU_CHECK_SECONDS (a time budget for the whole script: each stage then runs under `timeout`
-#      with what is left, a stage that gets under 15 s is skipped, and the summary and archive
-#      are still written), FUSEBOX_CUDA_ARCHS (default: the GPU's),
+#      with what is left, a stage that gets under 15 s is skipped, one the budget stops shows
+#      TIME, and the summary and archive are still written), FUSEBOX_CUDA_ARCHS (default: the GPU's),
 #      .whl/ wheels are installed to /tmp/site if present,
 #      .gtest/ (a GoogleTest source tree) is used when the machine has no GoogleTest package.
 set -uo pipefail
@@ -38,6 +38,9 @@ bounded() {
   [ "$left" -lt 1 ] && left=1
   timeout "$left" "$@"
 }
+
+# PASS, FAIL, or TIME when `bounded` stopped the stage (exit 124: the budget ran out).
+verdict() { case "$1" in 0) echo PASS ;; 124) echo TIME ;; *) echo FAIL ;; esac; }
 
 record() {  # name, status, detail
   summary+=("$(printf '| %-34s | %-4s | %s |' "$1" "$2" "$3")")
@@ -66,6 +69,11 @@ export PYTHONPATH="$root/torch-ext${PYTHONPATH:+:$PYTHONPATH}"
 cpp_tests="$FUSEBOX_BUILD_DIR/fusebox_cpp_tests"
 
 pytest_line() { grep -E "^(=+ )?[0-9]+ (passed|failed)|no tests ran|[0-9]+ passed" "$1" | tail -1 | sed 's/=//g'; }
+# What a -q run cut off before its summary had reported: passes and failures from its progress dots.
+pytest_progress() {
+  local marks; marks="$(grep -E '^[.sFEx]+( |$)' "$1" | cut -d' ' -f1 | tr -d '\n')"
+  echo "cut off after $(tr -cd . <<<"$marks" | wc -c) passed, $(tr -cd FE <<<"$marks" | wc -c) failed"
+}
 
 for stage in "${stages[@]}"; do
   if [ "$(seconds_left)" -lt 15 ]; then record "$stage" SKIP "no time left of GPU_CHECK_SECONDS"; continue; fi
@@ -73,22 +81,22 @@ for stage in "${stages[@]}"; do
     test)
       t0=$(date +%s)
       bounded "$cpp_tests" --gtest_brief=1 >"$out/cpp_tests.log" 2>&1
-      rc=$?; record "C++ tests (CPU + CUDA vs CPU)" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/cpp_tests.log" | tr '\n' ' ') $(( $(date +%s) - t0 )) s"
+      rc=$?; record "C++ tests (CPU + CUDA vs CPU)" "$(verdict $rc)" "$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/cpp_tests.log" | tr '\n' ' ') $(( $(date +%s) - t0 )) s"
       t0=$(date +%s)
       # shellcheck disable=SC2086
       bounded "$py" -m pytest ${PYTEST_PATHS:-tests/python} -q -p no:cacheprovider --maxfail=40 -rf --junitxml="$out/pytest.xml" >"$out/pytest.log" 2>&1
-      rc=$?; record "pytest (CPU + CUDA)" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(pytest_line "$out/pytest.log"), $(( $(date +%s) - t0 )) s"
-      [ $rc -ne 0 ] && grep -E "^FAILED|Error" "$out/pytest.log" | head -60
+      rc=$?; record "pytest (CPU + CUDA)" "$(verdict $rc)" "$([ $rc -eq 124 ] && pytest_progress "$out/pytest.log" || pytest_line "$out/pytest.log"), $(( $(date +%s) - t0 )) s"
+      [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -E "^FAILED|Error" "$out/pytest.log" | head -60
       ;;
     sanitize)
       t0=$(date +%s)
       bounded compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 "$cpp_tests" --gtest_filter='CudaVsCpu.*' \
         >"$out/sanitizer_cpp.log" 2>&1
-      rc=$?; record "memcheck: C++ CUDA tests" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(grep -E 'ERROR SUMMARY' "$out/sanitizer_cpp.log" | tail -1), $(( $(date +%s) - t0 )) s"
+      rc=$?; record "memcheck: C++ CUDA tests" "$(verdict $rc)" "$(grep -E 'ERROR SUMMARY' "$out/sanitizer_cpp.log" | tail -1), $(( $(date +%s) - t0 )) s"
       t0=$(date +%s)
       budget=$(( $(seconds_left) - 5 )); [ "$budget" -gt "${SANITIZE_TIMEOUT:-420}" ] && budget="${SANITIZE_TIMEOUT:-420}"
       line="$(PY="$py" SANITIZE_TIMEOUT="$budget" scripts/memcheck_ops.sh "$out/sanitizer_py.log")"
-      rc=$?; record "memcheck: pytest CUDA op tests" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$line"
+      rc=$?; record "memcheck: pytest CUDA op tests" "$(verdict $rc)" "$line"
       ;;
     tune)
       t0=$(date +%s); rc=0; : >"$out/tune.txt"
@@ -98,7 +106,7 @@ for stage in "${stages[@]}"; do
           --dtype "$dtype" 2>&1 | tee -a "$out/tune.txt"
         [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
       done
-      record "tune.py" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(( $(date +%s) - t0 )) s"
+      record "tune.py" "$(verdict $rc)" "$(( $(date +%s) - t0 )) s"
       ;;
     bench|quick)
       t0=$(date +%s)
@@ -106,7 +114,7 @@ for stage in "${stages[@]}"; do
       # shellcheck disable=SC2206
       args+=(${BENCH_ARGS:-})
       bounded "$py" -m fusebox bench "${args[@]}" --out "$out/bench" 2>&1 | tee "$out/bench.log" | tail -60
-      rc=${PIPESTATUS[0]}; record "fusebox bench ${args[*]}" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(( $(date +%s) - t0 )) s"
+      rc=${PIPESTATUS[0]}; record "fusebox bench ${args[*]}" "$(verdict $rc)" "$(( $(date +%s) - t0 )) s"
       ;;
     e2e)
       # End-to-end models (E2E_MODELS, comma-separated; E2E_ARGS e.g. --quick).
@@ -114,7 +122,7 @@ for stage in "${stages[@]}"; do
       # shellcheck disable=SC2206
       eargs=(${E2E_ARGS:-})
       bounded "$py" -m fusebox bench e2e --model "${E2E_MODELS:-tiny}" "${eargs[@]}" --out "$out/e2e" 2>&1 | tee "$out/e2e.log" | tail -80
-      rc=${PIPESTATUS[0]}; record "fusebox bench e2e ${E2E_MODELS:-tiny}" "$([ $rc -eq 0 ] && echo PASS || echo FAIL)" "$(( $(date +%s) - t0 )) s"
+      rc=${PIPESTATUS[0]}; record "fusebox bench e2e ${E2E_MODELS:-tiny}" "$(verdict $rc)" "$(( $(date +%s) - t0 )) s"
       ;;
   esac
 done
