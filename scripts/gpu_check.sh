@@ -85,7 +85,9 @@ for stage in "${stages[@]}"; do
       t0=$(date +%s)
       # shellcheck disable=SC2086
       bounded "$py" -m pytest ${PYTEST_PATHS:-tests/python} -q -p no:cacheprovider --maxfail=40 -rf --junitxml="$out/pytest.xml" >"$out/pytest.log" 2>&1
-      rc=$?; record "pytest (CPU + CUDA)" "$(verdict $rc)" "$([ $rc -eq 124 ] && pytest_progress "$out/pytest.log" || pytest_line "$out/pytest.log"), $(( $(date +%s) - t0 )) s"
+      rc=$?
+      if [ $rc -eq 124 ]; then tally="$(pytest_progress "$out/pytest.log")"; else tally="$(pytest_line "$out/pytest.log")"; fi
+      record "pytest (CPU + CUDA)" "$(verdict $rc)" "$tally, $(( $(date +%s) - t0 )) s"
       [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -E "^FAILED|Error" "$out/pytest.log" | head -60
       ;;
     sanitize)
