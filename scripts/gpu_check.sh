@@ -106,7 +106,7 @@ for stage in "${stages[@]}"; do
         echo "== $dtype" | tee -a "$out/tune.txt"
         bounded "$py" scripts/tune.py --cases "${TUNE_CASES:?TUNE_CASES}" --settings "${TUNE_SETTINGS:-default}" \
           --dtype "$dtype" 2>&1 | tee -a "$out/tune.txt"
-        [ "${PIPESTATUS[0]}" -eq 0 ] || rc=1
+        status=${PIPESTATUS[0]}; [ "$status" -eq 0 ] || rc=$status  # 124: the budget ran out
       done
       record "tune.py" "$(verdict $rc)" "$(( $(date +%s) - t0 )) s"
       ;;
