@@ -68,7 +68,14 @@ fi
 export PYTHONPATH="$root/torch-ext${PYTHONPATH:+:$PYTHONPATH}"
 cpp_tests="$FUSEBOX_BUILD_DIR/fusebox_cpp_tests"
 
-pytest_line() { grep -E "^(=+ )?[0-9]+ (passed|failed)|no tests ran|[0-9]+ passed" "$1" | tail -1 | sed 's/=//g'; }
+# pytest's summary line; where -qq hid it, the counts of the JUnit report beside the log.
+pytest_line() {
+  local line; line="$(grep -E "^(=+ )?[0-9]+ (passed|failed)|no tests ran|[0-9]+ passed" "$1" | tail -1 | sed 's/=//g')"
+  if [ -z "$line" ] && [ -f "$2" ]; then
+    line="$(grep -o -m1 '<testsuite [^>]*>' "$2" | grep -oE '(tests|failures|errors|skipped)="[0-9]+"' | tr -d '"' | tr '\n' ' ')"
+  fi
+  echo "$line"
+}
 # What a -q run cut off before its summary had reported: passes and failures from its progress dots.
 pytest_progress() {
   local marks; marks="$(grep -E '^[.sFEx]+( |$)' "$1" | cut -d' ' -f1 | tr -d '\n')"
@@ -86,7 +93,7 @@ for stage in "${stages[@]}"; do
       # shellcheck disable=SC2086
       bounded "$py" -m pytest ${PYTEST_PATHS:-tests/python} -q -p no:cacheprovider --maxfail=40 -rf --junitxml="$out/pytest.xml" >"$out/pytest.log" 2>&1
       rc=$?
-      if [ $rc -eq 124 ]; then tally="$(pytest_progress "$out/pytest.log")"; else tally="$(pytest_line "$out/pytest.log")"; fi
+      if [ $rc -eq 124 ]; then tally="$(pytest_progress "$out/pytest.log")"; else tally="$(pytest_line "$out/pytest.log" "$out/pytest.xml")"; fi
       record "pytest (CPU + CUDA)" "$(verdict $rc)" "$tally, $(( $(date +%s) - t0 )) s"
       [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -E "^FAILED|Error" "$out/pytest.log" | head -60
       ;;
