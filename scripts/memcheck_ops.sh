@@ -3,6 +3,8 @@
 # sanitized process over the whole suite grows its device memory until allocations fail
 # (after ~400-1500 tests on an H200 / H100), which then reads as test failures.
 # Usage: scripts/memcheck_ops.sh LOG   (appends every process's output to LOG; prints one summary line)
+# Exit: 0 when every test ran and passed clean; 124 when SANITIZE_TIMEOUT stopped it first with
+# nothing failed; 1 otherwise.
 # Env: PY (default python3), SANITIZE_CHUNK (tests a process; default 250),
 #      SANITIZE_STRIDE / SANITIZE_OFFSET (run every Nth case of each test function from the
 #      Kth, K < N; default 1 / 0: all),
@@ -30,6 +32,7 @@ split -l "$chunk" "$work/ids" "$work/chunk."
 
 start=$(date +%s); passed=0; failed=0; errors=0; processes=0; ran=0; rc=0
 for part in "$work"/chunk.*; do
+  [ -f "$part" ] || break  # none: no test selected
   left=$(( budget - ($(date +%s) - start) ))
   [ "$left" -le 10 ] && break
   mapfile -t ids <"$part"
@@ -38,14 +41,17 @@ for part in "$work"/chunk.*; do
   status=$?
   cat "$work/out" >>"$log"
   processes=$((processes + 1))
-  [ "$status" -ne 0 ] && rc=1
+  [ "$status" -ne 0 ] && [ "$status" -ne 124 ] && rc=1
   [ "$status" -ne 124 ] && ran=$((ran + ${#ids[@]}))  # a process the budget cut did not run all its tests
   p=$(grep -oE '[0-9]+ passed' "$work/out" | tail -1 | cut -d' ' -f1)
   f=$(grep -oE '[0-9]+ failed' "$work/out" | tail -1 | cut -d' ' -f1)
   e=$(grep -oE 'ERROR SUMMARY: [0-9]+' "$work/out" | awk '{s += $3} END {print s + 0}')
   passed=$((passed + ${p:-0})); failed=$((failed + ${f:-0})); errors=$((errors + e))
 done
-[ "$ran" -lt "$selected" ] && rc=1  # not all run within the time budget
-[ "$passed" -eq 0 ] && rc=1  # nothing ran on a GPU
+{ [ "$failed" -gt 0 ] || [ "$errors" -gt 0 ]; } && rc=1  # also those of a process the budget cut
+[ "$selected" -eq 0 ] && rc=1  # no CUDA test collected
+[ "$ran" -gt 0 ] && [ "$passed" -eq 0 ] && rc=1  # processes finished, none of it ran on a GPU
+# Not all run within the time budget, nothing failed: 124, as `timeout` (TIME in gpu_check.sh).
+[ "$rc" -eq 0 ] && [ "$ran" -lt "$selected" ] && rc=124
 echo "$passed passed, $failed failed, $errors memcheck errors; $ran of $selected tests (case ${offset} mod ${stride} of each CUDA op test) in $processes processes, $(( $(date +%s) - start )) s"
 exit "$rc"
