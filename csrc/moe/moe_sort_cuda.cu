@@ -54,7 +54,8 @@ struct SortKernelArgs {
 };
 
 // How the pairs split: `tiles` blocks of `warps` warps, each warp `chunk` pairs of its tile's
-// `tile_pairs`. A tiled sort needs tiles * buckets counts of workspace (rounded up to a multiple of 4).
+// `tile_pairs`. A tiled sort needs tiles * buckets counts of workspace, rounded up to a multiple
+// of 4 (the size moe_sort_workspace_size has always reported; no read needs it since 8a82df6).
 struct SortTiles {
   int tiles = 1, warps = 1, tile_pairs = 0, chunk = 32;
   int slices = 1, slice_tiles = 1;
