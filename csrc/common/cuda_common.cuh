@@ -432,6 +432,8 @@ struct TuningKnobs {
                                       // staging them through shared memory
   std::optional<int> moe_sort_tile;   // FUSEBOX_MOE_SORT_TILE: the sort's pairs a block at least (larger
                                       // than the index: one block sorts it in one launch)
+  std::optional<int> moe_sort_warps;  // FUSEBOX_MOE_SORT_WARPS: the warps of each block of a sort over many
+                                      // blocks (1-32)
   std::optional<int> moe_sort_small;  // FUSEBOX_MOE_SORT_SMALL: the most pairs the decode sorts take
                                       // (default and most 128: up to 32 by shuffles, past that ranked
                                       // through shared memory); 0: none

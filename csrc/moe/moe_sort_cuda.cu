@@ -24,13 +24,15 @@
 #include "moe/moe_impl.h"
 #include "moe/moe_operands.cuh"
 
+#include <algorithm>
 #include <limits>
 
 namespace fusebox::cuda {
 namespace {
 
-constexpr int kMaxWarps = 32;      // of the one block that sorts a small index alone
-constexpr int kTileWarps = 8;      // of each block of a tiled sort
+constexpr int kMaxWarps = 32;      // the most a block takes: the one block of a small index; wide tiles
+constexpr int kTileWarps = 16;     // of each block of a tiled sort, unless kMaxWarps spares step 2 rounds
+constexpr int kBucketWarps = 8;    // of the one block, where it has many buckets
 constexpr int kTilePairs = 512;    // a tile's pairs at least (FUSEBOX_MOE_SORT_TILE for tuning)
 constexpr int kMaxTiles = 64;      // larger indexes take larger tiles
 constexpr int kRounds = 8;         // rounds of 32 pairs a warp loads before it uses them
@@ -65,8 +67,8 @@ struct SortTiles {
 // Step 2 of a tiled sort reads the [tiles][buckets] counts as (bucket, run of tiles) items, one
 // a thread at a time, kColumnBatch loads in flight: the split whose busiest thread waits on the
 // fewest rounds of loads (DeepSeek-V3, 64 tiles of 257 buckets on 256 threads: 9 rounds at runs
-// of 8 tiles, where whole columns leave one thread two of them, 16 rounds).
-void split_columns(SortTiles& s, int64_t buckets) {
+// of 8 tiles, where whole columns leave one thread two of them, 16 rounds). Returns the rounds.
+int64_t split_columns(SortTiles& s, int64_t buckets) {
   int64_t best = std::numeric_limits<int64_t>::max();
   for (int runs = 1; runs <= s.tiles; ++runs) {
     const int run = (s.tiles + runs - 1) / runs, used = (s.tiles + run - 1) / run;
@@ -78,32 +80,55 @@ void split_columns(SortTiles& s, int64_t buckets) {
       s.slice_tiles = run;
     }
   }
+  return best;
+}
+
+// The tiles of a sort over many blocks of `warps` warps (tiles == 1: the index takes one block),
+// and the rounds of step 2's loads.
+SortTiles tiled_plan(int64_t pairs, int64_t buckets, int64_t min_tile, int64_t warps, int64_t workspace_available,
+                     int64_t* column_rounds) {
+  SortTiles s;
+  const int64_t tile_warps = std::min<int64_t>(warps, kMaxCells / buckets - 2);
+  if (pairs <= min_tile || tile_warps < 1) return s;
+  const int64_t align = 32 * tile_warps;
+  const int64_t tile = (std::max(min_tile, (pairs + kMaxTiles - 1) / kMaxTiles) + align - 1) / align * align;
+  const int64_t tiles = (pairs + tile - 1) / tile;
+  const int64_t workspace = (tiles * buckets + 3) / 4 * 4;
+  if (tiles <= 1 || workspace > workspace_available) return s;
+  s.tiles = int(tiles);
+  s.warps = int(tile_warps);
+  s.tile_pairs = int(tile);
+  s.chunk = int(tile / tile_warps);
+  s.workspace = workspace;
+  *column_rounds = split_columns(s, buckets);
+  return s;
 }
 
 SortTiles sort_tiles(int64_t pairs, int64_t buckets, int64_t workspace_available) {
+  const TuningKnobs& knobs = tuning_knobs();
+  const int64_t min_tile = std::max<int64_t>(32, knobs.moe_sort_tile.value_or(kTilePairs));
+  int64_t rounds = 0, wide_rounds = 0;
+  // kTileWarps a block; kMaxWarps where that keeps the tiles (a tile of at least 32 pairs a
+  // warp) and spares step 2 two or more rounds of loads. H100, L2 flushed, 16 warps against 8:
+  // 5-17% faster on every prefill row (DeepSeek-V3 2048 x 8 12.94-12.99 -> 11.39-11.52 us,
+  // Mixtral 2048 x 2 9.63-9.68 -> 9.12-9.17); 32 against 16 at DeepSeek-V3 8192 x 8 (5 rounds
+  // -> 3) 14.56-14.66 -> 13.34-13.41, level at OLMoE's 8192 x 8 (2 -> 1), slower where the
+  // tiles grow (DeepSeek-V3 2048 x 8, 32 tiles of 512 pairs -> 16 of 1024: 11.70-11.81).
   SortTiles s;
-  const int64_t min_tile = std::max<int64_t>(32, tuning_knobs().moe_sort_tile.value_or(kTilePairs));
-  const int64_t tile_warps = std::min<int64_t>(kTileWarps, kMaxCells / buckets - 2);
-  if (pairs > min_tile && tile_warps >= 1) {
-    const int64_t align = 32 * tile_warps;
-    const int64_t tile = (std::max(min_tile, (pairs + kMaxTiles - 1) / kMaxTiles) + align - 1) / align * align;
-    const int64_t tiles = (pairs + tile - 1) / tile;
-    const int64_t workspace = (tiles * buckets + 3) / 4 * 4;
-    if (tiles > 1 && workspace <= workspace_available) {
-      s.tiles = int(tiles);
-      s.warps = int(tile_warps);
-      s.tile_pairs = int(tile);
-      s.chunk = int(tile / tile_warps);
-      s.workspace = workspace;
-      split_columns(s, buckets);
-      return s;
-    }
+  if (knobs.moe_sort_warps) {
+    s = tiled_plan(pairs, buckets, min_tile, std::clamp(*knobs.moe_sort_warps, 1, kMaxWarps), workspace_available,
+                   &rounds);
+  } else {
+    s = tiled_plan(pairs, buckets, min_tile, kTileWarps, workspace_available, &rounds);
+    const SortTiles wide = tiled_plan(pairs, buckets, min_tile, kMaxWarps, workspace_available, &wide_rounds);
+    if (s.tiles > 1 && wide.tiles == s.tiles && wide.warps > s.warps && rounds - wide_rounds >= 2) s = wide;
   }
-  // one block: a warp per 32 pairs, and at least one per 32 buckets up to kTileWarps (the
+  if (s.tiles > 1) return s;
+  // one block: a warp per 32 pairs, and at least one per 32 buckets up to kBucketWarps (the
   // per-bucket steps spread over them: H100, one token of DeepSeek-V3's 256 experts 8.2 -> 6.7 us
   // at 8 warps, of 64 experts 6.5 -> 6.2 at 2; Mixtral's 8 keep one), as many as the counts'
   // memory holds; at least one, which writes the offsets (all zero) where there are no pairs
-  const int64_t bucket_warps = std::min<int64_t>(kTileWarps, buckets / 32);
+  const int64_t bucket_warps = std::min<int64_t>(kBucketWarps, buckets / 32);
   s.warps = int(std::max<int64_t>(
       1, std::min<int64_t>({kMaxWarps, kMaxCells / buckets - 2, std::max(bucket_warps, (pairs + 31) / 32)})));
   s.tile_pairs = int(pairs);
@@ -185,7 +210,7 @@ __device__ void block_exclusive_scan(int* cells, int n, int* warp_totals) {
 }
 
 // A tiled sort's first launch: each tile's pairs per bucket, to tile_counts[tile][bucket].
-__global__ void __launch_bounds__(kTileWarps * 32) moe_sort_count_kernel(const SortKernelArgs p) {
+__global__ void __launch_bounds__(kMaxWarps * 32) moe_sort_count_kernel(const SortKernelArgs p) {
   extern __shared__ int counts[];
   const int buckets = p.num_experts + 1;
   for (int b = threadIdx.x; b < buckets; b += blockDim.x) counts[b] = 0;
@@ -444,7 +469,7 @@ void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream) {
   p.slices = tiles.slices;
   p.slice_tiles = tiles.slice_tiles;
   if (tiles.tiles > 1)
-    launch(moe_sort_count_kernel, dim3(tiles.tiles), dim3(kTileWarps * 32), size_t(buckets) * sizeof(int), stream, p);
+    launch(moe_sort_count_kernel, dim3(tiles.tiles), dim3(tiles.warps * 32), size_t(buckets) * sizeof(int), stream, p);
   launch(moe_sort_kernel, dim3(tiles.tiles), dim3(tiles.warps * 32), size_t((tiles.warps + 2) * buckets) * sizeof(int),
          stream, p);
 }

@@ -1,7 +1,8 @@
 """Launch plans and kernel variants the tuning variables can force (FUSEBOX_NORM_ITEMS,
 FUSEBOX_NORM_STAGE, FUSEBOX_ROPE_ITEMS, FUSEBOX_ACT_FLAT, FUSEBOX_NORM_FLAT, FUSEBOX_NORM_SHORT,
 FUSEBOX_ROPE_SHORT, FUSEBOX_ROPE_EARLY, FUSEBOX_ADD_FLAT, FUSEBOX_MOE_ITEMS, FUSEBOX_MOE_CHUNK,
-FUSEBOX_MOE_STAGE, FUSEBOX_MOE_SORT_TILE, FUSEBOX_MOE_SORT_SMALL, used by scripts/tune.py): each
+FUSEBOX_MOE_STAGE, FUSEBOX_MOE_SORT_TILE, FUSEBOX_MOE_SORT_WARPS, FUSEBOX_MOE_SORT_SMALL, used by
+scripts/tune.py): each
 still computes the reference result on CUDA."""
 
 import os
@@ -153,9 +154,9 @@ for dtype in (BF16, F16, F32):
         weights = torch.rand((tokens, top_k), generator=gen).cuda()
         assert_close(call(fusebox.moe_combine, rows, index, weights), ref.moe_combine(rows, index, weights),
                      dtype, name="moe_combine")
-# the MoE sort: tiles of 32 pairs up to one block for all, the decode kernels (one round by
-# shuffles, two or four ranked, blocks with fewer expert warps than rounds) or none; equal to the
-# stable sort
+# the MoE sort: tiles of 32 pairs up to one block for all, of 1 to 32 warps, the decode kernels
+# (one round by shuffles, two or four ranked, blocks with fewer expert warps than rounds) or none;
+# equal to the stable sort
 for tokens, top_k, num_experts in ((1, 8, 64), (8, 6, 100), (16, 8, 256), (21, 6, 1000), (16, 6, 64), (13, 5, 8),
                                    (300, 6, 64), (2048, 8, 257), (777, 3, 5)):
     index = torch.randint(0, num_experts, (tokens, top_k), generator=gen).cuda()
@@ -179,7 +180,8 @@ print("ok")
                                      "FUSEBOX_MOE_ITEMS=1", "FUSEBOX_MOE_ITEMS=4", "FUSEBOX_MOE_CHUNK=32",
                                      "FUSEBOX_MOE_CHUNK=64", "FUSEBOX_MOE_STAGE=0",
                                      "FUSEBOX_MOE_SORT_TILE=32", "FUSEBOX_MOE_SORT_TILE=300",
-                                     "FUSEBOX_MOE_SORT_TILE=1000000", "FUSEBOX_MOE_SORT_SMALL=0",
+                                     "FUSEBOX_MOE_SORT_TILE=1000000", "FUSEBOX_MOE_SORT_WARPS=1",
+                                     "FUSEBOX_MOE_SORT_WARPS=8", "FUSEBOX_MOE_SORT_WARPS=32", "FUSEBOX_MOE_SORT_SMALL=0",
                                      "FUSEBOX_MOE_SORT_SMALL=64", "FUSEBOX_MOE_SORT_SMALL=32"])
 def test_forced_launch_plans_cuda(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8

@@ -262,6 +262,15 @@ def test_moe_sort_layouts(device, gen, layout, skew, tokens):
     check_sort(call(fusebox.moe_sort, index, num_experts), index, num_experts)
 
 
+@pytest.mark.parametrize("skew", ["skewed", "uniform"])
+@pytest.mark.parametrize("tokens, top_k, num_experts", [(8192, 8, 256), (8193, 6, 257), (4096, 8, 256)])
+def test_moe_sort_wide_tiles(device, gen, tokens, top_k, num_experts, skew):
+    """Shapes whose tiles take blocks of 32 warps on CUDA (DeepSeek-V3's prefill: 64 tiles of 257
+    buckets), and one beside them that takes 16."""
+    index = expert_index(gen, tokens, top_k, num_experts, skew).to(device)
+    check_sort(call(fusebox.moe_sort, index, num_experts), index, num_experts)
+
+
 def test_moe_sort_empty(device):
     for tokens, top_k in ((0, 2), (3, 0)):
         index = torch.zeros((tokens, top_k), dtype=torch.int64, device=device)
