@@ -85,8 +85,8 @@ int64_t split_columns(SortTiles& s, int64_t buckets) {
 
 // The tiles of a sort over many blocks of `warps` warps (tiles == 1: the index takes one block),
 // and the rounds of step 2's loads.
-SortTiles tiled_plan(int64_t pairs, int64_t buckets, int64_t min_tile, int64_t warps, int64_t workspace_available,
-                     int64_t* column_rounds) {
+SortTiles tiled_plan(int64_t pairs, int64_t buckets, int64_t min_tile, int64_t warps,
+                     int64_t workspace_available, int64_t* column_rounds) {
   SortTiles s;
   const int64_t tile_warps = std::min<int64_t>(warps, kMaxCells / buckets - 2);
   if (pairs <= min_tile || tile_warps < 1) return s;
@@ -116,8 +116,8 @@ SortTiles sort_tiles(int64_t pairs, int64_t buckets, int64_t workspace_available
   // tiles grow (DeepSeek-V3 2048 x 8, 32 tiles of 512 pairs -> 16 of 1024: 11.70-11.81).
   SortTiles s;
   if (knobs.moe_sort_warps) {
-    s = tiled_plan(pairs, buckets, min_tile, std::clamp(*knobs.moe_sort_warps, 1, kMaxWarps), workspace_available,
-                   &rounds);
+    const int forced = std::clamp(*knobs.moe_sort_warps, 1, kMaxWarps);
+    s = tiled_plan(pairs, buckets, min_tile, forced, workspace_available, &rounds);
   } else {
     s = tiled_plan(pairs, buckets, min_tile, kTileWarps, workspace_available, &rounds);
     const SortTiles wide = tiled_plan(pairs, buckets, min_tile, kMaxWarps, workspace_available, &wide_rounds);

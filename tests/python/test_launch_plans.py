@@ -2,8 +2,7 @@
 FUSEBOX_NORM_STAGE, FUSEBOX_ROPE_ITEMS, FUSEBOX_ACT_FLAT, FUSEBOX_NORM_FLAT, FUSEBOX_NORM_SHORT,
 FUSEBOX_ROPE_SHORT, FUSEBOX_ROPE_EARLY, FUSEBOX_ADD_FLAT, FUSEBOX_MOE_ITEMS, FUSEBOX_MOE_CHUNK,
 FUSEBOX_MOE_STAGE, FUSEBOX_MOE_SORT_TILE, FUSEBOX_MOE_SORT_WARPS, FUSEBOX_MOE_SORT_SMALL, used by
-scripts/tune.py): each
-still computes the reference result on CUDA."""
+scripts/tune.py): each still computes the reference result on CUDA."""
 
 import os
 import subprocess
@@ -181,7 +180,8 @@ print("ok")
                                      "FUSEBOX_MOE_CHUNK=64", "FUSEBOX_MOE_STAGE=0",
                                      "FUSEBOX_MOE_SORT_TILE=32", "FUSEBOX_MOE_SORT_TILE=300",
                                      "FUSEBOX_MOE_SORT_TILE=1000000", "FUSEBOX_MOE_SORT_WARPS=1",
-                                     "FUSEBOX_MOE_SORT_WARPS=8", "FUSEBOX_MOE_SORT_WARPS=32", "FUSEBOX_MOE_SORT_SMALL=0",
+                                     "FUSEBOX_MOE_SORT_WARPS=8", "FUSEBOX_MOE_SORT_WARPS=32",
+                                     "FUSEBOX_MOE_SORT_SMALL=0",
                                      "FUSEBOX_MOE_SORT_SMALL=64", "FUSEBOX_MOE_SORT_SMALL=32"])
 def test_forced_launch_plans_cuda(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8
