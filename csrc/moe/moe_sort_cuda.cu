@@ -61,14 +61,15 @@ struct SortKernelArgs {
 struct SortTiles {
   int tiles = 1, warps = 1, tile_pairs = 0, chunk = 32;
   int slices = 1, slice_tiles = 1;
+  int64_t column_rounds = 0;  // step 2's rounds of loads on the busiest thread
   int64_t workspace = 0;
 };
 
 // Step 2 of a tiled sort reads the [tiles][buckets] counts as (bucket, run of tiles) items, one
 // a thread at a time, kColumnBatch loads in flight: the split whose busiest thread waits on the
-// fewest rounds of loads (DeepSeek-V3, 64 tiles of 257 buckets on 256 threads: 9 rounds at runs
-// of 8 tiles, where whole columns leave one thread two of them, 16 rounds). Returns the rounds.
-int64_t split_columns(SortTiles& s, int64_t buckets) {
+// fewest rounds of loads (DeepSeek-V3, 64 tiles of 257 buckets: on 512 threads 5 rounds at runs of
+// 8 tiles where whole columns take 8; on 1024 threads 3).
+void split_columns(SortTiles& s, int64_t buckets) {
   int64_t best = std::numeric_limits<int64_t>::max();
   for (int runs = 1; runs <= s.tiles; ++runs) {
     const int run = (s.tiles + runs - 1) / runs, used = (s.tiles + run - 1) / run;
@@ -80,13 +81,11 @@ int64_t split_columns(SortTiles& s, int64_t buckets) {
       s.slice_tiles = run;
     }
   }
-  return best;
+  s.column_rounds = best;
 }
 
-// The tiles of a sort over many blocks of `warps` warps (tiles == 1: the index takes one block),
-// and the rounds of step 2's loads.
-SortTiles tiled_plan(int64_t pairs, int64_t buckets, int64_t min_tile, int64_t warps,
-                     int64_t workspace_available, int64_t* column_rounds) {
+// The tiles of a sort over many blocks of `warps` warps (tiles == 1: the index takes one block).
+SortTiles tiled_plan(int64_t pairs, int64_t buckets, int64_t min_tile, int64_t warps, int64_t workspace_available) {
   SortTiles s;
   const int64_t tile_warps = std::min<int64_t>(warps, kMaxCells / buckets - 2);
   if (pairs <= min_tile || tile_warps < 1) return s;
@@ -100,14 +99,13 @@ SortTiles tiled_plan(int64_t pairs, int64_t buckets, int64_t min_tile, int64_t w
   s.tile_pairs = int(tile);
   s.chunk = int(tile / tile_warps);
   s.workspace = workspace;
-  *column_rounds = split_columns(s, buckets);
+  split_columns(s, buckets);
   return s;
 }
 
 SortTiles sort_tiles(int64_t pairs, int64_t buckets, int64_t workspace_available) {
   const TuningKnobs& knobs = tuning_knobs();
   const int64_t min_tile = std::max<int64_t>(32, knobs.moe_sort_tile.value_or(kTilePairs));
-  int64_t rounds = 0, wide_rounds = 0;
   // kTileWarps a block; kMaxWarps where that keeps the tiles (a tile of at least 32 pairs a
   // warp) and spares step 2 two or more rounds of loads. H100, L2 flushed, 16 warps against 8:
   // 5-17% faster on every prefill row (DeepSeek-V3 2048 x 8 12.94-12.99 -> 11.39-11.52 us,
@@ -117,11 +115,12 @@ SortTiles sort_tiles(int64_t pairs, int64_t buckets, int64_t workspace_available
   SortTiles s;
   if (knobs.moe_sort_warps) {
     const int forced = std::clamp(*knobs.moe_sort_warps, 1, kMaxWarps);
-    s = tiled_plan(pairs, buckets, min_tile, forced, workspace_available, &rounds);
+    s = tiled_plan(pairs, buckets, min_tile, forced, workspace_available);
   } else {
-    s = tiled_plan(pairs, buckets, min_tile, kTileWarps, workspace_available, &rounds);
-    const SortTiles wide = tiled_plan(pairs, buckets, min_tile, kMaxWarps, workspace_available, &wide_rounds);
-    if (s.tiles > 1 && wide.tiles == s.tiles && wide.warps > s.warps && rounds - wide_rounds >= 2) s = wide;
+    s = tiled_plan(pairs, buckets, min_tile, kTileWarps, workspace_available);
+    const SortTiles wide = tiled_plan(pairs, buckets, min_tile, kMaxWarps, workspace_available);
+    if (s.tiles > 1 && wide.tiles == s.tiles && wide.warps > s.warps && s.column_rounds - wide.column_rounds >= 2)
+      s = wide;
   }
   if (s.tiles > 1) return s;
   // one block: a warp per 32 pairs, and at least one per 32 buckets up to kBucketWarps (the
