@@ -434,6 +434,8 @@ struct TuningKnobs {
                                       // than the index: one block sorts it in one launch)
   std::optional<int> moe_sort_warps;  // FUSEBOX_MOE_SORT_WARPS: the warps of each block of a sort over many
                                       // blocks (1-32)
+  std::optional<int> moe_sort_cluster;  // FUSEBOX_MOE_SORT_CLUSTER: the most blocks of the sort's cluster (2-16,
+                                        // sm_90+); 0: tiles in two launches instead
   std::optional<int> moe_sort_small;  // FUSEBOX_MOE_SORT_SMALL: the most pairs the decode sorts take
                                       // (default and most 128: up to 32 by shuffles, past that ranked
                                       // through shared memory); 0: none
@@ -444,20 +446,26 @@ const TuningKnobs& tuning_knobs();
 bool use_pdl();
 
 // Launches `kernel<<<grid, block, smem, stream>>>(args...)`, with programmatic stream
-// serialization when `pdl`, and checks the launch.
+// serialization when `pdl` and in clusters of `cluster` blocks along x when cluster > 1 (sm_90+),
+// and checks the launch.
 template <typename... KernelArgs, typename... Args>
-void launch_pdl(bool pdl, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                Args&&... args) {
+void launch_with(bool pdl, unsigned cluster, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+                 cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
   cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  if (pdl) {
+    attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[cfg.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster > 1) {
+    attr[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
+    attr[cfg.numAttrs++].val.clusterDim = {cluster, 1, 1};
+  }
   FUSEBOX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
 
@@ -465,7 +473,7 @@ void launch_pdl(bool pdl, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, 
 template <typename... KernelArgs, typename... Args>
 void launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
             Args&&... args) {
-  launch_pdl(use_pdl(), kernel, grid, block, smem, stream, std::forward<Args>(args)...);
+  launch_with(use_pdl(), 1, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 }
 
 inline int next_pow2(int64_t v) {

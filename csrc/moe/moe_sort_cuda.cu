@@ -10,10 +10,12 @@
 // bucket, plus this bucket's pairs in earlier tiles, plus those of the tile's earlier warps. With
 // one tile the block has every count itself; with several, a counting launch first writes each
 // tile's counts to the workspace, and every block sums the earlier tiles' and all tiles' counts
-// from it (a few KB, from L2). Each warp then takes its pairs 32 at a time in pair order (kept in
-// registers from the count where they were one round, else read again), and lanes of one bucket
-// (found by __match_any_sync) take consecutive rows by lane order: tiles, chunks and rounds
-// follow pair order, so the result is the stable sort's.
+// from it (a few KB, from L2). On sm_90+ an index of up to 16 tiles of 256 pairs takes one launch
+// instead: its tiles are the blocks of one cluster, which read each other's totals from shared
+// memory after a cluster barrier. Each warp then takes its pairs 32 at a time in pair order (kept
+// in registers from the count where they were one round, else read again), and lanes of one
+// bucket (found by ballots) take consecutive rows by lane order: tiles, chunks and rounds follow
+// pair order, so the result is the stable sort's.
 //
 // One block was 31.7 us at DeepSeek-V2-Lite's 2048 x 6 pairs on an H100 and 124.5 at OLMoE's
 // 8192 x 8 (slower than torch.compile): one SM issued the scattered row stores and the dependent
@@ -26,6 +28,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <mutex>
 
 namespace fusebox::cuda {
 namespace {
@@ -37,6 +40,8 @@ constexpr int kTilePairs = 512;    // a tile's pairs at least (FUSEBOX_MOE_SORT_
 constexpr int kMaxTiles = 64;      // larger indexes take larger tiles
 constexpr int kRounds = 8;         // rounds of 32 pairs a warp loads before it uses them
 constexpr int kColumnBatch = 8;   // tile counts a thread loads before it adds them (step 2 of a tiled sort)
+constexpr int kMaxClusterBlocks = 16;  // of a sort in one cluster (sm_90+: 8 portable, 16 with an opt-in)
+constexpr int kClusterTilePairs = 256;  // a cluster block's pairs at most (FUSEBOX_MOE_SORT_TILE for tuning)
 constexpr int kSmallPairs = 128;   // the most pairs the decode kernels take (FUSEBOX_MOE_SORT_SMALL, <= 128)
 // Shared memory: the warps' counts and two arrays a bucket, under the 48 KB a block takes without
 // an opt-in on every GPU, with room for the static scan scratch.
@@ -53,6 +58,7 @@ struct SortKernelArgs {
   int64_t row_token_s, offsets_s;
   int pairs, top_k, num_experts, tile_pairs, chunk;  // chunk: pairs of a warp, a multiple of 32
   int slices, slice_tiles;  // step 2 of a tiled sort: each bucket's tiles in `slices` runs of `slice_tiles`
+  int match_bits;  // bits of bucket + 1, which step 4 matches a ballot a bit
 };
 
 // How the pairs split: `tiles` blocks of `warps` warps, each warp `chunk` pairs of its tile's
@@ -60,6 +66,7 @@ struct SortKernelArgs {
 // of 4 (the size moe_sort_workspace_size has always reported; no read needs it since 8a82df6).
 struct SortTiles {
   int tiles = 1, warps = 1, tile_pairs = 0, chunk = 32;
+  bool cluster = false;  // the tiles are one cluster's blocks: one launch, no workspace
   int slices = 1, slice_tiles = 1;
   int64_t column_rounds = 0;  // step 2's rounds of loads on the busiest thread
   int64_t workspace = 0;
@@ -132,6 +139,32 @@ SortTiles sort_tiles(int64_t pairs, int64_t buckets, int64_t workspace_available
       1, std::min<int64_t>({kMaxWarps, kMaxCells / buckets - 2, std::max(bucket_warps, (pairs + 31) / 32)})));
   s.tile_pairs = int(pairs);
   s.chunk = int(((pairs + s.warps - 1) / s.warps + 31) / 32 * 32);
+  return s;
+}
+
+// A tiled sort as one cluster of at most `max_blocks` blocks of at most kClusterTilePairs pairs, a
+// warp per 32 (a plan of one tile where it takes more). H100, L2 flushed / CUDA graph, against the
+// two launches: Mixtral 2048 x 2 (16 blocks of 256) 9.79 -> 8.24 us / 5.43 -> 4.65; at 768 pairs a
+// block (DeepSeek-V2-Lite 2048 x 6) 10.19 -> 9.90 but 5.84 -> 6.50 in a graph, at 4096 (DeepSeek-V3
+// 8192 x 8) 14.56 -> 19.68: 16 SMs issue the scattered row stores that 64 share in two launches.
+SortTiles cluster_plan(int64_t pairs, int64_t buckets, int max_blocks) {
+  SortTiles s;
+  const TuningKnobs& knobs = tuning_knobs();
+  const int64_t most_warps = std::min<int64_t>(std::clamp(knobs.moe_sort_warps.value_or(kMaxWarps), 1, kMaxWarps),
+                                               kMaxCells / buckets - 3);
+  const int64_t max_tile = std::max<int64_t>(32, knobs.moe_sort_tile.value_or(kClusterTilePairs));
+  if (max_blocks < 2 || most_warps < 1 || pairs > max_blocks * max_tile) return s;
+  const int64_t blocks = std::min<int64_t>(max_blocks, (pairs + max_tile - 1) / max_tile);
+  const int64_t block_pairs = (pairs + blocks - 1) / blocks;
+  const int64_t warps = std::min<int64_t>(most_warps, (block_pairs + 31) / 32);
+  const int64_t tile = (block_pairs + 32 * warps - 1) / (32 * warps) * (32 * warps);
+  const int64_t tiles = (pairs + tile - 1) / tile;
+  if (tiles < 2 || tile / warps > 32 * kRounds) return s;
+  s.tiles = int(tiles);
+  s.warps = int(warps);
+  s.tile_pairs = int(tile);
+  s.chunk = int(tile / warps);
+  s.cluster = true;
   return s;
 }
 
@@ -222,13 +255,57 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_sort_count_kernel(const So
   for (int b = threadIdx.x; b < buckets; b += blockDim.x) p.tile_counts[int64_t(blockIdx.x) * buckets + b] = counts[b];
 }
 
+// The lanes whose `label` (below 2^bits) equals this lane's, a ballot a bit. In place of
+// __match_any_sync: level with it in the tiles, 7-11% faster in a cluster's blocks of 4096 pairs
+// (H100, DeepSeek-V3 8192 x 8 18.62 -> 17.20 us).
+__device__ __forceinline__ unsigned match_by_ballots(int label, int bits) {
+  unsigned peers = 0xffffffffu;
+  for (int i = 0; i < bits; ++i) {
+    const bool set = (label >> i) & 1;
+    const unsigned voted = __ballot_sync(0xffffffffu, set);
+    peers &= set ? voted : ~voted;
+  }
+  return peers;
+}
+
+// Distributed shared memory of a cluster (sm_90+): a barrier of all its blocks in two halves
+// (arrive releases this block's shared writes, wait acquires the others'), and loads of another
+// block's shared memory.
+__device__ __forceinline__ void cluster_arrive() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.arrive.release.aligned;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void cluster_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("barrier.cluster.wait.acquire.aligned;" ::: "memory");
+#endif
+}
+
+// The int at `cell` of this block's shared memory, read from block `rank` of the cluster.
+__device__ __forceinline__ int load_cluster_shared(const int* cell, int rank) {
+  int v = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const unsigned local = unsigned(__cvta_generic_to_shared(cell));
+  unsigned remote;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local), "r"(rank));
+  asm volatile("ld.shared::cluster.u32 %0, [%1];" : "=r"(v) : "r"(remote) : "memory");
+#endif
+  return v;
+}
+
 // At most 64 registers, so that a block of kMaxWarps warps fits an SM. Given as __launch_bounds__
 // (kMaxWarps * 32) instead, ptxas held the kernel to 32 and spilled the kept buckets of step 1.
+// kCluster: the grid is one cluster (sm_90+; block x is the cluster's rank x), whose blocks read
+// each other's bucket totals from shared memory instead of a counting launch's tile counts.
+template <bool kCluster>
 __global__ void __maxnreg__(64) moe_sort_kernel(const SortKernelArgs p) {
   // counts[warp * buckets + bucket]: a warp's pairs of each bucket, then the row of its first one.
   // Warp-major, so the lanes of a warp, which hold different buckets, hit different banks.
   // first[bucket]: the bucket's pairs (in all tiles), then the row of its first one.
   // earlier[bucket]: the bucket's pairs in earlier tiles.
+  // totals[bucket] (kCluster): the tile's pairs of the bucket, which the cluster's blocks read.
   extern __shared__ int smem[];
   __shared__ int warp_totals[kMaxWarps];
   const int warps = blockDim.x >> 5, warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -236,6 +313,7 @@ __global__ void __maxnreg__(64) moe_sort_kernel(const SortKernelArgs p) {
   int* const counts = smem;
   int* const first = smem + warps * buckets;
   int* const earlier = first + buckets;
+  int* const totals = earlier + buckets;
   int* const mine = counts + warp * buckets;
   for (int i = threadIdx.x; i < (warps + 2) * buckets; i += blockDim.x) smem[i] = 0;
   const int tile_end = min((blockIdx.x + 1) * p.tile_pairs, p.pairs);
@@ -255,14 +333,34 @@ __global__ void __maxnreg__(64) moe_sort_kernel(const SortKernelArgs p) {
   }
 
   // 2. every bucket's pairs, and those in earlier tiles
-  if (p.tile_counts == nullptr) {
+  if (kCluster || p.tile_counts == nullptr) {
     __syncthreads();
     for (int b = threadIdx.x; b < buckets; b += blockDim.x) {
       int sum = 0;
       for (int w = 0; w < warps; ++w) sum += counts[w * buckets + b];
-      first[b] = sum;
+      (kCluster ? totals : first)[b] = sum;
     }
-  } else {
+  }
+  if constexpr (kCluster) {
+    // Each tile's totals from its block's shared memory, all ranks' loads in flight. The other
+    // blocks read this block's totals until the barrier's second half, at the kernel's end.
+    cluster_arrive();
+    cluster_wait();
+    for (int b = threadIdx.x; b < buckets; b += blockDim.x) {
+      int c[kMaxClusterBlocks];
+#pragma unroll
+      for (int r = 0; r < kMaxClusterBlocks; ++r) c[r] = r < int(gridDim.x) ? load_cluster_shared(totals + b, r) : 0;
+      int total = 0, before = 0;
+#pragma unroll
+      for (int r = 0; r < kMaxClusterBlocks; ++r) {
+        total += c[r];
+        before += r < int(blockIdx.x) ? c[r] : 0;
+      }
+      first[b] = total;
+      earlier[b] = before;
+    }
+    cluster_arrive();
+  } else if (p.tile_counts != nullptr) {
     // Column sums of the [tiles][buckets] counts: a thread takes one bucket's counts over a run
     // of tiles (split_columns; consecutive threads consecutive buckets: coalesced loads), sums
     // them in registers and adds the sums once. Before, each thread added every count it
@@ -315,7 +413,7 @@ __global__ void __maxnreg__(64) moe_sort_kernel(const SortKernelArgs p) {
 #pragma unroll
     for (int r = 0; r < kRounds; ++r) {
       if (base + r * 32 >= end) break;  // uniform over the warp
-      const unsigned peers = __match_any_sync(0xffffffffu, bucket[r]);
+      const unsigned peers = match_by_ballots(bucket[r] + 1, p.match_bits);
       const int rank = __popc(peers & lanes_before);
       const int row = bucket[r] >= 0 ? mine[bucket[r]] + rank : 0;
       __syncwarp();
@@ -328,6 +426,7 @@ __global__ void __maxnreg__(64) moe_sort_kernel(const SortKernelArgs p) {
       }
     }
   }
+  if constexpr (kCluster) cluster_wait();  // no block leaves while another may read its totals
 }
 
 // The sort of at most 32 pairs (decode), without shared memory or block barriers: each warp
@@ -418,6 +517,45 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_sort_ranked_kernel(const S
   }
 }
 
+// The most blocks of a sort's cluster on this device: 16 where clusters of 16 one-SM blocks fit
+// (H100, H200), else the portable 8; 0 before sm_90. FUSEBOX_MOE_SORT_CLUSTER caps it.
+int max_cluster_blocks() {
+  constexpr int kMaxDevices = 64;
+  static int blocks[kMaxDevices];
+  static std::once_flag once[kMaxDevices];
+  if (device_limits().major < 9) return 0;
+  int device = 0;
+  FUSEBOX_CUDA_CHECK(cudaGetDevice(&device));
+  FUSEBOX_CHECK(device < kMaxDevices, "device index ", device, " is out of range");
+  std::call_once(once[device], [device] {
+    blocks[device] = 8;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(kMaxClusterBlocks);
+    cfg.blockDim = dim3(kMaxWarps * 32);
+    cfg.dynamicSmemBytes = kSmemBytes;
+    cudaLaunchAttribute attr;
+    attr.id = cudaLaunchAttributeClusterDimension;
+    attr.val.clusterDim = {unsigned(kMaxClusterBlocks), 1, 1};
+    cfg.attrs = &attr;
+    cfg.numAttrs = 1;
+    int clusters = 0;
+    if (cudaFuncSetAttribute(moe_sort_kernel<true>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
+            cudaSuccess &&
+        cudaOccupancyMaxActiveClusters(&clusters, moe_sort_kernel<true>, &cfg) == cudaSuccess && clusters > 0)
+      blocks[device] = kMaxClusterBlocks;
+    (void)cudaGetLastError();  // a refused size is not an error: the portable one stays
+  });
+  return std::min(blocks[device], std::clamp(tuning_knobs().moe_sort_cluster.value_or(kMaxClusterBlocks), 0,
+                                             kMaxClusterBlocks));
+}
+
+// Bits of the largest of 0..n.
+int bit_width(int64_t n) {
+  int bits = 0;
+  while ((int64_t(1) << bits) <= n) ++bits;
+  return bits;
+}
+
 void check_experts(int64_t num_experts) {
   // one warp's counts and the two bucket arrays must fit the shared memory
   const int64_t most = kMaxCells / 3 - 1;
@@ -461,16 +599,27 @@ void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream) {
     return;
   }
   const TensorView* ws = plan.workspace;
-  const SortTiles tiles = sort_tiles(pairs, buckets, ws != nullptr && ws->defined() ? ws->shape[0] : 0);
-  p.tile_counts = tiles.tiles > 1 ? static_cast<int*>(ws->data) : nullptr;
+  // an index of several tiles takes one cluster where it can, with or without the workspace
+  SortTiles tiles;
+  if (sort_tiles(pairs, buckets, std::numeric_limits<int64_t>::max()).tiles > 1)
+    tiles = cluster_plan(pairs, buckets, max_cluster_blocks());
+  if (!tiles.cluster) tiles = sort_tiles(pairs, buckets, ws != nullptr && ws->defined() ? ws->shape[0] : 0);
+  p.tile_counts = tiles.tiles > 1 && !tiles.cluster ? static_cast<int*>(ws->data) : nullptr;
   p.tile_pairs = tiles.tile_pairs;
   p.chunk = tiles.chunk;
   p.slices = tiles.slices;
   p.slice_tiles = tiles.slice_tiles;
+  p.match_bits = bit_width(buckets);
+  // the warps' counts and two arrays a bucket, a third for a cluster's totals
+  const size_t smem = size_t((tiles.warps + 2 + tiles.cluster) * buckets) * sizeof(int);
+  if (tiles.cluster) {
+    launch_with(use_pdl(), unsigned(tiles.tiles), moe_sort_kernel<true>, dim3(tiles.tiles), dim3(tiles.warps * 32),
+                smem, stream, p);
+    return;
+  }
   if (tiles.tiles > 1)
     launch(moe_sort_count_kernel, dim3(tiles.tiles), dim3(tiles.warps * 32), size_t(buckets) * sizeof(int), stream, p);
-  launch(moe_sort_kernel, dim3(tiles.tiles), dim3(tiles.warps * 32), size_t((tiles.warps + 2) * buckets) * sizeof(int),
-         stream, p);
+  launch(moe_sort_kernel<false>, dim3(tiles.tiles), dim3(tiles.warps * 32), smem, stream, p);
 }
 
 }  // namespace fusebox::cuda

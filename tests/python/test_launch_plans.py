@@ -1,8 +1,8 @@
 """Launch plans and kernel variants the tuning variables can force (FUSEBOX_NORM_ITEMS,
 FUSEBOX_NORM_STAGE, FUSEBOX_ROPE_ITEMS, FUSEBOX_ACT_FLAT, FUSEBOX_NORM_FLAT, FUSEBOX_NORM_SHORT,
 FUSEBOX_ROPE_SHORT, FUSEBOX_ROPE_EARLY, FUSEBOX_ADD_FLAT, FUSEBOX_MOE_ITEMS, FUSEBOX_MOE_CHUNK,
-FUSEBOX_MOE_STAGE, FUSEBOX_MOE_SORT_TILE, FUSEBOX_MOE_SORT_WARPS, FUSEBOX_MOE_SORT_SMALL, used by
-scripts/tune.py): each still computes the reference result on CUDA."""
+FUSEBOX_MOE_STAGE, FUSEBOX_MOE_SORT_TILE, FUSEBOX_MOE_SORT_WARPS, FUSEBOX_MOE_SORT_CLUSTER,
+FUSEBOX_MOE_SORT_SMALL, used by scripts/tune.py): each still computes the reference result on CUDA."""
 
 import os
 import subprocess
@@ -153,7 +153,8 @@ for dtype in (BF16, F16, F32):
         weights = torch.rand((tokens, top_k), generator=gen).cuda()
         assert_close(call(fusebox.moe_combine, rows, index, weights), ref.moe_combine(rows, index, weights),
                      dtype, name="moe_combine")
-# the MoE sort: tiles of 32 pairs up to one block for all, of 1 to 32 warps, the decode kernels
+# the MoE sort: tiles of 32 pairs up to one block for all, of 1 to 32 warps, clusters of 2 to 16
+# blocks (sm_90+) or two launches, the decode kernels
 # (one round by shuffles, two or four ranked, blocks with fewer expert warps than rounds) or none;
 # equal to the stable sort
 for tokens, top_k, num_experts in ((1, 8, 64), (8, 6, 100), (16, 8, 256), (21, 6, 1000), (16, 6, 64), (13, 5, 8),
@@ -181,16 +182,18 @@ print("ok")
                                      "FUSEBOX_MOE_SORT_TILE=32", "FUSEBOX_MOE_SORT_TILE=300",
                                      "FUSEBOX_MOE_SORT_TILE=1000000", "FUSEBOX_MOE_SORT_WARPS=1",
                                      "FUSEBOX_MOE_SORT_WARPS=8", "FUSEBOX_MOE_SORT_WARPS=32",
+                                     "FUSEBOX_MOE_SORT_CLUSTER=0", "FUSEBOX_MOE_SORT_CLUSTER=8",
+                                     "FUSEBOX_MOE_SORT_CLUSTER=2,FUSEBOX_MOE_SORT_TILE=1024",
                                      "FUSEBOX_MOE_SORT_SMALL=0",
                                      "FUSEBOX_MOE_SORT_SMALL=64", "FUSEBOX_MOE_SORT_SMALL=32"])
 def test_forced_launch_plans_cuda(setting):
     """Every plan the tuning variables can force gives the reference result (NORM_ITEMS=8
     applies to ops without a residual, NORM_ITEMS=3 to 16-bit rows with fp32 modulation; the
-    others keep their default plan). Named for `-k cuda`, which selects the CUDA cases of the
+    others keep their default plan; comma-separated variables are set together: a cluster of 2
+    blocks takes at most 2 x 1024 pairs). Named for `-k cuda`, which selects the CUDA cases of the
     other tests by their device parameter."""
     here = Path(__file__).resolve().parent
-    name, value = setting.split("=")
-    env = dict(os.environ, **{name: value})
+    env = dict(os.environ, **dict(kv.split("=") for kv in setting.split(",")))
     child = subprocess.run(
         [sys.executable, "-c", _FORCED_PLAN_CHILD, str(here), str(here.parents[1] / "torch-ext")],
         env=env, capture_output=True, text=True, timeout=300)

@@ -263,10 +263,14 @@ def test_moe_sort_layouts(device, gen, layout, skew, tokens):
 
 
 @pytest.mark.parametrize("skew", ["skewed", "uniform"])
-@pytest.mark.parametrize("tokens, top_k, num_experts", [(8192, 8, 256), (8193, 6, 257), (4096, 8, 256)])
+@pytest.mark.parametrize("tokens, top_k, num_experts", [(8192, 8, 256), (8193, 6, 257), (4096, 8, 256),
+                                                        (512, 8, 256), (513, 8, 64), (65, 8, 3001),
+                                                        (65, 8, 3500)])
 def test_moe_sort_wide_tiles(device, gen, tokens, top_k, num_experts, skew):
-    """Shapes whose tiles take blocks of 32 warps on CUDA (DeepSeek-V3's prefill: 64 tiles of 257
-    buckets), and one beside them that takes 16."""
+    """Shapes at the bounds of the CUDA plans: tiles of 16 or 32 warps in two launches (DeepSeek-V3's
+    prefill: 64 tiles of 257 buckets); on sm_90+ one cluster of 16 blocks of 256 pairs (4096), tiles
+    past it (4104), a cluster of one-warp blocks at 3001 experts and tiles where a cluster block's
+    counts would not fit (3500)."""
     index = expert_index(gen, tokens, top_k, num_experts, skew).to(device)
     check_sort(call(fusebox.moe_sort, index, num_experts), index, num_experts)
 
