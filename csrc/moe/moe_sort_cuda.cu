@@ -144,7 +144,7 @@ SortTiles sort_tiles(int64_t pairs, int64_t buckets, int64_t workspace_available
 
 // A tiled sort as one cluster of at most `max_blocks` blocks of at most kClusterTilePairs pairs, a
 // warp per 32 (a plan of one tile where it takes more). H100, L2 flushed / CUDA graph, against the
-// two launches: Mixtral 2048 x 2 (16 blocks of 256) 9.79 -> 8.24 us / 5.43 -> 4.65; at 768 pairs a
+// two launches: Mixtral 2048 x 2 (16 blocks of 256) 9.76 -> 8.24 us / 5.28 -> 4.65; at 768 pairs a
 // block (DeepSeek-V2-Lite 2048 x 6) 10.19 -> 9.90 but 5.84 -> 6.50 in a graph, at 4096 (DeepSeek-V3
 // 8192 x 8) 14.56 -> 19.68: 16 SMs issue the scattered row stores that 64 share in two launches.
 SortTiles cluster_plan(int64_t pairs, int64_t buckets, int max_blocks) {
@@ -256,8 +256,8 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_sort_count_kernel(const So
 }
 
 // The lanes whose `label` (below 2^bits) equals this lane's, a ballot a bit. In place of
-// __match_any_sync: H100, L2 flushed, level to 2% faster in two launches (DeepSeek-V3 8192 x 8
-// 14.56 -> 14.24 us), 7-8% in a cluster's blocks of 4096 pairs (18.62 -> 17.20).
+// __match_any_sync: H100, L2 flushed, level in two launches (1% slower to 2% faster: DeepSeek-V3
+// 8192 x 8 14.56 -> 14.24 us), 7-8% faster in a cluster's blocks of 4096 pairs (18.62 -> 17.20).
 __device__ __forceinline__ unsigned match_by_ballots(int label, int bits) {
   unsigned peers = 0xffffffffu;
   for (int i = 0; i < bits; ++i) {
