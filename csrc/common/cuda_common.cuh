@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <mutex>
 #include <optional>
 #include <type_traits>
 #include <utility>
@@ -382,6 +383,26 @@ void dispatch_vec(int vec, F&& f) {
   }
   throw Error(ErrorKind::kInvalidArgument, "fusebox: internal error: bad vector width");
 }
+
+// The current device's index; fails with a clear error past the devices a PerDevice holds.
+int current_device();
+
+// A value for each device, computed by `init(device)` on the current device's first `get`.
+template <typename T>
+class PerDevice {
+ public:
+  static constexpr int kMaxDevices = 64;
+  template <typename Init>
+  const T& get(Init&& init) {
+    const int device = current_device();
+    std::call_once(once_[device], [&] { values_[device] = init(device); });
+    return values_[device];
+  }
+
+ private:
+  T values_[kMaxDevices] = {};
+  std::once_flag once_[kMaxDevices];
+};
 
 // Limits of the current device that launch plans use (queried once per device).
 struct DeviceLimits {

@@ -1,21 +1,22 @@
 #include <cstdlib>
 #include <cstring>
-#include <mutex>
 #include <optional>
 
 #include "common/cuda_common.cuh"
 
 namespace fusebox::cuda {
 
-const DeviceLimits& device_limits() {
-  constexpr int kMaxDevices = 64;
-  static DeviceLimits limits[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
+int current_device() {
   int device = 0;
   FUSEBOX_CUDA_CHECK(cudaGetDevice(&device));
-  FUSEBOX_CHECK(device < kMaxDevices, "device index ", device, " is out of range");
-  std::call_once(once[device], [device] {
-    DeviceLimits& l = limits[device];
+  FUSEBOX_CHECK(device < PerDevice<int>::kMaxDevices, "device index ", device, " is out of range");
+  return device;
+}
+
+const DeviceLimits& device_limits() {
+  static PerDevice<DeviceLimits> limits;
+  return limits.get([](int device) {
+    DeviceLimits l;
     FUSEBOX_CUDA_CHECK(cudaDeviceGetAttribute(&l.major, cudaDevAttrComputeCapabilityMajor, device));
     FUSEBOX_CUDA_CHECK(cudaDeviceGetAttribute(&l.sm_count, cudaDevAttrMultiProcessorCount, device));
     FUSEBOX_CUDA_CHECK(cudaDeviceGetAttribute(&l.threads_per_sm, cudaDevAttrMaxThreadsPerMultiProcessor, device));
@@ -27,8 +28,8 @@ const DeviceLimits& device_limits() {
       l.dram_bytes_per_s = 2.0 * memory_khz * 1e3 * bus_bits / 8;
     else
       (void)cudaGetLastError();  // not reported: the launch plans take their defaults
+    return l;
   });
-  return limits[device];
 }
 
 const TuningKnobs& tuning_knobs() {

@@ -28,7 +28,6 @@
 
 #include <algorithm>
 #include <limits>
-#include <mutex>
 
 namespace fusebox::cuda {
 namespace {
@@ -520,15 +519,9 @@ __global__ void __launch_bounds__(kMaxWarps * 32) moe_sort_ranked_kernel(const S
 // The most blocks of a sort's cluster on this device: 16 where clusters of 16 one-SM blocks fit
 // (H100, H200), else the portable 8; 0 before sm_90. FUSEBOX_MOE_SORT_CLUSTER caps it.
 int max_cluster_blocks() {
-  constexpr int kMaxDevices = 64;
-  static int blocks[kMaxDevices];
-  static std::once_flag once[kMaxDevices];
+  static PerDevice<int> most;
   if (device_limits().major < 9) return 0;
-  int device = 0;
-  FUSEBOX_CUDA_CHECK(cudaGetDevice(&device));
-  FUSEBOX_CHECK(device < kMaxDevices, "device index ", device, " is out of range");
-  std::call_once(once[device], [device] {
-    blocks[device] = 8;
+  const int blocks = most.get([](int) {
     cudaLaunchConfig_t cfg = {};
     cfg.gridDim = dim3(kMaxClusterBlocks);
     cfg.blockDim = dim3(kMaxWarps * 32);
@@ -539,14 +532,14 @@ int max_cluster_blocks() {
     cfg.attrs = &attr;
     cfg.numAttrs = 1;
     int clusters = 0;
-    if (cudaFuncSetAttribute(moe_sort_kernel<true>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) ==
-            cudaSuccess &&
-        cudaOccupancyMaxActiveClusters(&clusters, moe_sort_kernel<true>, &cfg) == cudaSuccess && clusters > 0)
-      blocks[device] = kMaxClusterBlocks;
+    const bool allowed =
+        cudaFuncSetAttribute(moe_sort_kernel<true>, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess &&
+        cudaOccupancyMaxActiveClusters(&clusters, moe_sort_kernel<true>, &cfg) == cudaSuccess && clusters > 0;
     (void)cudaGetLastError();  // a refused size is not an error: the portable one stays
+    return allowed ? kMaxClusterBlocks : 8;
   });
-  return std::min(blocks[device], std::clamp(tuning_knobs().moe_sort_cluster.value_or(kMaxClusterBlocks), 0,
-                                             kMaxClusterBlocks));
+  const int knob = tuning_knobs().moe_sort_cluster.value_or(kMaxClusterBlocks);
+  return std::min(blocks, std::clamp(knob, 0, kMaxClusterBlocks));
 }
 
 // Bits of the largest of 0..n.
@@ -599,11 +592,17 @@ void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream) {
     return;
   }
   const TensorView* ws = plan.workspace;
-  // an index of several tiles takes one cluster where it can, with or without the workspace
-  SortTiles tiles;
-  if (sort_tiles(pairs, buckets, std::numeric_limits<int64_t>::max()).tiles > 1)
-    tiles = cluster_plan(pairs, buckets, max_cluster_blocks());
-  if (!tiles.cluster) tiles = sort_tiles(pairs, buckets, ws != nullptr && ws->defined() ? ws->shape[0] : 0);
+  // An index of several tiles takes one cluster where it can (no workspace), else tiles in two
+  // launches where the workspace holds their counts, else one block.
+  SortTiles tiles = sort_tiles(pairs, buckets, std::numeric_limits<int64_t>::max());
+  if (tiles.tiles > 1) {
+    const SortTiles cluster = cluster_plan(pairs, buckets, max_cluster_blocks());
+    const int64_t workspace = ws != nullptr && ws->defined() ? ws->shape[0] : 0;
+    if (cluster.cluster)
+      tiles = cluster;
+    else if (tiles.workspace > workspace)
+      tiles = sort_tiles(pairs, buckets, workspace);
+  }
   p.tile_counts = tiles.tiles > 1 && !tiles.cluster ? static_cast<int*>(ws->data) : nullptr;
   p.tile_pairs = tiles.tile_pairs;
   p.chunk = tiles.chunk;
