@@ -6,6 +6,7 @@ without it). The bench modules are imported through a stand-in ``fusebox`` packa
 real one cannot be imported, so these tests run before the library is built."""
 
 import contextlib
+import gzip
 import importlib
 import json
 import math
@@ -431,6 +432,14 @@ def test_report_from_synthetic(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "geometric mean speedup vs best baseline" in out
     assert len(list(tmp_path.glob("*.png"))) == len(pngs)
+    # a committed run's folder whose results are gzipped
+    gz_dir = tmp_path / "gz"
+    gz_dir.mkdir()
+    with gzip.open(gz_dir / "results.json.gz", "wt") as f:
+        f.write((tmp_path / "results.json").read_text())
+    assert cli.main(["--from-json", str(gz_dir)]) == 0
+    assert json.loads((gz_dir / "results.json").read_text())["summary"]["cases"] == len(cases)
+    assert len(list(gz_dir.glob("*.png"))) == len(pngs)
 
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import glob
+import gzip
 import importlib.util
 import json
 import os
@@ -32,7 +33,7 @@ examples:
   fusebox bench --resume --max-minutes 9
                                       continue an interrupted run in the same folder,
                                       stopping cleanly before a time limit
-  fusebox bench --from-json DIR/results.json
+  fusebox bench --from-json DIR/results.json[.gz]
                                       rewrite results.md and the plots from a results.json
   fusebox bench e2e --model qwen3-8b  end to end: a whole model (random weights, real config),
                                       eager / patched / torch.compile / patched + compile;
@@ -249,9 +250,11 @@ def regenerate(path: str, json_only: bool) -> int:
     from . import report
 
     if os.path.isdir(path):
-        path = os.path.join(path, "results.json")
+        # older committed runs keep their results gzipped
+        plain = os.path.join(path, "results.json")
+        path = plain if os.path.exists(plain) or not os.path.exists(plain + ".gz") else plain + ".gz"
     try:
-        with open(path) as f:
+        with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
             doc = json.load(f)
     except (OSError, ValueError) as e:
         print(f"fusebox bench: cannot read {path}: {e}", file=sys.stderr)
