@@ -12,6 +12,7 @@
 #      GPU_CHECK_SECONDS (a time budget for the whole script: each stage then runs under `timeout`
 #      with what is left, a stage that gets under 15 s is skipped, one the budget stops shows
 #      TIME, and the summary and archive are still written), FUSEBOX_CUDA_ARCHS (default: the GPU's),
+#      PREBUILT (an operator library to use instead of building; see below),
 #      .whl/ wheels are installed to /tmp/site if present,
 #      .gtest/ (a GoogleTest source tree) is used when the machine has no GoogleTest package.
 set -uo pipefail
@@ -60,7 +61,16 @@ export FUSEBOX_BUILD_DIR="$root/build/gpu"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 
 t0=$(date +%s)
-if bounded scripts/build.sh "$py" >"$out/build.log" 2>&1; then
+prebuilt_check='import torch, fusebox
+torch.ops.load_library("torch-ext/fusebox/_fusebox_C.so")
+x = torch.randn(3, 200, device="cuda", dtype=torch.bfloat16)
+assert torch.allclose(fusebox.rms_norm(x, None).float(), torch.nn.functional.rms_norm(x.float(), (200,)), atol=0.02)'
+# PREBUILT: an operator library built elsewhere for this GPU against the same torch and CUDA; where
+# it loads, the build is skipped (stages that need the C++ test binary then fail).
+if [ -n "${PREBUILT:-}" ] && cp "$PREBUILT" torch-ext/fusebox/_fusebox_C.so \
+  && PYTHONPATH="$root/torch-ext${PYTHONPATH:+:$PYTHONPATH}" "$py" -c "$prebuilt_check" >"$out/build.log" 2>&1; then
+  record build PASS "prebuilt $(basename "$PREBUILT") loads"
+elif bounded scripts/build.sh "$py" >"$out/build.log" 2>&1; then
   record build PASS "$(( $(date +%s) - t0 )) s, sm_$FUSEBOX_CUDA_ARCHS"
 else
   tail -30 "$out/build.log"; record build FAIL "see build.log"; printf '%s\n' "${summary[@]}"; exit 1
