@@ -61,14 +61,16 @@ export FUSEBOX_BUILD_DIR="$root/build/gpu"
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv | tee "$out/gpu.txt"
 
 t0=$(date +%s)
+# PREBUILT: an operator library built elsewhere for this GPU against the same torch and CUDA; where
+# it loads and runs, the build is skipped (stages that need the C++ test binary then fail); where
+# not, prebuilt.log says why and the build runs as usual.
+# (importing fusebox tolerates a library that fails to load; the explicit load raises instead)
 prebuilt_check='import torch, fusebox
 torch.ops.load_library("torch-ext/fusebox/_fusebox_C.so")
 x = torch.randn(3, 200, device="cuda", dtype=torch.bfloat16)
 assert torch.allclose(fusebox.rms_norm(x, None).float(), torch.nn.functional.rms_norm(x.float(), (200,)), atol=0.02)'
-# PREBUILT: an operator library built elsewhere for this GPU against the same torch and CUDA; where
-# it loads, the build is skipped (stages that need the C++ test binary then fail).
 if [ -n "${PREBUILT:-}" ] && cp "$PREBUILT" torch-ext/fusebox/_fusebox_C.so \
-  && PYTHONPATH="$root/torch-ext${PYTHONPATH:+:$PYTHONPATH}" "$py" -c "$prebuilt_check" >"$out/build.log" 2>&1; then
+  && PYTHONPATH="$root/torch-ext${PYTHONPATH:+:$PYTHONPATH}" "$py" -c "$prebuilt_check" >"$out/prebuilt.log" 2>&1; then
   record build PASS "prebuilt $(basename "$PREBUILT") loads"
 elif bounded scripts/build.sh "$py" >"$out/build.log" 2>&1; then
   record build PASS "$(( $(date +%s) - t0 )) s, sm_$FUSEBOX_CUDA_ARCHS"

@@ -250,9 +250,9 @@ def regenerate(path: str, json_only: bool) -> int:
     from . import report
 
     if os.path.isdir(path):
-        # older committed runs keep their results gzipped
-        plain = os.path.join(path, "results.json")
-        path = plain if os.path.exists(plain) or not os.path.exists(plain + ".gz") else plain + ".gz"
+        path = os.path.join(path, "results.json")
+        if not os.path.exists(path) and os.path.exists(path + ".gz"):
+            path += ".gz"  # older committed runs keep their results gzipped
     try:
         with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
             doc = json.load(f)
