@@ -457,6 +457,8 @@ struct TuningKnobs {
                                       // blocks (1-32)
   std::optional<int> moe_sort_cluster;  // FUSEBOX_MOE_SORT_CLUSTER: the most blocks of the sort's cluster (2-16,
                                         // sm_90+); 0: tiles in two launches instead
+  std::optional<int> moe_sort_grid;   // FUSEBOX_MOE_SORT_GRID=1: a sort of several tiles outside a cluster in
+                                      // one cooperative launch (a grid barrier) instead of two
   std::optional<int> moe_sort_small;  // FUSEBOX_MOE_SORT_SMALL: the most pairs the decode sorts take
                                       // (default and most 128: up to 32 by shuffles, past that ranked
                                       // through shared memory); 0: none
@@ -466,26 +468,36 @@ const TuningKnobs& tuning_knobs();
 // Whether launches use programmatic dependent launch: on sm_90+, unless FUSEBOX_PDL=0.
 bool use_pdl();
 
-// Launches `kernel<<<grid, block, smem, stream>>>(args...)`, with programmatic stream
-// serialization when `pdl` and in clusters of `cluster` blocks along x when cluster > 1 (sm_90+),
-// and checks the launch.
+// How a kernel launches: programmatic stream serialization (`pdl`), clusters of `cluster` blocks
+// along x when above 1 (sm_90+), all blocks resident at once (`cooperative`: a grid barrier).
+struct LaunchOptions {
+  bool pdl = false;
+  unsigned cluster = 1;
+  bool cooperative = false;
+};
+
+// Launches `kernel<<<grid, block, smem, stream>>>(args...)` as `o` says, and checks the launch.
 template <typename... KernelArgs, typename... Args>
-void launch_with(bool pdl, unsigned cluster, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
+void launch_with(LaunchOptions o, void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem,
                  cudaStream_t stream, Args&&... args) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[2];
+  cudaLaunchAttribute attr[3];
   cfg.attrs = attr;
-  if (pdl) {
+  if (o.pdl) {
     attr[cfg.numAttrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[cfg.numAttrs++].val.programmaticStreamSerializationAllowed = 1;
   }
-  if (cluster > 1) {
+  if (o.cluster > 1) {
     attr[cfg.numAttrs].id = cudaLaunchAttributeClusterDimension;
-    attr[cfg.numAttrs++].val.clusterDim = {cluster, 1, 1};
+    attr[cfg.numAttrs++].val.clusterDim = {o.cluster, 1, 1};
+  }
+  if (o.cooperative) {
+    attr[cfg.numAttrs].id = cudaLaunchAttributeCooperative;
+    attr[cfg.numAttrs++].val.cooperative = 1;
   }
   FUSEBOX_CUDA_CHECK(cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...));
 }
@@ -494,7 +506,7 @@ void launch_with(bool pdl, unsigned cluster, void (*kernel)(KernelArgs...), dim3
 template <typename... KernelArgs, typename... Args>
 void launch(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
             Args&&... args) {
-  launch_with(use_pdl(), 1, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
+  launch_with(LaunchOptions{use_pdl()}, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 }
 
 inline int next_pow2(int64_t v) {

@@ -45,7 +45,7 @@ const TuningKnobs& tuning_knobs() {
                        read("FUSEBOX_ROPE_SHORT"), read("FUSEBOX_ADD_FLAT"), read("FUSEBOX_MOE_ITEMS"),
                        read("FUSEBOX_MOE_CHUNK"), read("FUSEBOX_MOE_STAGE"), read("FUSEBOX_MOE_SORT_TILE"),
                        read("FUSEBOX_MOE_SORT_WARPS"), read("FUSEBOX_MOE_SORT_CLUSTER"),
-                       read("FUSEBOX_MOE_SORT_SMALL")};
+                       read("FUSEBOX_MOE_SORT_GRID"), read("FUSEBOX_MOE_SORT_SMALL")};
   }();
   return knobs;
 }

@@ -2,7 +2,8 @@
 FUSEBOX_NORM_STAGE, FUSEBOX_ROPE_ITEMS, FUSEBOX_ACT_FLAT, FUSEBOX_NORM_FLAT, FUSEBOX_NORM_SHORT,
 FUSEBOX_ROPE_SHORT, FUSEBOX_ROPE_EARLY, FUSEBOX_ADD_FLAT, FUSEBOX_MOE_ITEMS, FUSEBOX_MOE_CHUNK,
 FUSEBOX_MOE_STAGE, FUSEBOX_MOE_SORT_TILE, FUSEBOX_MOE_SORT_WARPS, FUSEBOX_MOE_SORT_CLUSTER,
-FUSEBOX_MOE_SORT_SMALL, used by scripts/tune.py): each still computes the reference result on CUDA."""
+FUSEBOX_MOE_SORT_GRID, FUSEBOX_MOE_SORT_SMALL, used by scripts/tune.py): each still computes the
+reference result on CUDA."""
 
 import os
 import subprocess
@@ -154,7 +155,7 @@ for dtype in (BF16, F16, F32):
         assert_close(call(fusebox.moe_combine, rows, index, weights), ref.moe_combine(rows, index, weights),
                      dtype, name="moe_combine")
 # the MoE sort: tiles of 32 pairs up to one block for all, of 1 to 32 warps, clusters of 2 to 16
-# blocks (sm_90+) or two launches, the decode kernels
+# blocks (sm_90+), one cooperative launch or two, the decode kernels
 # (one round by shuffles, two or four ranked, blocks with fewer expert warps than rounds) or none;
 # equal to the stable sort
 for tokens, top_k, num_experts in ((1, 8, 64), (8, 6, 100), (16, 8, 256), (21, 6, 1000), (16, 6, 64), (13, 5, 8),
@@ -184,6 +185,7 @@ print("ok")
                                      "FUSEBOX_MOE_SORT_WARPS=8", "FUSEBOX_MOE_SORT_WARPS=32",
                                      "FUSEBOX_MOE_SORT_CLUSTER=0", "FUSEBOX_MOE_SORT_CLUSTER=8",
                                      "FUSEBOX_MOE_SORT_CLUSTER=2,FUSEBOX_MOE_SORT_TILE=1024",
+                                     "FUSEBOX_MOE_SORT_GRID=1", "FUSEBOX_MOE_SORT_GRID=1,FUSEBOX_MOE_SORT_CLUSTER=0",
                                      "FUSEBOX_MOE_SORT_SMALL=0",
                                      "FUSEBOX_MOE_SORT_SMALL=64", "FUSEBOX_MOE_SORT_SMALL=32"])
 def test_forced_launch_plans_cuda(setting):
