@@ -346,15 +346,11 @@ __global__ void __maxnreg__(64) moe_sort_kernel(const SortKernelArgs p) {
     for (int b = threadIdx.x; b < buckets; b += blockDim.x) {
       int sum = 0;
       for (int w = 0; w < warps; ++w) sum += counts[w * buckets + b];
-      (kCluster ? totals : first)[b] = sum;
+      // kGrid: this tile's counts go to the workspace, read with the other tiles' after the barrier
+      (kGrid ? p.tile_counts + int64_t(blockIdx.x) * buckets : kCluster ? totals : first)[b] = sum;
     }
   }
-  if constexpr (kGrid) {
-    // this tile's counts to the workspace, then the other tiles' from it once every block wrote
-    for (int b = threadIdx.x; b < buckets; b += blockDim.x) p.tile_counts[int64_t(blockIdx.x) * buckets + b] = first[b];
-    for (int b = threadIdx.x; b < buckets; b += blockDim.x) first[b] = 0;
-    cooperative_groups::this_grid().sync();
-  }
+  if constexpr (kGrid) cooperative_groups::this_grid().sync();
   if constexpr (kCluster) {
     // Each tile's totals from its block's shared memory, all ranks' loads in flight. The other
     // blocks read this block's totals until the barrier's second half, at the kernel's end.
