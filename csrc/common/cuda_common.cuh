@@ -457,8 +457,9 @@ struct TuningKnobs {
                                       // blocks (1-32)
   std::optional<int> moe_sort_cluster;  // FUSEBOX_MOE_SORT_CLUSTER: the most blocks of the sort's cluster (2-16,
                                         // sm_90+); 0: tiles in two launches instead
-  std::optional<int> moe_sort_grid;   // FUSEBOX_MOE_SORT_GRID=1: a sort of several tiles outside a cluster in
-                                      // one cooperative launch (a grid barrier) instead of two
+  std::optional<int> moe_sort_grid;   // FUSEBOX_MOE_SORT_GRID: 1 / 0, a sort of several tiles outside a
+                                      // cluster in one cooperative launch (a grid barrier) or two (default:
+                                      // one where launches use programmatic dependent launch)
   std::optional<int> moe_sort_small;  // FUSEBOX_MOE_SORT_SMALL: the most pairs the decode sorts take
                                       // (default and most 128: up to 32 by shuffles, past that ranked
                                       // through shared memory); 0: none

@@ -10,14 +10,15 @@
 // bucket, plus this bucket's pairs in earlier tiles, plus those of the tile's earlier warps. With
 // one tile the block has every count itself. With several, a counting launch first writes each
 // tile's counts to the workspace, and every block sums the earlier tiles' and all tiles' counts
-// from it (a few KB, from L2). With FUSEBOX_MOE_SORT_GRID=1 the blocks write their own tile's
-// counts and wait at a grid barrier instead (one cooperative launch, all blocks resident: 3-9%
-// faster on an H100 with L2 flushed, level in a CUDA graph). On sm_90+ an index of up to 16 tiles
-// of 256 pairs takes one cluster instead, whose blocks read each other's totals from shared memory
-// after a cluster barrier. Each warp then takes its pairs 32 at a time in pair order (kept in
-// registers from the count where they were one round, else read again), and lanes of one bucket
-// (found by ballots) take consecutive rows by lane order: tiles, chunks and rounds follow pair
-// order, so the result is the stable sort's.
+// from it (a few KB, from L2). Where launches use programmatic dependent launch (sm_90+) the
+// blocks write their own tile's counts and wait at a grid barrier instead (one cooperative launch,
+// all blocks resident: on an H100 3-10% faster with L2 flushed, from 3% slower to 14% faster in
+// a CUDA graph; without that launch attribute 3-16% slower in a graph, so two launches there). On
+// sm_90+ an index of up to 16 tiles of 256 pairs takes one cluster instead, whose blocks read each
+// other's totals from shared memory after a cluster barrier. Each warp then takes its pairs 32 at
+// a time in pair order (kept in registers from the count where they were one round, else read
+// again), and lanes of one bucket (found by ballots) take consecutive rows by lane order: tiles,
+// chunks and rounds follow pair order, so the result is the stable sort's.
 //
 // One block was 31.7 us at DeepSeek-V2-Lite's 2048 x 6 pairs on an H100 and 124.5 at OLMoE's
 // 8192 x 8 (slower than torch.compile): one SM issued the scattered row stores and the dependent
@@ -558,10 +559,11 @@ int max_cluster_blocks() {
 
 // The most blocks of a sort in one cooperative launch on this device: as many as are resident at
 // once at the largest block and shared memory a tile takes (64 regs a thread: one block an SM at
-// least), 0 without cooperative launches or without FUSEBOX_MOE_SORT_GRID=1.
+// least); 0 without cooperative launches, and by default without programmatic dependent launch
+// (FUSEBOX_MOE_SORT_GRID=0 / =1 override that).
 int max_grid_blocks() {
   static PerDevice<int> most;
-  if (tuning_knobs().moe_sort_grid.value_or(0) != 1) return 0;
+  if (tuning_knobs().moe_sort_grid.value_or(use_pdl() ? 1 : 0) != 1) return 0;
   return most.get([](int device) {
     int cooperative = 0, per_sm = 0;
     const bool ok =

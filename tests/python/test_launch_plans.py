@@ -185,7 +185,8 @@ print("ok")
                                      "FUSEBOX_MOE_SORT_WARPS=8", "FUSEBOX_MOE_SORT_WARPS=32",
                                      "FUSEBOX_MOE_SORT_CLUSTER=0", "FUSEBOX_MOE_SORT_CLUSTER=8",
                                      "FUSEBOX_MOE_SORT_CLUSTER=2,FUSEBOX_MOE_SORT_TILE=1024",
-                                     "FUSEBOX_MOE_SORT_GRID=1", "FUSEBOX_MOE_SORT_GRID=1,FUSEBOX_MOE_SORT_CLUSTER=0",
+                                     "FUSEBOX_MOE_SORT_GRID=0", "FUSEBOX_MOE_SORT_GRID=1,FUSEBOX_MOE_SORT_CLUSTER=0",
+                                     "FUSEBOX_MOE_SORT_GRID=1,FUSEBOX_PDL=0",
                                      "FUSEBOX_MOE_SORT_SMALL=0",
                                      "FUSEBOX_MOE_SORT_SMALL=64", "FUSEBOX_MOE_SORT_SMALL=32"])
 def test_forced_launch_plans_cuda(setting):
