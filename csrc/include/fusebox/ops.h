@@ -177,8 +177,9 @@ void moe_topk(const RouterArgs& args, cudaStream_t stream = nullptr);
 // so it sorts the pair after every expert's rows (outside all offsets) and sets its pair_row to
 // -1, on which moe_combine writes NaN over that token's row.
 //   workspace: optional, contiguous int32 on index's device, 16-byte aligned, of at least
-//   moe_sort_workspace_size elements (when that is 0 or the workspace is smaller or undefined,
-//   one block sorts in one launch: the same result, slower for large indexes). Not read after.
+//   moe_sort_workspace_size elements. Without one large enough, an index of up to 4096 pairs
+//   still takes one cluster on sm_90+ (which needs none), a larger one a single block: the same
+//   result, slower for large indexes. Not read after.
 // num_experts at most 4009 on CUDA (the counts live in shared memory).
 void moe_sort(const TensorView& index, int64_t num_experts, const TensorView& row_token,
               const TensorView& offsets, const TensorView& pair_row, cudaStream_t stream = nullptr,
