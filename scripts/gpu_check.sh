@@ -71,7 +71,7 @@ x = torch.randn(3, 200, device="cuda", dtype=torch.bfloat16)
 assert torch.allclose(fusebox.rms_norm(x, None).float(), torch.nn.functional.rms_norm(x.float(), (200,)), atol=0.02)'
 if [ -n "${PREBUILT:-}" ] && cp "$PREBUILT" torch-ext/fusebox/_fusebox_C.so \
   && PYTHONPATH="$root/torch-ext${PYTHONPATH:+:$PYTHONPATH}" "$py" -c "$prebuilt_check" >"$out/prebuilt.log" 2>&1; then
-  record build PASS "prebuilt $(basename "$PREBUILT") loads"
+  record build PASS "prebuilt $(basename "$PREBUILT") loads"; prebuilt_used=1
 elif bounded scripts/build.sh "$py" >"$out/build.log" 2>&1; then
   record build PASS "$(( $(date +%s) - t0 )) s, sm_$FUSEBOX_CUDA_ARCHS"
 else
@@ -99,7 +99,7 @@ for stage in "${stages[@]}"; do
   case "$stage" in
     test)
       t0=$(date +%s)
-      if [ ! -x "$cpp_tests" ]; then
+      if [ -n "${prebuilt_used:-}" ]; then
         record "C++ tests (CPU + CUDA vs CPU)" SKIP "no test binary (prebuilt library, nothing built here)"
       else
         bounded "$cpp_tests" --gtest_brief=1 >"$out/cpp_tests.log" 2>&1
@@ -115,7 +115,7 @@ for stage in "${stages[@]}"; do
       ;;
     sanitize)
       t0=$(date +%s)
-      if [ ! -x "$cpp_tests" ]; then
+      if [ -n "${prebuilt_used:-}" ]; then
         record "memcheck: C++ CUDA tests" SKIP "no test binary (prebuilt library, nothing built here)"
       else
         bounded compute-sanitizer --tool memcheck --leak-check full --error-exitcode 9 "$cpp_tests" \

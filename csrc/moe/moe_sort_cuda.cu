@@ -13,12 +13,13 @@
 // from it (a few KB, from L2). Where launches use programmatic dependent launch (sm_90+) the
 // blocks write their own tile's counts and wait at a grid barrier instead (one cooperative launch,
 // all blocks resident: on an H100 3-10% faster with L2 flushed, from 3% slower to 14% faster in
-// a CUDA graph; without that launch attribute 3-16% slower in a graph, so two launches there). On
-// sm_90+ an index of up to 16 tiles of 256 pairs takes one cluster instead, whose blocks read each
-// other's totals from shared memory after a cluster barrier. Each warp then takes its pairs 32 at
-// a time in pair order (kept in registers from the count where they were one round, else read
-// again), and lanes of one bucket (found by ballots) take consecutive rows by lane order: tiles,
-// chunks and rounds follow pair order, so the result is the stable sort's.
+// a CUDA graph, on an H200 5-13% and 1-11%; without that launch attribute 3-16% slower in a graph
+// on an H100, so two launches there). On sm_90+ an index of up to 16 tiles of 256 pairs takes one
+// cluster instead, whose blocks read each other's totals from shared memory after a cluster
+// barrier. Each warp then takes its pairs 32 at a time in pair order (kept in registers from the
+// count where they were one round, else read again), and lanes of one bucket (found by ballots)
+// take consecutive rows by lane order: tiles, chunks and rounds follow pair order, so the result
+// is the stable sort's.
 //
 // One block was 31.7 us at DeepSeek-V2-Lite's 2048 x 6 pairs on an H100 and 124.5 at OLMoE's
 // 8192 x 8 (slower than torch.compile): one SM issued the scattered row stores and the dependent
