@@ -477,6 +477,36 @@ def test_streaming_fit_recovers_rate_and_fixed_cost():
             "| 1.0 |") in md
 
 
+def test_near_parity_and_family_geomeans():
+    """Rows less than 2% behind the best baseline are counted apart from the rest, and the
+    geomean is also given per family (the MoE ops apart from the one-pass ops)."""
+    cases = suite.select(suite.OP_NAMES, suite.GROUPS, ["bf16"], quick=True)
+    doc = _synthetic_doc(cases)
+    measured = [r for r in doc["results"] if "us" in r["impls"]["fusebox"]]
+    speedups = {}
+    for j, r in enumerate(measured):
+        fb = r["impls"]["fusebox"]["us"]
+        # the best baseline (compile; eager is 5x) 1% behind, level, 5% behind, or 1.2-1.6x ahead
+        speedup = (0.99, 1.0, 0.95)[j] if j < 3 else 1.2 + 0.1 * (j % 5)
+        r["impls"]["compile"]["us"] = fb * speedup
+        speedups[r["key"]] = speedup
+    s = report.finalize(doc)["summary"]
+    assert s["at_least_best"] == len(measured) - 2 and s["near_best"] == 1
+    line = next(l for l in report.summary_lines(doc) if l.startswith("fusebox at least as fast"))
+    assert line.endswith(f"{len(measured) - 2}/{len(measured)} (1 more within 2% of it)")
+    moe = [v for k, v in speedups.items() if k.startswith("moe_")]
+    rest = [v for k, v in speedups.items() if not k.startswith("moe_")]
+    assert moe and rest
+    fams = {f["family"]: f for f in s["geomean_by_family"]}
+    assert fams["MoE ops"]["cases"] == len(moe)
+    assert fams["MoE ops"]["geomean_speedup_vs_best"] == pytest.approx(
+        math.exp(sum(map(math.log, moe)) / len(moe)))
+    assert fams["norm, rotary and activation ops"]["geomean_speedup_vs_best"] == pytest.approx(
+        math.exp(sum(map(math.log, rest)) / len(rest)))
+    assert any(l.startswith("geometric mean by family: norm, rotary and activation ops")
+               for l in report.summary_lines(doc))
+
+
 def test_same_size_copy_reference():
     """With a same-size copy time beside a case, every implementation gets its ratio to it, the
     summary counts the cases at or under it and the op tables show the column; results without
