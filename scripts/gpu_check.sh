@@ -4,7 +4,8 @@
 # the benchmark, and prints a pass/fail table last.
 # Usage: scripts/gpu_check.sh [stages...]   stages: test sanitize tune bench quick e2e (default: test sanitize)
 # Env: OUT (where logs and results go; default ./gpu_out), PY (default python3),
-#      PYTEST_PATHS (the test stage's selection; default tests/python),
+#      PYTEST_PATHS (the test stage's selection; default tests/python), GPU_TEST_SHARDS (pytest processes
+#      side by side on the GPU, each every n-th test; default 1),
 #      TUNE_CASES / TUNE_SETTINGS / TUNE_DTYPES (the tune stage: scripts/tune.py --cases / --settings,
 #      once per dtype, default bf16),
 #      SANITIZE_TIMEOUT / SANITIZE_CHUNK / SANITIZE_STRIDE / SANITIZE_OFFSET (the memcheck pytest
@@ -80,18 +81,18 @@ fi
 export PYTHONPATH="$root/torch-ext${PYTHONPATH:+:$PYTHONPATH}"
 cpp_tests="$FUSEBOX_BUILD_DIR/fusebox_cpp_tests"
 
-# pytest's summary line; where -qq hid it, the counts of the JUnit report beside the log.
-pytest_line() {
-  local line; line="$(grep -E "^(=+ )?[0-9]+ (passed|failed)|no tests ran|[0-9]+ passed" "$1" | tail -1 | sed 's/=//g')"
-  if [ -z "$line" ] && [ -f "$2" ]; then
-    line="$(grep -o -m1 '<testsuite [^>]*>' "$2" | grep -oE '(tests|failures|errors|skipped)="[0-9]+"' | tr -d '"' | tr '\n' ' ')"
+# "passed failed skipped" of a pytest -q log: from its summary line, or, where the time budget cut
+# it off before one (status 124), from its progress marks.
+pytest_counts() {
+  local line marks
+  line="$(grep -E "^(=+ )?[0-9]+ (passed|failed|skipped|deselected)|no tests ran" "$1" | tail -1)"
+  if [ "$2" -ne 124 ] && [ -n "$line" ]; then
+    count() { grep -oE "[0-9]+ $1" <<<"$line" | cut -d' ' -f1 | awk '{s += $1} END {print s + 0}'; }
+    echo "$(count passed) $(( $(count failed) + $(count error) )) $(count skipped)"
+  else
+    marks="$(grep -E '^[.sFEx]+( |$)' "$1" | cut -d' ' -f1 | tr -d '\n')"
+    echo "$(tr -cd . <<<"$marks" | wc -c) $(tr -cd FE <<<"$marks" | wc -c) $(tr -cd s <<<"$marks" | wc -c)"
   fi
-  echo "$line"
-}
-# What a -q run cut off before its summary had reported: passes and failures from its progress dots.
-pytest_progress() {
-  local marks; marks="$(grep -E '^[.sFEx]+( |$)' "$1" | cut -d' ' -f1 | tr -d '\n')"
-  echo "cut off after $(tr -cd . <<<"$marks" | wc -c) passed, $(tr -cd FE <<<"$marks" | wc -c) failed"
 }
 
 for stage in "${stages[@]}"; do
@@ -106,12 +107,26 @@ for stage in "${stages[@]}"; do
         rc=$?; record "C++ tests (CPU + CUDA vs CPU)" "$(verdict $rc)" "$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/cpp_tests.log" | tr '\n' ' ') $(( $(date +%s) - t0 )) s"
       fi
       t0=$(date +%s)
-      # shellcheck disable=SC2086
-      bounded "$py" -m pytest ${PYTEST_PATHS:-tests/python} -q -p no:cacheprovider --maxfail=40 -rf --junitxml="$out/pytest.xml" >"$out/pytest.log" 2>&1
-      rc=$?
-      if [ $rc -eq 124 ]; then tally="$(pytest_progress "$out/pytest.log")"; else tally="$(pytest_line "$out/pytest.log" "$out/pytest.xml")"; fi
-      record "pytest (CPU + CUDA)" "$(verdict $rc)" "$tally, $(( $(date +%s) - t0 )) s"
-      [ $rc -ne 0 ] && [ $rc -ne 124 ] && grep -E "^FAILED|Error" "$out/pytest.log" | head -60
+      # GPU_TEST_SHARDS processes share the GPU, each every n-th test (tests/python/conftest.py):
+      # the suite is mostly host-bound (compiles, small launches), so they run side by side.
+      shards="${GPU_TEST_SHARDS:-1}"; pids=()
+      for ((i = 0; i < shards; i++)); do
+        # shellcheck disable=SC2086
+        FUSEBOX_TEST_SHARD="$i/$shards" bounded "$py" -m pytest ${PYTEST_PATHS:-tests/python} -q -p no:cacheprovider \
+          --maxfail=40 -rf --junitxml="$out/pytest.$i.xml" >"$out/pytest.$i.log" 2>&1 &
+        pids+=($!)
+      done
+      rc=0; passed=0; failed=0; skipped=0
+      for ((i = 0; i < shards; i++)); do
+        wait "${pids[$i]}"; status=$?
+        if [ $status -eq 124 ]; then [ $rc -eq 0 ] && rc=124; elif [ $status -ne 0 ]; then rc=1; fi
+        read -r p f s <<<"$(pytest_counts "$out/pytest.$i.log" $status)"
+        passed=$((passed + p)); failed=$((failed + f)); skipped=$((skipped + s))
+        [ $status -ne 0 ] && [ $status -ne 124 ] && grep -E "^FAILED|Error" "$out/pytest.$i.log" | head -30
+      done
+      cut=""; [ $rc -eq 124 ] && cut="cut off: "
+      record "pytest (CPU + CUDA)" "$(verdict $rc)" \
+        "$cut$passed passed, $failed failed, $skipped skipped in $shards process(es), $(( $(date +%s) - t0 )) s"
       ;;
     sanitize)
       t0=$(date +%s)

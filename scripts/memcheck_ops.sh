@@ -9,6 +9,7 @@
 #      SANITIZE_STRIDE / SANITIZE_OFFSET (run every Nth case of each test function from the
 #      Kth, K < N; default 1 / 0: all),
 #      SANITIZE_TIMEOUT (seconds for all of it; no new process starts after it; default 420),
+#      SANITIZE_JOBS (sanitized processes side by side; default 1),
 #      SANITIZE_TESTS (default: the norm, rope, activation and MoE test files),
 #      SANITIZE_SELECT (the pytest -k expression; default: cuda).
 set -uo pipefail
@@ -28,24 +29,40 @@ trap 'rm -rf "$work"' EXIT
 "$py" -m pytest "${files[@]}" -q -p no:cacheprovider -k "$select" -m "not large" --collect-only 2>/dev/null \
   | grep '::' | awk -v s="$stride" -v o="$offset" '{f = $0; sub(/\[.*/, "", f); if ((n[f]++) % s == o) print}' >"$work/ids"
 selected=$(wc -l <"$work/ids")
-split -l "$chunk" "$work/ids" "$work/chunk."
+mkdir "$work/chunks" "$work/runs"
+split -l "$chunk" "$work/ids" "$work/chunks/"
 
-start=$(date +%s); passed=0; failed=0; errors=0; processes=0; ran=0; rc=0
-for part in "$work"/chunk.*; do
+# One sanitized pytest process over a chunk of test ids; its output and exit status in runs/.
+run_chunk() {  # chunk file, seconds left
+  local ids run="$work/runs/${1##*/}"; mapfile -t ids <"$1"
+  timeout "$2" compute-sanitizer --tool memcheck --error-exitcode 9 --target-processes all \
+    "$py" -m pytest "${ids[@]}" -q -p no:cacheprovider -rf >"$run.out" 2>&1
+  echo $? >"$run.status"
+}
+
+# SANITIZE_JOBS chunks at a time, side by side on the GPU.
+start=$(date +%s); jobs_max="${SANITIZE_JOBS:-1}"
+for part in "$work"/chunks/*; do
   [ -f "$part" ] || break  # none: no test selected
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs_max" ]; do wait -n; done
   left=$(( budget - ($(date +%s) - start) ))
   [ "$left" -le 10 ] && break
-  mapfile -t ids <"$part"
-  timeout "$left" compute-sanitizer --tool memcheck --error-exitcode 9 --target-processes all \
-    "$py" -m pytest "${ids[@]}" -q -p no:cacheprovider -rf >"$work/out" 2>&1
-  status=$?
-  cat "$work/out" >>"$log"
+  run_chunk "$part" "$left" &
+done
+wait
+
+passed=0; failed=0; errors=0; processes=0; ran=0; rc=0
+for part in "$work"/chunks/*; do
+  run="$work/runs/${part##*/}"
+  [ -f "$run.status" ] || continue  # never started: the budget ran out first
+  status=$(cat "$run.status")
+  cat "$run.out" >>"$log"
   processes=$((processes + 1))
   [ "$status" -ne 0 ] && [ "$status" -ne 124 ] && rc=1
-  [ "$status" -ne 124 ] && ran=$((ran + ${#ids[@]}))  # a process the budget cut did not run all its tests
-  p=$(grep -oE '[0-9]+ passed' "$work/out" | tail -1 | cut -d' ' -f1)
-  f=$(grep -oE '[0-9]+ failed' "$work/out" | tail -1 | cut -d' ' -f1)
-  e=$(grep -oE 'ERROR SUMMARY: [0-9]+' "$work/out" | awk '{s += $3} END {print s + 0}')
+  [ "$status" -ne 124 ] && ran=$((ran + $(wc -l <"$part")))  # a process the budget cut did not run all its tests
+  p=$(grep -oE '[0-9]+ passed' "$run.out" | tail -1 | cut -d' ' -f1)
+  f=$(grep -oE '[0-9]+ failed' "$run.out" | tail -1 | cut -d' ' -f1)
+  e=$(grep -oE 'ERROR SUMMARY: [0-9]+' "$run.out" | awk '{s += $3} END {print s + 0}')
   passed=$((passed + ${p:-0})); failed=$((failed + ${f:-0})); errors=$((errors + e))
 done
 { [ "$failed" -gt 0 ] || [ "$errors" -gt 0 ]; } && rc=1  # also those of a process the budget cut

@@ -31,6 +31,26 @@ def pytest_configure(config):
     )
 
 
+def pytest_collection_modifyitems(config, items):
+    """``FUSEBOX_TEST_SHARD=i/n`` keeps every n-th collected test from the i-th (0 <= i < n), so n
+    processes can share one GPU (``scripts/gpu_check.sh`` with ``GPU_TEST_SHARDS``). Round robin
+    over the collection order spreads each file's slow and fast cases over the shards."""
+    spec = os.environ.get("FUSEBOX_TEST_SHARD")
+    if not spec:
+        return
+    try:
+        index, count = (int(part) for part in spec.split("/"))
+    except ValueError:
+        raise pytest.UsageError(f"FUSEBOX_TEST_SHARD must be i/n with integers; got {spec!r}") from None
+    if not 0 <= index < count:
+        raise pytest.UsageError(f"FUSEBOX_TEST_SHARD must be i/n with 0 <= i < n; got {spec!r}")
+    kept = [item for n, item in enumerate(items) if n % count == index]
+    dropped = [item for n, item in enumerate(items) if n % count != index]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param

@@ -1,0 +1,158 @@
+// How close a plain SM kernel gets to the driver's device copy (cudaMemcpyAsync, what
+// `fusebox bench` calls copy bandwidth) at the sizes where the fused ops stream: copy kernels of
+// 16-byte vectors, V a thread, one-shot grids (a block per tile, all loads before the stores) or
+// persistent grid-stride loops, and a minimal RMS-norm row kernel (a row a block, loads, one block
+// sum, stores) at widths 1536-4096. Times as the bench does (L2 flushed, CUDA events, median).
+//
+// Build: nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc/include -Icsrc scripts/probe_stream.cu -o build/probe_stream
+// Run:   build/probe_stream   (one table: us and the ratio to cudaMemcpyAsync of the same bytes)
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "common/cuda_common.cuh"
+#include "probe_timer.cuh"
+
+namespace {
+
+constexpr int kThreads = 256;
+
+// Every load of a thread's V vectors, then every store: the bytes in flight a thread is 16 V.
+template <int V>
+__global__ void __launch_bounds__(kThreads) copy_oneshot(const uint4* __restrict__ src, uint4* __restrict__ dst,
+                                                         size_t n) {
+  const size_t base = size_t(blockIdx.x) * kThreads * V + threadIdx.x;
+  uint4 r[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i)
+    if (base + i * kThreads < n) r[i] = src[base + i * kThreads];
+#pragma unroll
+  for (int i = 0; i < V; ++i)
+    if (base + i * kThreads < n) dst[base + i * kThreads] = r[i];
+}
+
+// A resident grid striding over tiles of kThreads * V vectors.
+template <int V>
+__global__ void __launch_bounds__(kThreads) copy_strided(const uint4* __restrict__ src, uint4* __restrict__ dst,
+                                                         size_t n) {
+  for (size_t tile = blockIdx.x; tile * kThreads * V < n; tile += gridDim.x) {
+    const size_t base = tile * kThreads * V + threadIdx.x;
+    uint4 r[V];
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      if (base + i * kThreads < n) r[i] = src[base + i * kThreads];
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      if (base + i * kThreads < n) dst[base + i * kThreads] = r[i];
+  }
+}
+
+// RMS norm of a bf16 row of D = blockDim.x * V * 8 elements a block, no weight: the least a row
+// kernel does (load, square-sum, block sum, scale, store).
+template <int V>
+__global__ void __launch_bounds__(512) rms_rows(const uint4* __restrict__ src, uint4* __restrict__ dst, float eps) {
+  __shared__ float partial[16];
+  const int per_row = blockDim.x * V;
+  const size_t base = size_t(blockIdx.x) * per_row + threadIdx.x;
+  uint4 r[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) r[i] = src[base + i * blockDim.x];
+  float ss = 0.f;
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r[i]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(h[j]);
+      ss += f.x * f.x + f.y * f.y;
+    }
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
+  __syncthreads();
+  float total = 0.f;
+  for (int w = 0; w < int(blockDim.x / 32); ++w) total += partial[w];
+  const float scale = rsqrtf(total / float(per_row * 8) + eps);
+#pragma unroll
+  for (int i = 0; i < V; ++i) {
+    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&r[i]);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(h[j]);
+      h[j] = __floats2bfloat162_rn(f.x * scale, f.y * scale);
+    }
+    dst[base + i * blockDim.x] = r[i];
+  }
+}
+
+}  // namespace
+
+int main() {
+  cudaStream_t s;
+  FUSEBOX_CUDA_CHECK(cudaStreamCreate(&s));
+  probe::Timer t(s);
+  int sms = 0;
+  FUSEBOX_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+  cudaDeviceProp prop{};
+  FUSEBOX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+  std::printf("%s, %d SMs\n", prop.name, sms);
+  const size_t max_half = size_t(264) << 20;
+  uint4 *src, *dst;
+  FUSEBOX_CUDA_CHECK(cudaMalloc(&src, max_half));
+  FUSEBOX_CUDA_CHECK(cudaMalloc(&dst, max_half));
+  FUSEBOX_CUDA_CHECK(cudaMemset(src, 0x3c, max_half));  // bf16 0x3c3c: about 0.0115, finite
+
+  std::printf("%-28s", "kernel \\ MB moved");
+  const std::vector<size_t> halves_mb = {33, 67, 113, 264};  // half the bytes a case moves
+  for (size_t h : halves_mb) std::printf(" %16zu", 2 * h);
+  std::printf("\n");
+  std::vector<double> memcpy_us;
+  auto row = [&](const std::string& name, const std::function<void(size_t)>& launch) {
+    std::printf("%-28s", name.c_str());
+    for (size_t k = 0; k < halves_mb.size(); ++k) {
+      const size_t bytes = halves_mb[k] << 20;
+      const double us = t.median_us([&] { launch(bytes); }, true, 120);
+      if (memcpy_us.size() < halves_mb.size()) memcpy_us.push_back(us);
+      std::printf("  %7.2f (%.3fx)", us, us / memcpy_us[k]);
+    }
+    std::printf("\n");
+    FUSEBOX_CUDA_CHECK(cudaGetLastError());
+  };
+  row("cudaMemcpyAsync", [&](size_t b) { cudaMemcpyAsync(dst, src, b, cudaMemcpyDeviceToDevice, s); });
+  auto oneshot = [&](auto kernel, int v) {
+    return [=](size_t b) {
+      const size_t n = b / 16;
+      kernel<<<unsigned((n + size_t(kThreads) * v - 1) / (size_t(kThreads) * v)), kThreads, 0, s>>>(src, dst, n);
+    };
+  };
+  row("one-shot, 1 vector", oneshot(copy_oneshot<1>, 1));
+  row("one-shot, 2 vectors", oneshot(copy_oneshot<2>, 2));
+  row("one-shot, 4 vectors", oneshot(copy_oneshot<4>, 4));
+  row("one-shot, 8 vectors", oneshot(copy_oneshot<8>, 8));
+  for (int per_sm : {4, 8}) {
+    auto strided = [&, per_sm](auto kernel) {
+      return [=](size_t b) { kernel<<<sms * per_sm, kThreads, 0, s>>>(src, dst, b / 16); };
+    };
+    row("strided, 4 vec, " + std::to_string(per_sm) + " blocks/SM", strided(copy_strided<4>));
+    row("strided, 8 vec, " + std::to_string(per_sm) + " blocks/SM", strided(copy_strided<8>));
+  }
+  for (int width : {1536, 2048, 4096}) {
+    for (int v : {1, 2, 4}) {
+      const int threads = width / 8 / v;
+      if (threads < 32 || threads > 512 || threads % 32) continue;
+      auto launch = [&, width, v, threads](size_t b) {
+        const unsigned rows = unsigned(b / 2 / width);
+        if (v == 1) rms_rows<1><<<rows, threads, 0, s>>>(src, dst, 1e-6f);
+        if (v == 2) rms_rows<2><<<rows, threads, 0, s>>>(src, dst, 1e-6f);
+        if (v == 4) rms_rows<4><<<rows, threads, 0, s>>>(src, dst, 1e-6f);
+      };
+      row("rms rows " + std::to_string(width) + ", " + std::to_string(v) + " vec x " + std::to_string(threads), launch);
+    }
+  }
+  return 0;
+}
