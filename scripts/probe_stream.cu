@@ -21,11 +21,12 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Every load of a thread's V vectors, then every store: the bytes in flight a thread is 16 V.
+// Every load of a thread's V vectors of a tile, then every store: the bytes in flight a thread
+// are 16 V.
 template <int V>
-__global__ void __launch_bounds__(kThreads) copy_oneshot(const uint4* __restrict__ src, uint4* __restrict__ dst,
-                                                         size_t n) {
-  const size_t base = size_t(blockIdx.x) * kThreads * V + threadIdx.x;
+__device__ __forceinline__ void copy_tile(const uint4* __restrict__ src, uint4* __restrict__ dst, size_t tile,
+                                          size_t n) {
+  const size_t base = tile * kThreads * V + threadIdx.x;
   uint4 r[V];
 #pragma unroll
   for (int i = 0; i < V; ++i)
@@ -35,20 +36,18 @@ __global__ void __launch_bounds__(kThreads) copy_oneshot(const uint4* __restrict
     if (base + i * kThreads < n) dst[base + i * kThreads] = r[i];
 }
 
-// A resident grid striding over tiles of kThreads * V vectors.
+// A block a tile.
+template <int V>
+__global__ void __launch_bounds__(kThreads) copy_oneshot(const uint4* __restrict__ src, uint4* __restrict__ dst,
+                                                         size_t n) {
+  copy_tile<V>(src, dst, blockIdx.x, n);
+}
+
+// A resident grid striding over the tiles.
 template <int V>
 __global__ void __launch_bounds__(kThreads) copy_strided(const uint4* __restrict__ src, uint4* __restrict__ dst,
                                                          size_t n) {
-  for (size_t tile = blockIdx.x; tile * kThreads * V < n; tile += gridDim.x) {
-    const size_t base = tile * kThreads * V + threadIdx.x;
-    uint4 r[V];
-#pragma unroll
-    for (int i = 0; i < V; ++i)
-      if (base + i * kThreads < n) r[i] = src[base + i * kThreads];
-#pragma unroll
-    for (int i = 0; i < V; ++i)
-      if (base + i * kThreads < n) dst[base + i * kThreads] = r[i];
-  }
+  for (size_t tile = blockIdx.x; tile * kThreads * V < n; tile += gridDim.x) copy_tile<V>(src, dst, tile, n);
 }
 
 // RMS norm of a bf16 row of D = blockDim.x * V * 8 elements a block, no weight: the least a row
