@@ -2,13 +2,16 @@
 // `fusebox bench` calls copy bandwidth) at the sizes where the fused ops stream: copy kernels of
 // 16-byte vectors, V a thread, one-shot grids (a block per tile, all loads before the stores) or
 // persistent grid-stride loops, and a minimal RMS-norm row kernel (a row a block, loads, one block
-// sum, stores) at widths 1536-4096. Times as the bench does (L2 flushed, CUDA events, median).
+// sum, stores) at widths 1536-4096, as written and with the next row's loads in flight during a
+// row's sum and stores (a resident grid, rows staged by cp.async). Times as the bench does (L2
+// flushed, CUDA events, median); the two row kernels' outputs are compared bit for bit first.
 //
 // Build: nvcc -O3 -std=c++17 -arch=sm_90 -Icsrc/include -Icsrc scripts/probe_stream.cu -o build/probe_stream
 // Run:   build/probe_stream   (one table: us and the ratio to cudaMemcpyAsync of the same bytes)
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <functional>
 #include <string>
@@ -89,6 +92,77 @@ __global__ void __launch_bounds__(512) rms_rows(const uint4* __restrict__ src, u
   }
 }
 
+// The same row norm with the next row's loads in flight while this row is summed and written:
+// a resident grid, each block's rows a grid apart, every row copied by cp.async into one of two
+// shared-memory stages (a thread's own slots, so only the block sum needs a barrier).
+__device__ __forceinline__ void cp_async16(uint4* smem, const uint4* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+__device__ __forceinline__ void cp_async_wait_one() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
+template <int V>
+__global__ void __launch_bounds__(512) rms_rows_pipelined(const uint4* __restrict__ src, uint4* __restrict__ dst,
+                                                          int rows, float eps) {
+  extern __shared__ uint4 stage[];  // [2][V][blockDim.x]
+  __shared__ float partial[2][16];
+  const int threads = blockDim.x, per_row = threads * V, tid = threadIdx.x;
+  auto issue = [&](int row, int buf) {
+#pragma unroll
+    for (int i = 0; i < V; ++i)
+      cp_async16(&stage[(buf * V + i) * threads + tid], src + size_t(row) * per_row + i * threads + tid);
+  };
+  int row = blockIdx.x, buf = 0;
+  if (row < rows) issue(row, 0);
+  cp_async_commit();
+  for (int n = 0; row < rows; row += gridDim.x, buf ^= 1, ++n) {
+    if (row + int(gridDim.x) < rows) issue(row + gridDim.x, buf ^ 1);
+    cp_async_commit();  // (an empty group after the last row keeps the count)
+    cp_async_wait_one();
+    uint4 r[V];
+    float ss = 0.f;
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      r[i] = stage[(buf * V + i) * threads + tid];
+      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r[i]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __bfloat1622float2(h[j]);
+        ss += f.x * f.x + f.y * f.y;
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+    if (tid % 32 == 0) partial[n & 1][tid / 32] = ss;
+    __syncthreads();  // also orders this row's partials before their reuse two rows on
+    float total = 0.f;
+    for (int w = 0; w < threads / 32; ++w) total += partial[n & 1][w];
+    const float scale = rsqrtf(total / float(per_row * 8) + eps);
+#pragma unroll
+    for (int i = 0; i < V; ++i) {
+      __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&r[i]);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const float2 f = __bfloat1622float2(h[j]);
+        h[j] = __floats2bfloat162_rn(f.x * scale, f.y * scale);
+      }
+      dst[size_t(row) * per_row + i * threads + tid] = r[i];
+    }
+  }
+}
+
+// Finite bf16 values in [-2, 2) from a hash of the element index.
+__global__ void fill_random(__nv_bfloat16* p, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    unsigned h = unsigned(i) * 2654435761u ^ unsigned(i >> 32) * 40503u;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    p[i] = __float2bfloat16(float(h >> 8) * (4.f / 16777216.f) - 2.f);
+  }
+}
+
 }  // namespace
 
 int main() {
@@ -104,7 +178,22 @@ int main() {
   uint4 *src, *dst;
   FUSEBOX_CUDA_CHECK(cudaMalloc(&src, max_half));
   FUSEBOX_CUDA_CHECK(cudaMalloc(&dst, max_half));
-  FUSEBOX_CUDA_CHECK(cudaMemset(src, 0x3c, max_half));  // bf16 0x3c3c: about 0.0115, finite
+  fill_random<<<sms * 8, 256, 0, s>>>(reinterpret_cast<__nv_bfloat16*>(src), max_half / 2);
+  {  // the pipelined rows against the plain ones, 4096 wide, bit for bit
+    const int width = 4096, rows = int(max_half / 2 / width), threads = width / 8;
+    uint4* ref;
+    FUSEBOX_CUDA_CHECK(cudaMalloc(&ref, max_half));
+    rms_rows<1><<<rows, threads, 0, s>>>(src, ref, 1e-6f);
+    rms_rows_pipelined<1><<<sms * 2, threads, size_t(2) * width * 2, s>>>(src, dst, rows, 1e-6f);
+    std::vector<unsigned char> a(max_half), b(max_half);
+    FUSEBOX_CUDA_CHECK(cudaMemcpyAsync(a.data(), ref, max_half, cudaMemcpyDeviceToHost, s));
+    FUSEBOX_CUDA_CHECK(cudaMemcpyAsync(b.data(), dst, max_half, cudaMemcpyDeviceToHost, s));
+    FUSEBOX_CUDA_CHECK(cudaStreamSynchronize(s));
+    FUSEBOX_CUDA_CHECK(cudaFree(ref));
+    const bool same = a == b;
+    std::printf("pipelined rows %s the plain rows (%d rows of %d)\n", same ? "match" : "DIFFER from", rows, width);
+    if (!same) return 1;
+  }
 
   std::printf("%-28s", "kernel \\ MB moved");
   const std::vector<size_t> halves_mb = {33, 67, 113, 264};  // half the bytes a case moves
@@ -151,6 +240,20 @@ int main() {
         if (v == 4) rms_rows<4><<<rows, threads, 0, s>>>(src, dst, 1e-6f);
       };
       row("rms rows " + std::to_string(width) + ", " + std::to_string(v) + " vec x " + std::to_string(threads), launch);
+    }
+    for (int v : {1, 2}) {
+      const int threads = width / 8 / v;
+      if (threads < 32 || threads > 512 || threads % 32) continue;
+      const size_t smem = size_t(2) * width * 2;  // two rows of bf16
+      auto kernel = v == 1 ? rms_rows_pipelined<1> : rms_rows_pipelined<2>;
+      int per_sm = 0;
+      FUSEBOX_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+      auto launch = [&, width, threads, smem, kernel, per_sm](size_t b) {
+        const int rows = int(b / 2 / width);
+        kernel<<<std::min(rows, sms * per_sm), threads, smem, s>>>(src, dst, rows, 1e-6f);
+      };
+      const std::string name = "pipelined " + std::to_string(width) + ", " + std::to_string(v) + " vec x ";
+      row(name + std::to_string(threads) + ", " + std::to_string(per_sm) + "/SM", launch);
     }
   }
   return 0;
