@@ -53,16 +53,10 @@ __global__ void __launch_bounds__(kThreads) copy_strided(const uint4* __restrict
   for (size_t tile = blockIdx.x; tile * kThreads * V < n; tile += gridDim.x) copy_tile<V>(src, dst, tile, n);
 }
 
-// RMS norm of a bf16 row of D = blockDim.x * V * 8 elements a block, no weight: the least a row
-// kernel does (load, square-sum, block sum, scale, store).
+// A bf16 row of blockDim.x * V vectors normalized in place (RMS, no weight): square-sum, warp
+// sums into `partial` (a float a warp), one barrier, the block's sum, scale.
 template <int V>
-__global__ void __launch_bounds__(512) rms_rows(const uint4* __restrict__ src, uint4* __restrict__ dst, float eps) {
-  __shared__ float partial[16];
-  const int per_row = blockDim.x * V;
-  const size_t base = size_t(blockIdx.x) * per_row + threadIdx.x;
-  uint4 r[V];
-#pragma unroll
-  for (int i = 0; i < V; ++i) r[i] = src[base + i * blockDim.x];
+__device__ __forceinline__ void rms_normalize(uint4 (&r)[V], float* partial, float eps) {
   float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < V; ++i) {
@@ -79,7 +73,7 @@ __global__ void __launch_bounds__(512) rms_rows(const uint4* __restrict__ src, u
   __syncthreads();
   float total = 0.f;
   for (int w = 0; w < int(blockDim.x / 32); ++w) total += partial[w];
-  const float scale = rsqrtf(total / float(per_row * 8) + eps);
+  const float scale = rsqrtf(total / float(blockDim.x * V * 8) + eps);
 #pragma unroll
   for (int i = 0; i < V; ++i) {
     __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&r[i]);
@@ -88,8 +82,20 @@ __global__ void __launch_bounds__(512) rms_rows(const uint4* __restrict__ src, u
       const float2 f = __bfloat1622float2(h[j]);
       h[j] = __floats2bfloat162_rn(f.x * scale, f.y * scale);
     }
-    dst[base + i * blockDim.x] = r[i];
   }
+}
+
+// The least a row kernel does: a row a block, its loads, the normalization, its stores.
+template <int V>
+__global__ void __launch_bounds__(512) rms_rows(const uint4* __restrict__ src, uint4* __restrict__ dst, float eps) {
+  __shared__ float partial[16];
+  const size_t base = size_t(blockIdx.x) * blockDim.x * V + threadIdx.x;
+  uint4 r[V];
+#pragma unroll
+  for (int i = 0; i < V; ++i) r[i] = src[base + i * blockDim.x];
+  rms_normalize<V>(r, partial, eps);
+#pragma unroll
+  for (int i = 0; i < V; ++i) dst[base + i * blockDim.x] = r[i];
 }
 
 // The same row norm with the next row's loads in flight while this row is summed and written:
@@ -121,34 +127,12 @@ __global__ void __launch_bounds__(512) rms_rows_pipelined(const uint4* __restric
     cp_async_commit();  // (an empty group after the last row keeps the count)
     cp_async_wait_one();
     uint4 r[V];
-    float ss = 0.f;
 #pragma unroll
-    for (int i = 0; i < V; ++i) {
-      r[i] = stage[(buf * V + i) * threads + tid];
-      const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r[i]);
+    for (int i = 0; i < V; ++i) r[i] = stage[(buf * V + i) * threads + tid];
+    // (the barrier inside orders this row's partials before their reuse two rows on)
+    rms_normalize<V>(r, partial[n & 1], eps);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = __bfloat1622float2(h[j]);
-        ss += f.x * f.x + f.y * f.y;
-      }
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-    if (tid % 32 == 0) partial[n & 1][tid / 32] = ss;
-    __syncthreads();  // also orders this row's partials before their reuse two rows on
-    float total = 0.f;
-    for (int w = 0; w < threads / 32; ++w) total += partial[n & 1][w];
-    const float scale = rsqrtf(total / float(per_row * 8) + eps);
-#pragma unroll
-    for (int i = 0; i < V; ++i) {
-      __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&r[i]);
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const float2 f = __bfloat1622float2(h[j]);
-        h[j] = __floats2bfloat162_rn(f.x * scale, f.y * scale);
-      }
-      dst[size_t(row) * per_row + i * threads + tid] = r[i];
-    }
+    for (int i = 0; i < V; ++i) dst[size_t(row) * per_row + i * threads + tid] = r[i];
   }
 }
 
