@@ -107,8 +107,8 @@ for stage in "${stages[@]}"; do
         rc=$?; record "C++ tests (CPU + CUDA vs CPU)" "$(verdict $rc)" "$(grep -E '^\[  (PASSED|FAILED|SKIPPED) ' "$out/cpp_tests.log" | tr '\n' ' ') $(( $(date +%s) - t0 )) s"
       fi
       t0=$(date +%s)
-      # GPU_TEST_SHARDS processes share the GPU, each every n-th test (tests/python/conftest.py):
-      # the suite is mostly host-bound (compiles, small launches), so they run side by side.
+      # GPU_TEST_SHARDS processes share the GPU side by side, each every n-th test
+      # (tests/python/conftest.py); their counts are summed.
       shards="${GPU_TEST_SHARDS:-1}"; pids=()
       for ((i = 0; i < shards; i++)); do
         # shellcheck disable=SC2086
@@ -124,9 +124,9 @@ for stage in "${stages[@]}"; do
         passed=$((passed + p)); failed=$((failed + f)); skipped=$((skipped + s))
         [ $status -ne 0 ] && [ $status -ne 124 ] && grep -E "^FAILED|Error" "$out/pytest.$i.log" | head -30
       done
-      cut=""; [ $rc -eq 124 ] && cut="cut off: "
+      prefix=""; [ $rc -eq 124 ] && prefix="cut off: "
       record "pytest (CPU + CUDA)" "$(verdict $rc)" \
-        "$cut$passed passed, $failed failed, $skipped skipped in $shards process(es), $(( $(date +%s) - t0 )) s"
+        "$prefix$passed passed, $failed failed, $skipped skipped in $shards process(es), $(( $(date +%s) - t0 )) s"
       ;;
     sanitize)
       t0=$(date +%s)

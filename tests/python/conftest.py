@@ -44,8 +44,9 @@ def pytest_collection_modifyitems(config, items):
         raise pytest.UsageError(f"FUSEBOX_TEST_SHARD must be i/n with integers; got {spec!r}") from None
     if not 0 <= index < count:
         raise pytest.UsageError(f"FUSEBOX_TEST_SHARD must be i/n with 0 <= i < n; got {spec!r}")
-    kept = [item for n, item in enumerate(items) if n % count == index]
-    dropped = [item for n, item in enumerate(items) if n % count != index]
+    kept, dropped = [], []
+    for n, item in enumerate(items):
+        (kept if n % count == index else dropped).append(item)
     if dropped:
         config.hook.pytest_deselected(items=dropped)
         items[:] = kept
