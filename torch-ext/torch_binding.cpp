@@ -433,11 +433,12 @@ std::tuple<Tensor, Tensor, Tensor> moe_sort(const Tensor& index, int64_t num_exp
                    of = view_as(offsets, "offsets", fusebox::DType::kInt32),
                    pr = view_as(pair_row, "pair_row", fusebox::DType::kInt32);
   run(index, [&](cudaStream_t s) {
-    // the counts of a sort over many blocks, from the caching allocator (no sync, no memset)
+    // the counts of a sort over many blocks, from the caching allocator (no sync, no memset);
+    // none where one block or one cluster sorts the index on this device
     Tensor workspace;
     TensorView ws;
     const int64_t elements =
-        index.is_cuda() ? fusebox::moe_sort_workspace_size(index.size(0), index.size(1), num_experts) : 0;
+        index.is_cuda() ? fusebox::moe_sort_workspace_size(index.size(0), index.size(1), num_experts, true) : 0;
     if (elements > 0) {
       workspace = at::empty({elements}, opts);
       ws = view_as(workspace, "workspace", fusebox::DType::kInt32);

@@ -86,10 +86,10 @@ void moe_topk(const RouterArgs& a, cudaStream_t stream) {
   cuda::moe_topk_cuda(p, stream);
 }
 
-int64_t moe_sort_workspace_size(int64_t tokens, int64_t top_k, int64_t num_experts) {
+int64_t moe_sort_workspace_size(int64_t tokens, int64_t top_k, int64_t num_experts, bool for_current_device) {
   FUSEBOX_CHECK(tokens >= 0 && top_k >= 0, "tokens and top_k must be non-negative; got ", tokens, " and ", top_k);
   FUSEBOX_CHECK(num_experts >= 1, "num_experts must be at least 1; got ", num_experts);
-  return cuda::moe_sort_workspace_size(tokens, top_k, num_experts);
+  return cuda::moe_sort_workspace_size(tokens, top_k, num_experts, for_current_device);
 }
 
 void moe_sort(const TensorView& index, int64_t num_experts, const TensorView& row_token,

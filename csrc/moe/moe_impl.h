@@ -34,7 +34,7 @@ struct SortPlan {
 namespace cuda {
 void moe_combine_cuda(const CombinePlan& plan, int vec, cudaStream_t stream);
 void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream);
-int64_t moe_sort_workspace_size(int64_t tokens, int64_t top_k, int64_t num_experts);
+int64_t moe_sort_workspace_size(int64_t tokens, int64_t top_k, int64_t num_experts, bool for_current_device);
 void moe_topk_cuda(const TopkPlan& plan, cudaStream_t stream);
 }
 namespace cpu {

@@ -590,11 +590,32 @@ void check_experts(int64_t num_experts) {
                 " bytes of shared memory); got ", num_experts);
 }
 
+// Whether the decode kernels take the index: one block, no tiles.
+bool takes_small_kernel(int64_t pairs, int64_t num_experts) {
+  const int64_t small = std::min<int64_t>(128, tuning_knobs().moe_sort_small.value_or(kSmallPairs));
+  return small > 0 && pairs <= small && num_experts <= kMaxWarps * 32;
+}
+
+// The tiles a sort launches on the current device with `workspace` counts at hand: one cluster
+// where it can (no workspace), else tiles in two launches where the workspace holds their counts,
+// else one block.
+SortTiles launch_tiles(int64_t pairs, int64_t buckets, int64_t workspace) {
+  const SortTiles tiles = sort_tiles(pairs, buckets, std::numeric_limits<int64_t>::max());
+  if (tiles.tiles <= 1) return tiles;
+  const SortTiles cluster = cluster_plan(pairs, buckets, max_cluster_blocks());
+  if (cluster.cluster) return cluster;
+  return tiles.workspace > workspace ? sort_tiles(pairs, buckets, workspace) : tiles;
+}
+
 }  // namespace
 
-int64_t moe_sort_workspace_size(int64_t tokens, int64_t top_k, int64_t num_experts) {
+int64_t moe_sort_workspace_size(int64_t tokens, int64_t top_k, int64_t num_experts, bool for_current_device) {
   check_experts(num_experts);
-  return sort_tiles(tokens * top_k, num_experts + 1, std::numeric_limits<int64_t>::max()).workspace;
+  const int64_t pairs = tokens * top_k, buckets = num_experts + 1;
+  if (!for_current_device) return sort_tiles(pairs, buckets, std::numeric_limits<int64_t>::max()).workspace;
+  if (takes_small_kernel(pairs, num_experts)) return 0;
+  const SortTiles tiles = launch_tiles(pairs, buckets, std::numeric_limits<int64_t>::max());
+  return tiles.cluster ? 0 : tiles.workspace;
 }
 
 void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream) {
@@ -612,8 +633,7 @@ void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream) {
   p.pairs = int(pairs);
   p.top_k = int(std::max<int64_t>(plan.top_k, 1));
   p.num_experts = int(plan.num_experts);
-  const int64_t small = std::min<int64_t>(128, tuning_knobs().moe_sort_small.value_or(kSmallPairs));
-  if (small > 0 && pairs <= small && plan.num_experts <= kMaxWarps * 32) {
+  if (takes_small_kernel(pairs, plan.num_experts)) {
     // 1, 2 or 4 warps of keys, which the block must hold besides a warp per 32 experts
     const int key_warps = pairs <= 32 ? 1 : pairs <= 64 ? 2 : 4;
     const dim3 block(32 * int(std::max<int64_t>(key_warps, (plan.num_experts + 31) / 32)));
@@ -626,17 +646,7 @@ void moe_sort_cuda(const SortPlan& plan, cudaStream_t stream) {
     return;
   }
   const TensorView* ws = plan.workspace;
-  // An index of several tiles takes one cluster where it can (no workspace), else tiles in two
-  // launches where the workspace holds their counts, else one block.
-  SortTiles tiles = sort_tiles(pairs, buckets, std::numeric_limits<int64_t>::max());
-  if (tiles.tiles > 1) {
-    const SortTiles cluster = cluster_plan(pairs, buckets, max_cluster_blocks());
-    const int64_t workspace = ws != nullptr && ws->defined() ? ws->shape[0] : 0;
-    if (cluster.cluster)
-      tiles = cluster;
-    else if (tiles.workspace > workspace)
-      tiles = sort_tiles(pairs, buckets, workspace);
-  }
+  const SortTiles tiles = launch_tiles(pairs, buckets, ws != nullptr && ws->defined() ? ws->shape[0] : 0);
   p.tile_counts = tiles.tiles > 1 && !tiles.cluster ? static_cast<int*>(ws->data) : nullptr;
   p.tile_pairs = tiles.tile_pairs;
   p.chunk = tiles.chunk;

@@ -278,8 +278,8 @@ TEST_F(CudaVsCpu, MoeTopkMatchesCpu) {
 // The sort's outputs are integers: equal to the CPU's element for element. Sizes from one pair to
 // several rounds of every warp and tens of tiles, experts from one to enough that fewer warps fit
 // the counts, index int32 and int64, row-major and column-major, outputs poisoned (-1 in every
-// element), over many blocks (int64 index, given the workspace, itself poisoned) and in one block
-// (int32 index, none).
+// element), over many blocks (int64 index, given the workspace, itself poisoned: the size for any
+// device, or for this one, which is never more) and in one block or cluster (int32 index, none).
 TEST_F(CudaVsCpu, MoeSortMatchesCpu) {
   for (int64_t num_experts : {1, 8, 64, 257, 3001})
     for (int64_t tokens : {1, 333, 4099})
@@ -298,8 +298,10 @@ TEST_F(CudaVsCpu, MoeSortMatchesCpu) {
           HostTensor got_row_token = row_token, got_offsets = offsets, got_pair_row = pair_row;
           for (HostTensor* t : {&got_row_token, &got_offsets, &got_pair_row}) t->view.data = t->storage.data();
           DeviceMirror dindex(index), drow_token(got_row_token), doffsets(got_offsets), dpair_row(got_pair_row);
-          const int64_t workspace_size =
-              idx == DType::kInt64 ? fusebox::moe_sort_workspace_size(tokens, top_k, num_experts) : 0;
+          const int64_t any_device = fusebox::moe_sort_workspace_size(tokens, top_k, num_experts),
+                        this_device = fusebox::moe_sort_workspace_size(tokens, top_k, num_experts, true);
+          EXPECT_LE(this_device, any_device) << tokens << " x " << top_k << " of " << num_experts;
+          const int64_t workspace_size = idx == DType::kInt32 ? 0 : top_k == 8 ? any_device : this_device;
           HostTensor workspace(DType::kInt32, {std::max<int64_t>(workspace_size, 1)});
           DeviceMirror dworkspace(workspace);
           for (DeviceMirror* d : {&drow_token, &doffsets, &dpair_row, &dworkspace})
@@ -317,6 +319,25 @@ TEST_F(CudaVsCpu, MoeSortMatchesCpu) {
           for (int64_t e = 0; e < num_experts; ++e) differ += got_offsets.at(e) != offsets.at(e);
           EXPECT_EQ(differ, 0) << what;
         }
+}
+
+// On sm_90+ an index of up to 2048 pairs (4096 where clusters of 16 fit) takes one cluster and
+// reads no workspace, which the PyTorch operator then does not allocate; before sm_90 this device
+// needs the size for any device.
+TEST_F(CudaVsCpu, MoeSortWorkspaceForThisDevice) {
+  int major = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0), cudaSuccess);
+  struct Case {
+    int64_t tokens, top_k, experts;
+  };
+  for (const Case c : {Case{1024, 2, 8}, Case{1000, 2, 64}, Case{256, 8, 256}}) {
+    const int64_t any_device = fusebox::moe_sort_workspace_size(c.tokens, c.top_k, c.experts);
+    EXPECT_GT(any_device, 0) << c.tokens << " x " << c.top_k;
+    EXPECT_EQ(fusebox::moe_sort_workspace_size(c.tokens, c.top_k, c.experts, true), major >= 9 ? 0 : any_device)
+        << c.tokens << " x " << c.top_k << " of " << c.experts << " on sm_" << major << "x";
+  }
+  // past one cluster's pairs the tiles' counts are needed everywhere
+  EXPECT_EQ(fusebox::moe_sort_workspace_size(8192, 8, 256, true), fusebox::moe_sort_workspace_size(8192, 8, 256));
 }
 
 // CUDA cannot raise on an index outside the rows without a host sync: that token's row turns

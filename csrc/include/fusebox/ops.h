@@ -185,8 +185,10 @@ void moe_sort(const TensorView& index, int64_t num_experts, const TensorView& ro
               const TensorView& offsets, const TensorView& pair_row, cudaStream_t stream = nullptr,
               const TensorView& workspace = TensorView{});
 
-// The int32 elements of the workspace that lets moe_sort spread over many blocks (0 where one
-// block sorts an index of this size).
-int64_t moe_sort_workspace_size(int64_t tokens, int64_t top_k, int64_t num_experts);
+// The int32 elements of the workspace that lets moe_sort spread over many blocks. By default
+// enough on any device, without a CUDA call (0 where one block sorts an index of this size);
+// for_current_device: what moe_sort reads on the current CUDA device, also 0 where one cluster
+// sorts the index (sm_90+, up to 4096 pairs), never more than the default.
+int64_t moe_sort_workspace_size(int64_t tokens, int64_t top_k, int64_t num_experts, bool for_current_device = false);
 
 }  // namespace fusebox
