@@ -275,6 +275,23 @@ def test_moe_sort_wide_tiles(device, gen, tokens, top_k, num_experts, skew):
     check_sort(call(fusebox.moe_sort, index, num_experts), index, num_experts)
 
 
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens, top_k, num_experts", [(1024, 2, 8), (256, 8, 256), (8192, 8, 256)])
+def test_moe_sort_allocates_only_a_workspace_it_reads(gen, tokens, top_k, num_experts):
+    """The operator takes its three outputs from the caching allocator, and a fourth tensor for
+    the tiles' counts only where this GPU reads one: not where one cluster sorts the index
+    (sm_90+, up to 2048 pairs on every such GPU), always past 4096 pairs."""
+    index = expert_index(gen, tokens, top_k, num_experts).cuda()
+    fusebox.moe_sort(index, num_experts)  # the first call loads the library and plans
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    got = fusebox.moe_sort(index, num_experts)
+    allocated = torch.cuda.memory_stats()["allocation.all.allocated"] - before
+    one_cluster = torch.cuda.get_device_capability()[0] >= 9 and tokens * top_k <= 2048
+    assert allocated == (3 if one_cluster else 4), (allocated, torch.cuda.get_device_name())
+    check_sort(got, index, num_experts)
+
+
 def test_moe_sort_empty(device):
     for tokens, top_k in ((0, 2), (3, 0)):
         index = torch.zeros((tokens, top_k), dtype=torch.int64, device=device)
