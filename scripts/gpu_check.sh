@@ -109,10 +109,17 @@ for stage in "${stages[@]}"; do
       t0=$(date +%s)
       # GPU_TEST_SHARDS processes share the GPU side by side, each every n-th test
       # (tests/python/conftest.py); their counts are summed.
+      # Each shard gets its share of the CPU cores for torch's CPU threads and compiles in its own
+      # process: n processes that each take every core (and inductor's pool of as many compile
+      # workers) mostly wait on one another. Phases of a second or more go to slow.<i>.txt.
       shards="${GPU_TEST_SHARDS:-1}"; pids=()
+      shard_threads=$(( $(nproc) / shards )); [ "$shard_threads" -lt 1 ] && shard_threads=1
       for ((i = 0; i < shards; i++)); do
+        if [ "$shards" -gt 1 ]; then shard_env=(OMP_NUM_THREADS=$shard_threads TORCHINDUCTOR_COMPILE_THREADS=1)
+        else shard_env=(); fi
         # shellcheck disable=SC2086
-        FUSEBOX_TEST_SHARD="$i/$shards" bounded "$py" -m pytest ${PYTEST_PATHS:-tests/python} -q -p no:cacheprovider \
+        bounded env "${shard_env[@]}" FUSEBOX_TEST_SHARD="$i/$shards" FUSEBOX_SLOW_TEST_LOG="$out/slow.$i.txt" \
+          "$py" -m pytest ${PYTEST_PATHS:-tests/python} -q -p no:cacheprovider \
           --maxfail=40 -rf --junitxml="$out/pytest.$i.xml" >"$out/pytest.$i.log" 2>&1 &
         pids+=($!)
       done

@@ -52,6 +52,16 @@ def pytest_collection_modifyitems(config, items):
         items[:] = kept
 
 
+def pytest_runtest_logreport(report):
+    """``FUSEBOX_SLOW_TEST_LOG=path``: each test phase of a second or more is appended to that file
+    as it ends (duration, phase, test id), so a run cut off by a time limit still shows where its
+    time went (``--durations`` reports only at the end of a session)."""
+    path = os.environ.get("FUSEBOX_SLOW_TEST_LOG")
+    if path and report.duration >= 1.0:
+        with open(path, "a") as log:
+            log.write(f"{report.duration:8.2f} s  {report.when:8}  {report.nodeid}\n")
+
+
 @pytest.fixture(params=DEVICES)
 def device(request):
     return request.param
