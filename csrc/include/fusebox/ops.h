@@ -188,7 +188,8 @@ void moe_sort(const TensorView& index, int64_t num_experts, const TensorView& ro
 // The int32 elements of the workspace that lets moe_sort spread over many blocks. By default
 // enough on any device, without a CUDA call (0 where one block sorts an index of this size);
 // for_current_device: what moe_sort reads on the current CUDA device, also 0 where one cluster
-// sorts the index (sm_90+, up to 4096 pairs), never more than the default.
+// sorts the index (sm_90+: up to 2048 pairs, 4096 where clusters of 16 fit, as on H100 and
+// H200), never more than the default.
 int64_t moe_sort_workspace_size(int64_t tokens, int64_t top_k, int64_t num_experts, bool for_current_device = false);
 
 }  // namespace fusebox
