@@ -54,21 +54,23 @@ __global__ void __launch_bounds__(kThreads) copy_strided(const uint4* __restrict
 }
 
 // A bf16 row of blockDim.x * V vectors normalized in place (RMS, no weight): square-sum, warp
-// sums into `partial` (a float a warp), one barrier, the block's sum, scale.
+// sums into `partial` (a float a warp), one barrier, the block's sum, scale. The library's pack
+// conversions and lane sums; the vectors stay uint4 so the loads and stores are plain copies'.
 template <int V>
 __device__ __forceinline__ void rms_normalize(uint4 (&r)[V], float* partial, float eps) {
+  using Bf16x8 = fusebox::cuda::Pack<__nv_bfloat16, 8>;
+  static_assert(sizeof(Bf16x8) == sizeof(uint4), "a vector is 8 bf16");
+  float x[V][8];
   float ss = 0.f;
 #pragma unroll
   for (int i = 0; i < V; ++i) {
-    const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&r[i]);
+    Bf16x8 v;
+    memcpy(&v, &r[i], sizeof(v));
+    fusebox::cuda::unpack(v, x[i]);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __bfloat1622float2(h[j]);
-      ss += f.x * f.x + f.y * f.y;
-    }
+    for (int j = 0; j < 8; ++j) ss += x[i][j] * x[i][j];
   }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+  ss = fusebox::cuda::lane_group_sum(ss, 32);
   if (threadIdx.x % 32 == 0) partial[threadIdx.x / 32] = ss;
   __syncthreads();
   float total = 0.f;
@@ -76,12 +78,10 @@ __device__ __forceinline__ void rms_normalize(uint4 (&r)[V], float* partial, flo
   const float scale = rsqrtf(total / float(blockDim.x * V * 8) + eps);
 #pragma unroll
   for (int i = 0; i < V; ++i) {
-    __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&r[i]);
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 f = __bfloat1622float2(h[j]);
-      h[j] = __floats2bfloat162_rn(f.x * scale, f.y * scale);
-    }
+    for (int j = 0; j < 8; ++j) x[i][j] *= scale;
+    const Bf16x8 v = fusebox::cuda::pack<__nv_bfloat16, 8>(x[i]);
+    memcpy(&r[i], &v, sizeof(v));
   }
 }
 
@@ -100,7 +100,9 @@ __global__ void __launch_bounds__(512) rms_rows(const uint4* __restrict__ src, u
 
 // The same row norm with the next row's loads in flight while this row is summed and written:
 // a resident grid, each block's rows a grid apart, every row copied by cp.async into one of two
-// shared-memory stages (a thread's own slots, so only the block sum needs a barrier).
+// shared-memory stages (a thread's own slots, so only the block sum needs a barrier). Its own
+// cp.async wrappers: two stages need commit groups and a wait for all but the newest, where the
+// library's async_copy_pack / async_copy_wait wait for everything; .cg keeps the rows out of L1.
 __device__ __forceinline__ void cp_async16(uint4* smem, const uint4* gmem) {
   const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem));
