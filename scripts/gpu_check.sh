@@ -108,10 +108,10 @@ for stage in "${stages[@]}"; do
       fi
       t0=$(date +%s)
       # GPU_TEST_SHARDS processes share the GPU side by side, each every n-th test
-      # (tests/python/conftest.py); their counts are summed.
-      # Each shard gets its share of the CPU cores for torch's CPU threads and compiles in its own
-      # process: n processes that each take every core (and inductor's pool of as many compile
-      # workers) mostly wait on one another. Phases of a second or more go to slow.<i>.txt.
+      # (tests/python/conftest.py), their counts summed. Each gets its share of the CPU cores for
+      # torch's threads and compiles in-process: n processes that each take every core (and
+      # inductor's pool of as many compile workers) mostly wait on one another. Test phases of a
+      # second or more go to slow.<i>.txt.
       shards="${GPU_TEST_SHARDS:-1}"; pids=()
       shard_threads=$(( $(nproc) / shards )); [ "$shard_threads" -lt 1 ] && shard_threads=1
       for ((i = 0; i < shards; i++)); do
